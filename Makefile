@@ -1,0 +1,30 @@
+# Two entry points for users: `make demo` and `make test`. Both create .venv if missing and install.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install bench clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(VPY) pyproject.toml
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) examples/demo.py
+
+test: $(STAMP)
+	$(VPY) -m pytest -q tests
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do $(VPY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

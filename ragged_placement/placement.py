@@ -1,0 +1,197 @@
+"""The ``RaggedShard`` placement and its geometry.
+
+``RaggedShard(dims, local_units)`` flattens the leading ``dims`` of a tensor into a prefix of
+``L = prod(shape[d] for d in dims)`` "rows" (each row is the trailing ``shape[len(dims):]``) and
+gives rank ``i`` of the mesh dimension one contiguous run of ``local_units[i] * (L // sum(units))``
+rows, in rank order. Ranks may hold nothing.
+
+The local tensor of a rank has shape ``(run_rows, *shape[len(dims):])``: for ``dims=(0,)`` that is
+exactly ``full[start:end]``; for longer prefixes it is the flattened run (a view of the contiguous
+global tensor, which is how a flat FSDP buffer holds it).
+
+This module holds only the placement type and pure shape arithmetic (no communication), so the
+planner and the optimizers can reason about layouts without a process group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import Placement
+
+__all__ = ["RaggedShard"]
+
+
+def _as_int_tuple(name: str, value: object) -> tuple[int, ...]:
+    if isinstance(value, int):
+        value = (value,)
+    try:
+        out = tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of ints, got {value!r}") from None
+    for v in out:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name} must contain only ints, got {value!r}")
+    return out
+
+
+class RaggedShard(Placement):
+    """Shard the flattened leading ``dims`` of a tensor in uneven, contiguous runs.
+
+    Args:
+        dims: a prefix of the tensor's dims, ``(0,)``, ``(0, 1)``, ... They are flattened into
+            ``L`` rows.
+        local_units: one non-negative int per rank of the mesh dimension, at least one positive.
+            ``L`` must be divisible by ``sum(local_units)``; rank ``i`` holds
+            ``local_units[i] * L // sum(local_units)`` rows, contiguous, in rank order.
+
+    Examples: ``RaggedShard((0,), (1, 2, 1, 0))`` on an ``[8, h]`` tensor gives ranks 2, 4, 2 and
+    0 rows; equal units express ``Shard(0)`` when divisible; all units on one rank put the whole
+    tensor there; ``dims`` = all dims gives FSDP1's element-wise flat shard.
+
+    The placement is immutable and hashable on ``(dims, local_units)``. Like torch's
+    ``_StridedShard``, it answers ``False`` to ``is_shard()``, ``is_replicate()`` and
+    ``is_partial()``: code that handles it recognizes it explicitly.
+    """
+
+    __slots__ = ("dims", "local_units")
+    dims: tuple[int, ...]
+    local_units: tuple[int, ...]
+
+    def __init__(self, dims: Sequence[int] | int, local_units: Sequence[int]) -> None:
+        super().__init__()
+        dims_t = _as_int_tuple("dims", dims)
+        units_t = _as_int_tuple("local_units", local_units)
+        if not dims_t or dims_t != tuple(range(len(dims_t))):
+            raise ValueError(
+                f"dims must be a non-empty prefix of the tensor dims (0,), (0, 1), ..., got {dims_t}"
+            )
+        if not units_t:
+            raise ValueError("local_units must have one entry per rank of the mesh dim, got ()")
+        if any(u < 0 for u in units_t):
+            raise ValueError(f"local_units must be non-negative, got {units_t}")
+        if sum(units_t) == 0:
+            raise ValueError(f"local_units must have at least one positive entry, got {units_t}")
+        object.__setattr__(self, "dims", dims_t)
+        object.__setattr__(self, "local_units", units_t)
+
+    # -- value semantics -------------------------------------------------------------------
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"RaggedShard is immutable (tried to set {name!r})")
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, RaggedShard)
+            and self.dims == other.dims
+            and self.local_units == other.local_units
+        )
+
+    def __hash__(self) -> int:
+        return hash(("RaggedShard", self.dims, self.local_units))
+
+    def __repr__(self) -> str:
+        return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"
+
+    def __str__(self) -> str:
+        return f"RS({','.join(map(str, self.dims))};{','.join(map(str, self.local_units))})"
+
+    def __reduce__(self):
+        return (RaggedShard, (self.dims, self.local_units))
+
+    def __fx_repr__(self):
+        return (f"RaggedShard(dims={self.dims}, local_units={self.local_units})", {"RaggedShard": RaggedShard})
+
+    def __copy__(self) -> RaggedShard:
+        return self
+
+    def __deepcopy__(self, memo) -> RaggedShard:
+        return self
+
+    def is_shard(self, dim: int | None = None) -> bool:  # noqa: D102
+        return False
+
+    def is_replicate(self) -> bool:  # noqa: D102
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:  # noqa: D102
+        return False
+
+    # -- geometry ----------------------------------------------------------------------------
+    @property
+    def num_ranks(self) -> int:
+        return len(self.local_units)
+
+    def check_mesh_size(self, mesh_dim_size: int, *, mesh_dim: int | None = None) -> None:
+        """Raise ``ValueError`` unless there is one unit per rank of the mesh dim."""
+        if mesh_dim_size != len(self.local_units):
+            where = "" if mesh_dim is None else f" (mesh dim {mesh_dim})"
+            raise ValueError(
+                f"local_units has {len(self.local_units)} entries but the mesh dim{where} has "
+                f"{mesh_dim_size} ranks: {self!r}"
+            )
+
+    def prefix_rows(self, shape: Sequence[int]) -> int:
+        """``L``: the number of rows of the flattened prefix of ``shape``."""
+        if len(shape) < len(self.dims):
+            raise ValueError(
+                f"dims={self.dims} needs a tensor of at least {len(self.dims)} dims, got shape "
+                f"{tuple(shape)}"
+            )
+        return math.prod(int(shape[d]) for d in self.dims)
+
+    def row_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of one row: the dims after the flattened prefix."""
+        return tuple(int(s) for s in shape[len(self.dims):])
+
+    def unit_rows(self, shape: Sequence[int]) -> int:
+        """Rows per unit; raises ``ValueError`` if ``L`` is not divisible by ``sum(units)``."""
+        rows = self.prefix_rows(shape)
+        total = sum(self.local_units)
+        if rows % total:
+            raise ValueError(
+                f"the flattened prefix of shape {tuple(shape)} over dims={self.dims} has {rows} rows, "
+                f"not divisible by sum(local_units)={total} ({self!r})"
+            )
+        return rows // total
+
+    def row_ranges(self, shape: Sequence[int]) -> list[tuple[int, int]]:
+        """``[start, end)`` prefix-row ranges of every rank, in rank order."""
+        unit = self.unit_rows(shape)
+        out, start = [], 0
+        for u in self.local_units:
+            out.append((start, start + u * unit))
+            start += u * unit
+        return out
+
+    def local_row_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
+        """``[start, end)`` prefix rows held by ``rank``."""
+        return self.row_ranges(shape)[rank]
+
+    def local_shape(self, shape: Sequence[int], rank: int) -> tuple[int, ...]:
+        """Shape of the local tensor of ``rank``: ``(run_rows, *row_shape)``."""
+        start, end = self.local_row_range(shape, rank)
+        return (end - start, *self.row_shape(shape))
+
+    def shard_local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """The local run of ``rank`` as a view of a full (contiguous-prefix) ``tensor``."""
+        start, end = self.local_row_range(tensor.shape, rank)
+        return self.flatten_prefix(tensor)[start:end]
+
+    def flatten_prefix(self, tensor: torch.Tensor) -> torch.Tensor:
+        """View ``tensor`` as ``(L, *row_shape)`` (a reshape when the prefix is not viewable)."""
+        if len(self.dims) == 1:
+            return tensor
+        return tensor.reshape(self.prefix_rows(tensor.shape), *self.row_shape(tensor.shape))
+
+    def unflatten_prefix(self, flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """Inverse of :meth:`flatten_prefix` for a full set of rows."""
+        if len(self.dims) == 1:
+            return flat
+        return flat.reshape(tuple(shape))
+
+
+def ragged_placements(placements: Sequence[Placement]) -> list[tuple[int, RaggedShard]]:
+    """``(mesh_dim, placement)`` for every RaggedShard in ``placements``."""
+    return [(i, p) for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
