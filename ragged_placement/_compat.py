@@ -1,0 +1,31 @@
+"""Differences between the torch versions we support (2.11 and 2.13), in one place.
+
+torch 2.13 renames ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
+``all_gather_single`` / ``reduce_scatter_single`` and deprecates the old names; 2.11 has only
+the old ones. Everything in this package calls the wrappers below.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_single", "reduce_scatter_single", "TORCH_VERSION", "SUPPORTED_TORCH"]
+
+TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
+SUPPORTED_TORCH = ((2, 11), (2, 13))
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Gather equal-sized ``input`` from every rank of ``group`` into ``output`` (rank order)."""
+    return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(
+    output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False
+):
+    """Reduce ``input`` over ``group`` and keep this rank's equal chunk in ``output``."""
+    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
