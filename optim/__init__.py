@@ -1,0 +1,1 @@
+"""Optimizers on RaggedShard DTensors (placeholder until they land)."""

@@ -1,0 +1,1 @@
+"""Structure-aware planner (placeholder until the planner lands)."""
