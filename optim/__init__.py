@@ -1,1 +1,20 @@
-"""Optimizers on RaggedShard DTensors (placeholder until they land)."""
+"""Optimizers that step directly on RaggedShard / Shard(0) / Replicate DTensors and plain tensors.
+
+* :class:`Muon`: momentum + Newton-Schulz orthogonalization per matrix, owners balanced by NS
+  FLOPs, one batched all-to-all each way per step (none when matrices are whole on a rank);
+  AdamW for ``{"algorithm": "adamw"}`` groups.
+* :class:`Shampoo`: block-diagonal Shampoo with grafting; no communication when the placement
+  cuts on preconditioner-block rows, otherwise row blocks are gathered to owners like Muon.
+"""
+
+from ragged_placement.optim.muon import Muon, MuonStepInfo, adjusted_lr
+from ragged_placement.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, newton_schulz, newton_schulz_flops
+
+__all__ = [
+    "DEFAULT_NS_COEFFICIENTS",
+    "Muon",
+    "MuonStepInfo",
+    "adjusted_lr",
+    "newton_schulz",
+    "newton_schulz_flops",
+]

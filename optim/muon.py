@@ -1,0 +1,311 @@
+"""Muon on RaggedShard / Shard(0) / Replicate DTensors and plain tensors.
+
+The update of one matrix ``W`` with gradient ``G`` (Keller Jordan's Muon, in the same form as
+``torch.optim.Muon``)::
+
+    B <- lerp(B, G, 1 - momentum)                    # momentum buffer, local (sharded) state
+    U <- lerp(G, B, momentum) if nesterov else B
+    O <- NewtonSchulz(U)                              # bf16, 5 quintic steps, see newton_schulz.py
+    W <- W * (1 - lr * weight_decay) - adjusted_lr * O
+
+``adjust_lr``: ``"original"`` scales ``lr`` by ``sqrt(max(1, rows / cols))`` (Keller Jordan);
+``"match_rms_adamw"`` by ``0.2 * sqrt(max(rows, cols))`` (Moonlight, so AdamW's lr and weight
+decay carry over). The names are ``torch.optim.Muon``'s ``adjust_lr_fn`` values.
+
+Parameters of a group with ``"algorithm": "adamw"`` get ``torch.optim.AdamW``'s update instead
+(keys ``lr``, ``betas``, ``adamw_eps``, ``weight_decay``): embeddings, norms, biases, heads.
+
+Distribution. Everything before and after ``NewtonSchulz`` is elementwise and runs on local
+shards. Each matrix (3-D parameters: each matrix of the stack) has an owner rank; the owner is the
+rank that holds all of it when one does, otherwise it is chosen by greedy LPT over the NS FLOPs.
+Per step, one ``all_to_all_single`` sends every rank's bf16 pieces of every matrix to its owner
+(NS runs in bf16 on the bf16 cast of ``U``, so bf16 on the wire is exact), owners orthogonalize,
+and one ``all_to_all_single`` returns the pieces, asynchronously, while the AdamW parameters are
+updated. Matrices whole on their owner are orthogonalized while the first collective is in flight.
+When every matrix is whole on some rank no collective is issued at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ragged_placement.optim._adamw import adamw_update
+from ragged_placement.optim._sharding import Exchange, Item, Layout, assign_owners, layout_of, local_flat
+from ragged_placement.optim._state import ShardedStateOptimizer, check_non_negative, check_unit_interval
+from ragged_placement.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, newton_schulz, newton_schulz_flops
+
+__all__ = ["Muon", "MuonStepInfo", "adjusted_lr"]
+
+ADJUST_LR = ("original", "match_rms_adamw")
+ALGORITHMS = ("muon", "adamw")
+
+
+def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
+    """``lr`` scaled for a ``rows x cols`` matrix (see the module docstring)."""
+    if adjust_lr == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
+
+
+@dataclass
+class MuonStepInfo:
+    """What the last :meth:`Muon.step` did (machine-independent counts).
+
+    ``bytes_sent``: bytes this rank put on the wire in its all-to-alls (both directions).
+    ``all_to_all_calls``: collectives this rank issued. ``flops_per_rank``: NS FLOPs assigned to
+    each rank of the (last) process group by the owner plan; ``flops_local``: NS FLOPs of whole
+    (plain / replicated) matrices, which every rank computes itself.
+    """
+
+    bytes_sent: int = 0
+    all_to_all_calls: int = 0
+    flops_per_rank: list[float] = field(default_factory=list)
+    flops_local: float = 0.0
+
+    @property
+    def flops_imbalance(self) -> float:
+        """max / mean of :attr:`flops_per_rank` (1.0 is perfect)."""
+        if not self.flops_per_rank or max(self.flops_per_rank) == 0:
+            return 1.0
+        return max(self.flops_per_rank) / (sum(self.flops_per_rank) / len(self.flops_per_rank))
+
+
+class _Plan:
+    """Owners and exchange for one process group (cached while the layouts stay the same)."""
+
+    def __init__(self, layouts: list[Layout], items: list[Item], device: torch.device) -> None:
+        self.owners, self.loads = assign_owners(items, layouts)
+        first = layouts[0]
+        self.exchange = Exchange(items, self.owners, layouts, first.group, first.rank, torch.bfloat16, device)
+
+
+class Muon(ShardedStateOptimizer):
+    """Muon with AdamW param groups, stepping directly on sharded DTensors.
+
+    Args:
+        params: tensors or param groups. A group with ``"algorithm": "adamw"`` is updated by
+            AdamW; other groups must hold 2-D matrices or 3-D stacks of matrices.
+        lr: learning rate (Muon groups: before ``adjust_lr``).
+        momentum: momentum in [0, 1).
+        nesterov: use Nesterov momentum.
+        ns_steps: Newton-Schulz iterations.
+        ns_coefficients: quintic coefficients ``(a, b, c)``.
+        eps: added to the Frobenius norm before NS.
+        weight_decay: decoupled weight decay (``W *= 1 - lr * weight_decay``), both algorithms.
+        adjust_lr: ``"original"`` or ``"match_rms_adamw"``.
+        betas: AdamW betas (adamw groups).
+        adamw_eps: AdamW epsilon (adamw groups).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        weight_decay: float = 0.0,
+        adjust_lr: str = "original",
+        betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+    ) -> None:
+        defaults = dict(
+            algorithm="muon",
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            eps=eps,
+            weight_decay=weight_decay,
+            adjust_lr=adjust_lr,
+            betas=tuple(betas),
+            adamw_eps=adamw_eps,
+        )
+        self._plans: dict[tuple, _Plan] = {}
+        self.last_step_info = MuonStepInfo()
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after checking its hyper-parameters and parameter shapes."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["algorithm"] not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {group['algorithm']!r}")
+        check_non_negative("lr", group["lr"])
+        check_non_negative("weight_decay", group["weight_decay"])
+        if group["algorithm"] == "adamw":
+            betas = group["betas"]
+            if len(betas) != 2:
+                raise ValueError(f"betas must be a pair, got {betas!r}")
+            check_unit_interval("betas[0]", betas[0])
+            check_unit_interval("betas[1]", betas[1])
+            check_non_negative("adamw_eps", group["adamw_eps"])
+            return
+        check_unit_interval("momentum", group["momentum"])
+        check_non_negative("eps", group["eps"])
+        if isinstance(group["ns_steps"], bool) or not isinstance(group["ns_steps"], int) or group["ns_steps"] < 1:
+            raise ValueError(f"ns_steps must be a positive int, got {group['ns_steps']!r}")
+        if len(group["ns_coefficients"]) != 3:
+            raise ValueError(f"ns_coefficients must be three floats (a, b, c), got {group['ns_coefficients']!r}")
+        if group["adjust_lr"] not in ADJUST_LR:
+            raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {group['adjust_lr']!r}")
+        for i, p in enumerate(group["params"]):
+            if p.ndim not in (2, 3):
+                hint = (
+                    "put vectors and scalars in a param group with 'algorithm': 'adamw'"
+                    if p.ndim < 2
+                    else "reshape it to a matrix or a 3-D stack of matrices, or use an 'adamw' group"
+                )
+                raise ValueError(
+                    f"params[{i}] has shape {tuple(p.shape)}: Muon orthogonalizes 2-D matrices and "
+                    f"3-D stacks of matrices; {hint}"
+                )
+
+    def _plan(self, layouts: list[Layout], items: list[Item], params: list[torch.Tensor]) -> _Plan:
+        key = tuple((id(p), layout) for p, layout in zip(params, layouts))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _Plan(layouts, items, local_flat(params[0]).device)
+        return plan
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer.step
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        info = MuonStepInfo()
+        entries: list[tuple[torch.Tensor, dict[str, Any]]] = [
+            (p, g) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"] if p.grad is not None
+        ]
+        # 1. momentum, locally; U in bf16 (what NS consumes) is what travels.
+        updates = [self._momentum(p, g) for p, g in entries]
+
+        # 2. split matrices into the whole ones (every rank computes) and per-group exchanges.
+        by_group: dict[Any, list[int]] = {}
+        whole: list[int] = []
+        layouts = [layout_of(p) for p, _ in entries]
+        for i, layout in enumerate(layouts):
+            (whole if layout.group is None else by_group.setdefault(layout.group, [])).append(i)
+        exchanges = []
+        for idx in by_group.values():
+            sub_layouts = [layouts[i] for i in idx]
+            items = [
+                Item(j, b * m * n, (m, n), newton_schulz_flops(m, n, entries[i][1]["ns_steps"]))
+                for j, i in enumerate(idx)
+                for m, n in [layouts[i].shape[-2:]]
+                for b in range(math.prod(layouts[i].shape[:-2]))
+            ]
+            plan = self._plan(sub_layouts, items, [entries[i][0] for i in idx])
+            flats = [updates[i] for i in idx]
+            pending = plan.exchange.start_gather(flats)
+            info.all_to_all_calls += pending.work is not None
+            info.bytes_sent += sum(plan.exchange.send_splits) * 2
+            info.flops_per_rank = plan.loads
+            exchanges.append((idx, plan.exchange, flats, pending))
+
+        # 3. while the gathers fly: NS of whole parameters and of matrices already on their owner.
+        whole_out = {i: self._orthogonalize({0: updates[i].view(layouts[i].shape)}, entries[i][1])[0] for i in whole}
+        info.flops_local = sum(
+            newton_schulz_flops(*layouts[i].shape[-2:], entries[i][1]["ns_steps"]) * math.prod(layouts[i].shape[:-2])
+            for i in whole
+        )
+        results: list[dict[int, torch.Tensor]] = []
+        for idx, ex, flats, _ in exchanges:
+            results.append(self._orthogonalize_items(ex, ex.local_owned, flats, None, entries, idx))
+
+        # 4. the rest once their pieces are here; 5. send results back asynchronously.
+        returns = []
+        for (idx, ex, flats, pending), res in zip(exchanges, results):
+            recv = pending.wait()
+            res.update(self._orthogonalize_items(ex, sorted(ex.remote_owned), flats, recv, entries, idx))
+            back = ex.start_scatter(res)
+            info.all_to_all_calls += back.work is not None
+            info.bytes_sent += sum(ex.recv_splits) * 2
+            returns.append(back)
+
+        # 6. meanwhile: weight decay, whole parameters, AdamW groups.
+        for p, g in entries:
+            if g["weight_decay"]:
+                local_flat(p).mul_(1 - g["lr"] * g["weight_decay"])
+        for i in whole:
+            self._apply(entries[i], whole_out[i])
+        for g in self.param_groups:
+            if g["algorithm"] == "adamw":
+                for p in g["params"]:
+                    if p.grad is not None:
+                        adamw_update(
+                            local_flat(p), local_flat(p.grad), self.state[p], lr=g["lr"], betas=g["betas"],
+                            eps=g["adamw_eps"], weight_decay=g["weight_decay"],
+                        )
+
+        # 7. land the returned pieces.
+        for (idx, ex, flats, _), res, back in zip(exchanges, results, returns):
+            outs = [torch.empty_like(f) for f in flats]
+            ex.finish_scatter(back, res, outs)
+            for j, i in enumerate(idx):
+                self._apply(entries[i], outs[j])
+        self.last_step_info = info
+        return loss
+
+    def _momentum(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        grad = local_flat(p.grad)
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+        buf = state["momentum_buffer"].view(-1)
+        m = group["momentum"]
+        buf.lerp_(grad, 1 - m)
+        update = grad.lerp(buf, m) if group["nesterov"] else buf
+        return update.to(torch.bfloat16)
+
+    @staticmethod
+    def _orthogonalize(mats: dict[int, torch.Tensor], group: dict[str, Any]) -> dict[int, torch.Tensor]:
+        """NS of every matrix (or stack) in ``mats``; equal shapes run as one batch."""
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for k, x in mats.items():
+            by_shape.setdefault(tuple(x.shape), []).append(k)
+        out = {}
+        for keys in by_shape.values():
+            batch = torch.stack([mats[k] for k in keys]) if len(keys) > 1 else mats[keys[0]].unsqueeze(0)
+            ortho = newton_schulz(batch, group["ns_steps"], group["ns_coefficients"], group["eps"])
+            out.update(zip(keys, ortho.unbind(0)))
+        return out
+
+    def _orthogonalize_items(
+        self,
+        ex: Exchange,
+        keys: list[int],
+        flats: list[torch.Tensor],
+        recv: torch.Tensor | None,
+        entries: list[tuple[torch.Tensor, dict[str, Any]]],
+        idx: list[int],
+    ) -> dict[int, torch.Tensor]:
+        by_group: dict[int, dict[int, torch.Tensor]] = {}
+        groups: dict[int, dict[str, Any]] = {}
+        for k in keys:
+            group = entries[idx[ex.items[k].param]][1]
+            groups[id(group)] = group
+            by_group.setdefault(id(group), {})[k] = ex.assemble(k, flats, recv)
+        out: dict[int, torch.Tensor] = {}
+        for gid, mats in by_group.items():
+            out.update(self._orthogonalize(mats, groups[gid]))
+        return out
+
+    @staticmethod
+    def _apply(entry: tuple[torch.Tensor, dict[str, Any]], update: torch.Tensor) -> None:
+        p, group = entry
+        rows, cols = p.shape[-2:]
+        lr = adjusted_lr(group["lr"], group["adjust_lr"], rows, cols)
+        local_flat(p).add_(update.reshape(-1), alpha=-lr)
