@@ -1,1 +1,13 @@
-"""placeholder"""
+"""A zero-copy FSDP runtime on RaggedShard DTensors with torch FSDP2's call shape.
+
+``fully_shard(module, mesh=..., mp_policy=...)`` packs a module's parameters into one flat
+buffer per unit (placed by :mod:`ragged_placement.planner`), all-gathers and reduce-scatters
+each unit with one collective, and exposes sharded parameters and gradients as RaggedShard
+DTensors, so stock torch optimizers, ``clip_grad_norm_`` and ``torch.distributed.checkpoint``
+work on them.
+"""
+
+from ragged_placement.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard
+from ragged_placement.fsdp.unit import CommStats, FSDPUnit
+
+__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "FSDPUnit", "CommStats"]

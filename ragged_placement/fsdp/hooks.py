@@ -1,0 +1,200 @@
+"""Forward/backward hooks of FSDP units and the per-root state that orders them.
+
+Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs first):
+
+* forward pre-hook: wait for ``u``'s all-gather (issue it if no prefetch did), register the
+  unsharded parameters, prefetch the next unit's all-gather (order recorded in the previous
+  forward), and wrap the floating inputs that require grad in :class:`_PostBackward` so that
+  ``u``'s post-backward runs when autograd has produced the gradients of ``u``'s inputs (by then
+  its parameter gradients are accumulated: AccumulateGrad nodes run first).
+* forward post-hook: reshard (free the unsharded buffer) unless ``reshard_after_forward`` is off
+  or ``u`` is the root (whose parameters backward needs first), and hook the outputs.
+* pre-backward (a hook on ``u``'s outputs): re-gather, preset ``.grad`` views of one flat
+  gradient buffer, prefetch the all-gather of the unit whose backward runs next.
+* post-backward: issue the reduce-scatter (async; the previous unit's is finished first, so at
+  most one is in flight), reshard.
+* the root queues a callback that runs when autograd finishes: post-backward for units whose
+  inputs did not require grad (e.g. the root, fed token ids), then it waits for the last
+  reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ragged_placement.fsdp.unit import FSDPUnit
+
+__all__ = ["FSDPState", "RootContext"]
+
+
+class RootContext:
+    """What the root unit shares with the units below it during one iteration."""
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.states = states  # root first, then the others in module order
+        self.forward_order: list[FSDPState] = []  # non-root units, last forward's order
+        self._recording: list[FSDPState] = []
+        self.pending_reduce: FSDPUnit | None = None
+        self.callback_queued = False
+
+    def finish_pending_reduce(self) -> None:
+        if self.pending_reduce is not None:
+            self.pending_reduce.finish_reduce()
+            self.pending_reduce = None
+
+    def next_in_forward(self, state: FSDPState) -> FSDPState | None:
+        if state.is_root:
+            return self.forward_order[0] if self.forward_order else None
+        order = self.forward_order
+        if state in order:
+            i = order.index(state)
+            return order[i + 1] if i + 1 < len(order) else None
+        return None
+
+    def next_in_backward(self, state: FSDPState) -> FSDPState | None:
+        order = self.forward_order
+        if state.is_root:
+            return order[-1] if order else None
+        if state in order:
+            i = order.index(state)
+            return order[i - 1] if i > 0 else None
+        return None
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward triggers the unit's post-backward."""
+
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+def _map_float_tensors(fn, tree: Any) -> Any:
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([fn(x) if torch.is_tensor(x) and x.is_floating_point() else x for x in leaves], spec)
+
+
+class FSDPState:
+    """The hooks and flags of one ``fully_shard`` call."""
+
+    def __init__(self, module: nn.Module, unit: FSDPUnit, reshard_after_forward: bool, mp_policy) -> None:
+        self.module = module
+        self.unit = unit
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.requires_gradient_sync = True
+        self.root: RootContext | None = None
+        self.is_root = False
+        self._needs_post_backward = False
+        self._backward_started = False
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward, prepend=False)
+
+    # -- lazy root init ----------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        states = [self] + [
+            m._fsdp_state for m in self.module.modules()
+            if m is not self.module and getattr(m, "_fsdp_state", None) is not None
+        ]
+        ctx = RootContext(states)
+        for s in states:
+            s.root = ctx
+            s.is_root = s is self
+
+    # -- forward -------------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.root is None:
+            self._lazy_init()
+        ctx = self.root
+        if self.is_root:
+            ctx.finish_pending_reduce()
+            ctx._recording = []
+        else:
+            ctx._recording.append(self)
+        self.unit.unshard(async_op=False)
+        self.unit.wait_unshard()
+        self.unit.register(sharded=False)
+        nxt = ctx.next_in_forward(self)
+        if nxt is not None:
+            nxt.unit.unshard(async_op=True)
+        mp = self.mp_policy
+        if mp.cast_forward_inputs and mp.param_dtype is not None:
+            args, kwargs = _map_float_tensors(lambda t: t.to(mp.param_dtype), (args, kwargs))
+        if torch.is_grad_enabled():
+            args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _wrap_inputs_for_post_backward(self, args: tuple, kwargs: dict):
+        leaves, spec = tree_flatten((args, kwargs))
+        idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
+        if not idx:
+            return args, kwargs
+        wrapped = _PostBackward.apply(self, *(leaves[i] for i in idx))
+        for i, t in zip(idx, wrapped):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any):
+        ctx = self.root
+        grad = torch.is_grad_enabled()
+        if self.is_root:
+            ctx.forward_order = ctx._recording
+        if (self.reshard_after_forward and not self.is_root) or not grad:
+            self.unit.reshard()
+        if grad:
+            self._needs_post_backward = True
+            self._backward_started = False
+            leaves, _ = tree_flatten(output)
+            for t in leaves:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        if self.mp_policy.output_dtype is not None:
+            output = _map_float_tensors(lambda t: t.to(self.mp_policy.output_dtype), output)
+        return output
+
+    # -- backward ------------------------------------------------------------------------------
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        if self._backward_started:
+            return
+        self._backward_started = True
+        ctx = self.root
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            Variable._execution_engine.queue_callback(self._root_final_callback)
+        self.unit.unshard(async_op=False)
+        self.unit.wait_unshard()
+        self.unit.prepare_grads()
+        nxt = ctx.next_in_backward(self)
+        if nxt is not None:
+            nxt.unit.unshard(async_op=True)
+
+    def post_backward(self) -> None:
+        """Reduce-scatter this unit's gradients (unless gradient sync is off) and reshard."""
+        if not self._needs_post_backward:
+            return
+        self._needs_post_backward = False
+        unit = self.unit
+        if unit.unsharded_grad is not None and self.requires_gradient_sync:
+            self.root.finish_pending_reduce()
+            unit.reduce_grads()
+            self.root.pending_reduce = unit
+        unit.reshard()
+
+    def _root_final_callback(self) -> None:
+        ctx = self.root
+        for s in reversed(ctx.states):
+            s.post_backward()
+            s._backward_started = False
+        ctx.finish_pending_reduce()
+        ctx.callback_queued = False

@@ -1,0 +1,282 @@
+"""One FSDP unit: the flat buffers of the parameters one ``fully_shard`` call owns.
+
+Layout (from :func:`ragged_placement.planner.plan`): the unit's parameters are packed, in plan
+order, into one global flat buffer of ``S * world_size`` elements (``S`` = ``plan.chunk_numel``);
+rank ``r`` owns the equal chunk ``[r*S, (r+1)*S)``. Because the planner cuts only on row (or
+coarser) boundaries, each parameter's part of a chunk is a :class:`RaggedShard` local tensor.
+
+Buffers a unit holds (``W`` = world size, ``P`` = ``param_dtype``, ``R`` = ``reduce_dtype``):
+
+* ``sharded``: ``[S]`` in the parameters' dtype, persistent. Each sharded parameter is an
+  ``nn.Parameter(DTensor)`` whose local tensor is a view of it: optimizers update it in place.
+* ``unsharded``: ``[S*W]`` in ``P``, the all-gather output. Its storage is allocated on unshard
+  and resized to 0 on reshard. The unsharded parameters are views of that storage at their plan
+  offsets, so the all-gather is the only data movement: no copy-in, no copy-out.
+* ``unsharded_grad``: ``[S*W]`` in ``P``, zero-filled at the unit's pre-backward. Each unsharded
+  parameter's ``.grad`` is preset to a view of it, so autograd's ``AccumulateGrad`` adds the
+  parameter gradient into the buffer in place; the buffer is then the reduce-scatter input.
+* ``sharded_grad``: ``[S]`` in the parameters' dtype: the reduce-scatter output (averaged over
+  the world). Each sharded parameter's ``.grad`` is a RaggedShard DTensor view of it.
+
+With mixed precision the sharded chunk is cast into a ``[S]`` send buffer in ``P`` before the
+all-gather and the gradient buffer is cast to ``R`` before the reduce-scatter: those casts are the
+only element-wise passes besides the collectives.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ragged_placement._compat import all_gather_single, reduce_scatter_single
+
+__all__ = ["FSDPUnit", "ParamSlot", "CommStats"]
+
+
+@dataclass
+class ParamSlot:
+    """Where one managed parameter lives: every ``(module, attribute)`` that registers it."""
+
+    fqn: str
+    owners: list[tuple[nn.Module, str]]
+    shape: torch.Size
+    requires_grad: bool
+
+
+@dataclass
+class CommStats:
+    """Per-unit counters of collectives issued and bytes moved (this rank's send + receive view)."""
+
+    all_gathers: int = 0
+    reduce_scatters: int = 0
+    all_gather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+
+    def reset(self) -> None:
+        self.all_gathers = self.reduce_scatters = 0
+        self.all_gather_bytes = self.reduce_scatter_bytes = 0
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"  # all-gather issued, not waited on
+    UNSHARDED = "unsharded"
+
+
+def _alias(storage: torch.UntypedStorage, dtype: torch.dtype, device: torch.device,
+           offset: int, shape: torch.Size) -> torch.Tensor:
+    """A tensor over ``storage`` with its own version counter (a plain view would share the
+    buffer's, and the all-gather writing the buffer would invalidate tensors autograd saved)."""
+    out = torch.empty(0, dtype=dtype, device=device)
+    out.set_(storage, offset, shape, torch.empty(shape, device="meta").stride())
+    return out
+
+
+class FSDPUnit:
+    """The flat sharded/unsharded buffers and collectives of one ``fully_shard`` unit.
+
+    Args:
+        slots: the parameters this unit owns, in module order (deduplicated by identity).
+        params: the original parameters, parallel to ``slots``.
+        mesh: a 1-D device mesh; the unit shards over its only dimension.
+        param_dtype: dtype of the all-gather and of the unsharded parameters.
+        reduce_dtype: dtype of the gradient reduce-scatter.
+        granularity: the planner's granularity policy for this unit's parameters.
+    """
+
+    def __init__(
+        self,
+        slots: list[ParamSlot],
+        params: list[nn.Parameter],
+        mesh: DeviceMesh,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        granularity,
+    ) -> None:
+        from ragged_placement.planner import plan as make_plan
+
+        if mesh.ndim != 1:
+            raise ValueError(f"mesh must be 1-D, got a mesh of {mesh.ndim} dims: {mesh}")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"all parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}")
+        self.slots = slots
+        self.mesh = mesh
+        self.group = mesh.get_group(0)
+        self.rank = mesh.get_local_rank(0)
+        self.world_size = mesh.size(0)
+        self.device = params[0].device if params else torch.device(mesh.device_type)
+        self.orig_dtype = dtypes.pop() if dtypes else torch.float32
+        self.param_dtype = param_dtype or self.orig_dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.plan = make_plan(
+            [(s.fqn, tuple(s.shape)) for s in slots], self.world_size,
+            granularity=granularity, dtype=self.orig_dtype,
+        )
+        self.plan.check_consistent(self.group)
+        S, W = self.plan.chunk_numel, self.world_size
+        self.chunk_numel = S
+
+        self.sharded = torch.zeros(S, dtype=self.orig_dtype, device=self.device)
+        with torch.no_grad():
+            for slot, p in zip(slots, params):
+                begin, end = self.plan.local_slice(slot.fqn, self.rank)
+                if end > begin:
+                    src = self.plan.offsets[slot.fqn]
+                    g0 = self.rank * S + begin - src  # first element of p in this rank's run
+                    self.sharded[begin:end].copy_(p.detach().reshape(-1)[g0:g0 + end - begin])
+        local_views = self.plan.local_views(self.sharded, self.rank)
+        self.sharded_params: list[nn.Parameter] = []
+        for slot in slots:
+            placement = self.plan.placements[slot.fqn]
+            dt = DTensor.from_local(
+                local_views[slot.fqn], mesh, [placement], run_check=False,
+                shape=slot.shape, stride=torch.empty(slot.shape, device="meta").stride(),
+            )
+            self.sharded_params.append(nn.Parameter(dt, requires_grad=slot.requires_grad))
+
+        self.unsharded = torch.empty(S * W, dtype=self.param_dtype, device=self.device)
+        self._storage = self.unsharded.untyped_storage()
+        self._storage_nbytes = self._storage.nbytes()
+        self._storage.resize_(0)
+        self.unsharded_params: list[nn.Parameter] = []
+        for slot in slots:
+            t = _alias(self._storage, self.param_dtype, self.device, self.plan.offsets[slot.fqn], slot.shape)
+            self.unsharded_params.append(nn.Parameter(t, requires_grad=slot.requires_grad))
+        self.state = UnitState.SHARDED
+        self._ag_work: dist.Work | None = None
+        self._ag_send: torch.Tensor | None = None
+        self.unsharded_grad: torch.Tensor | None = None
+        self.sharded_grad: torch.Tensor | None = None
+        self._rs_work: dist.Work | None = None
+        self._rs_input: torch.Tensor | None = None
+        self._rs_output: torch.Tensor | None = None
+        self.stats = CommStats()
+        self.register(sharded=True)
+
+    # -- parameters ----------------------------------------------------------------------------
+    def register(self, *, sharded: bool) -> None:
+        """Point every owning module attribute at the sharded or the unsharded parameter."""
+        params = self.sharded_params if sharded else self.unsharded_params
+        for slot, p in zip(self.slots, params):
+            for module, attr in slot.owners:
+                module._parameters[attr] = p
+
+    # -- all-gather ------------------------------------------------------------------------------
+    def unshard(self, *, async_op: bool) -> None:
+        """Issue the all-gather into the unsharded buffer (no-op unless sharded)."""
+        if self.state is not UnitState.SHARDED:
+            return
+        self._storage.resize_(self._storage_nbytes)
+        if self.param_dtype == self.orig_dtype:
+            send = self.sharded
+        else:
+            send = self.sharded.to(self.param_dtype)  # the mixed-precision cast: the only copy
+        self._ag_send = send
+        self.stats.all_gathers += 1
+        self.stats.all_gather_bytes += self.unsharded.numel() * self.unsharded.element_size()
+        self._ag_work = all_gather_single(self.unsharded, send, group=self.group, async_op=True)
+        self.state = UnitState.UNSHARDING
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        """Wait for an issued all-gather; afterwards the unsharded parameters hold the full values."""
+        if self.state is UnitState.UNSHARDING:
+            assert self._ag_work is not None
+            self._ag_work.wait()
+            self._ag_work = None
+            self._ag_send = None
+            self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Register the sharded parameters and free the unsharded buffer's storage."""
+        self.wait_unshard()
+        self.register(sharded=True)
+        if self.state is UnitState.UNSHARDED:
+            self._storage.resize_(0)
+            self.state = UnitState.SHARDED
+
+    # -- gradients -------------------------------------------------------------------------------
+    def prepare_grads(self) -> None:
+        """Preset each unsharded parameter's ``.grad`` to its view of one zeroed flat buffer."""
+        if self.unsharded_grad is not None:
+            return  # accumulating micro-batches without reduction
+        buf = torch.zeros(self.chunk_numel * self.world_size, dtype=self.param_dtype, device=self.device)
+        self.unsharded_grad = buf
+        for slot, p in zip(self.slots, self.unsharded_params):
+            if slot.requires_grad:
+                o = self.plan.offsets[slot.fqn]
+                p.grad = buf[o:o + slot.shape.numel()].view(slot.shape)
+
+    def reduce_grads(self) -> None:
+        """Issue the reduce-scatter of the flat gradient buffer (async); :meth:`finish_reduce`
+        completes it. The unsharded gradient buffer is released here."""
+        assert self.unsharded_grad is not None and self._rs_work is None
+        for p in self.unsharded_params:
+            p.grad = None
+        rs_in = self.unsharded_grad
+        self.unsharded_grad = None
+        if rs_in.dtype != self.reduce_dtype:
+            rs_in = rs_in.to(self.reduce_dtype)  # the mixed-precision cast
+        out = torch.empty(self.chunk_numel, dtype=self.reduce_dtype, device=self.device)
+        self.stats.reduce_scatters += 1
+        self.stats.reduce_scatter_bytes += rs_in.numel() * rs_in.element_size()
+        self._rs_input, self._rs_output = rs_in, out
+        self._rs_work = reduce_scatter_single(out, rs_in, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter, average, and land it in the sharded gradients."""
+        if self._rs_work is None:
+            return
+        self._rs_work.wait()
+        out = self._rs_output
+        self._rs_work = self._rs_input = self._rs_output = None
+        out.div_(self.world_size)
+        if out.dtype != self.orig_dtype:
+            out = out.to(self.orig_dtype)
+        if self.sharded_grad is not None and all(
+            p.grad is None or not p.requires_grad for p in self.sharded_params
+        ):
+            self.sharded_grad = None  # the optimizer dropped the gradients (zero_grad)
+        if self.sharded_grad is None:
+            self.sharded_grad = out
+            views = self.plan.local_views(out, self.rank)
+            for slot, p in zip(self.slots, self.sharded_params):
+                if slot.requires_grad:
+                    p.grad = DTensor.from_local(
+                        views[slot.fqn], self.mesh, [self.plan.placements[slot.fqn]], run_check=False,
+                        shape=slot.shape, stride=p.stride(),
+                    )
+        else:
+            self._accumulate_sharded(out)
+
+    def _accumulate_sharded(self, new: torch.Tensor) -> None:
+        views = self.plan.local_views(new, self.rank)
+        own = self.plan.local_views(self.sharded_grad, self.rank)
+        for slot, p in zip(self.slots, self.sharded_params):
+            if not slot.requires_grad:
+                continue
+            if p.grad is None:
+                own[slot.fqn].copy_(views[slot.fqn])
+                p.grad = DTensor.from_local(
+                    own[slot.fqn], self.mesh, [self.plan.placements[slot.fqn]], run_check=False,
+                    shape=slot.shape, stride=p.stride(),
+                )
+            else:
+                p.grad._local_tensor.add_(views[slot.fqn])
+
+    # -- introspection ---------------------------------------------------------------------------
+    def buffer_bytes(self) -> int:
+        """Bytes currently held by this unit's flat buffers (sharded, unsharded, gradients)."""
+        total = self.sharded.numel() * self.sharded.element_size() + self._storage.nbytes()
+        for t in (self.unsharded_grad, self.sharded_grad, self._rs_input, self._rs_output, self._ag_send):
+            if t is not None and t is not self.sharded:
+                total += t.numel() * t.element_size()
+        return total
