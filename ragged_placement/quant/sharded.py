@@ -1,0 +1,358 @@
+"""FP8 all-gather of a sharded FSDP unit: quantize own blocks locally, gather FP8 + scales once.
+
+An FSDP unit keeps its parameters in one flat fp32 buffer; rank ``r`` holds elements
+``[r * S, (r + 1) * S)`` (``S`` = ``chunk_numel``). When every cut ``r * S`` falls on a
+``block[0]``-row boundary of each 2-D weight it crosses (what the planner guarantees with a
+128-row granularity, i.e. ``RaggedShard`` runs of whole 128-row bands), each rank owns whole
+quantization blocks: it quantizes them with no communication (no cross-rank amax), and one
+all-gather per unit moves
+
+* 1 byte per element of every quantized weight (e4m3),
+* one fp32 scale per ``block`` (each block is owned by exactly one rank),
+* the non-quantized parameters (norms, biases, ...) in ``raw_dtype``,
+* and padding up to the largest rank's send size (all ranks send equal sizes).
+
+:class:`FP8GatherLayout` computes, from shapes and offsets only (identical on every rank), the
+byte layout of each rank's send buffer::
+
+    [ scales (fp32) | raw params (raw_dtype) | fp8 weights | padding ]   -> send_nbytes
+
+with every region aligned to 16 bytes, and offers :meth:`~FP8GatherLayout.pack` (rank side)
+and :meth:`~FP8GatherLayout.unpack` (gathered side). A weight whose cut does not fall on a block
+boundary raises ``ValueError`` when the layout is built: never a silently wrong scale.
+
+On the gathered side a weight held by one rank is a zero-copy view of the gathered buffer; a
+weight split over several ranks is assembled by one copy of its FP8 bytes (1 byte/element; the
+per-rank scale regions sit between the pieces).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .blockwise import Kernel, quantize_blockwise_into
+from .reference import FP8_DTYPE, check_block, scale_shape
+
+__all__ = ["FlatParam", "FP8Piece", "FP8GatherLayout", "quantize_run"]
+
+_ALIGN = 16
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def quantize_run(
+    local: torch.Tensor,
+    row_start: int,
+    full_shape: Sequence[int],
+    block: tuple[int, int] = (128, 128),
+    *,
+    q_out: torch.Tensor | None = None,
+    s_out: torch.Tensor | None = None,
+    kernel: Kernel = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a rank's row run ``local = full[row_start:row_start + len(local)]`` of a 2-D weight.
+
+    The result is bitwise equal to the matching rows of ``quantize_blockwise(full, block)``
+    and its scales to the matching block-rows, because the run holds whole blocks:
+    ``row_start`` must be a multiple of ``block[0]`` and the run must end on a multiple of
+    ``block[0]`` or at the last row. Otherwise a block would be split between ranks and its
+    scale would need a cross-rank amax: ``ValueError``. ``q_out`` / ``s_out`` may be views of a
+    send buffer (written in place); they are allocated when omitted. Returns ``(q, s)``.
+    """
+    block = check_block(block)
+    if len(full_shape) != 2:
+        raise ValueError(f"full_shape must be 2-D, got {tuple(full_shape)}")
+    m, n = (int(d) for d in full_shape)
+    if local.dim() != 2 or local.shape[1] != n:
+        raise ValueError(f"local must be [rows, {n}] for full_shape {(m, n)}, got {tuple(local.shape)}")
+    row_end = row_start + local.shape[0]
+    _check_run_aligned(row_start, row_end, m, block, what=f"the run of a {(m, n)} weight")
+    if q_out is None:
+        q_out = torch.empty(local.shape, dtype=FP8_DTYPE, device=local.device)
+    if s_out is None:
+        s_out = torch.empty(scale_shape(local.shape, block), dtype=torch.float32, device=local.device)
+    quantize_blockwise_into(local, q_out, s_out, block, kernel=kernel)
+    return q_out, s_out
+
+
+def _check_run_aligned(row_start: int, row_end: int, rows: int, block: tuple[int, int], what: str) -> None:
+    bm = block[0]
+    if not 0 <= row_start <= row_end <= rows:
+        raise ValueError(f"row range [{row_start}, {row_end}) is outside [0, {rows}) for {what}")
+    if row_start % bm or (row_end % bm and row_end != rows):
+        raise ValueError(
+            f"{what} holds rows [{row_start}, {row_end}), which cuts a {block} quantization block "
+            f"(runs must start on a multiple of {bm} rows and end on one or at row {rows}); shard "
+            f"this weight at {bm}-row granularity"
+        )
+
+
+@dataclass(frozen=True)
+class FlatParam:
+    """One parameter of an FSDP unit in its flat buffer.
+
+    Args:
+        name: for error messages.
+        shape: the parameter's shape.
+        offset: element offset in the unit's (global, unsharded) flat buffer.
+        quantize: quantize to block FP8 (2-D weights); otherwise gathered in ``raw_dtype``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    quantize: bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.quantize and len(self.shape) != 2:
+            raise ValueError(f"{self.name}: only 2-D weights are block-quantized, got shape {self.shape}")
+        if self.offset < 0:
+            raise ValueError(f"{self.name}: offset must be >= 0, got {self.offset}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FP8Piece:
+    """The part of one parameter a rank holds, and where it sits in the rank's send buffer.
+
+    ``start`` / ``end`` are element offsets inside the parameter (for a quantized weight they
+    are whole rows: ``rows = (start // n, end // n)``). ``data_offset`` is the byte offset of
+    the piece's FP8 (or raw) bytes in the send buffer, ``scale_offset`` that of its scales.
+    """
+
+    param: int
+    start: int
+    end: int
+    chunk_offset: int
+    data_offset: int
+    scale_offset: int
+    scale_numel: int
+
+
+class FP8GatherLayout:
+    """Byte layout of the single FP8 all-gather of one FSDP unit (see the module doc).
+
+    Args:
+        params: the unit's parameters with their flat offsets (non-overlapping).
+        chunk_numel: ``S``, the per-rank element count of the flat buffer.
+        world_size: ranks in the gather; the flat buffer has ``world_size * S`` elements.
+        block: weight quantization block.
+        raw_dtype: dtype non-quantized parameters are gathered in (e.g. bf16 for mixed precision).
+
+    Raises ``ValueError`` if a parameter does not fit in the flat buffer, parameters overlap, or
+    a cut ``r * S`` splits a quantization block of a weight.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[FlatParam],
+        chunk_numel: int,
+        world_size: int,
+        *,
+        block: tuple[int, int] = (128, 128),
+        raw_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        if chunk_numel <= 0 or world_size <= 0:
+            raise ValueError(f"chunk_numel and world_size must be positive, got {chunk_numel}, {world_size}")
+        if not raw_dtype.is_floating_point or raw_dtype.itemsize > _ALIGN:
+            raise ValueError(f"raw_dtype must be a floating dtype, got {raw_dtype}")
+        self.params = tuple(params)
+        self.chunk_numel = chunk_numel
+        self.world_size = world_size
+        self.block = check_block(block)
+        self.raw_dtype = raw_dtype
+        self._check_params()
+        self.pieces: list[list[FP8Piece]] = [self._rank_pieces(r) for r in range(world_size)]
+        self.rank_nbytes = [self._rank_nbytes(ps) for ps in self.pieces]
+        self.send_nbytes = _align(max(self.rank_nbytes))
+
+    # -- construction ------------------------------------------------------------------------
+    def _check_params(self) -> None:
+        total = self.chunk_numel * self.world_size
+        spans = sorted((p.offset, p.offset + p.numel, p.name) for p in self.params)
+        for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise ValueError(f"params {n0!r} and {n1!r} overlap in the flat buffer ({s1} < {e0})")
+        for s, e, name in spans:
+            if e > total:
+                raise ValueError(f"param {name!r} ends at element {e}, past the flat buffer ({total})")
+
+    def _rank_pieces(self, rank: int) -> list[FP8Piece]:
+        lo, hi = rank * self.chunk_numel, (rank + 1) * self.chunk_numel
+        held = []
+        for i, p in enumerate(self.params):
+            start, end = max(lo, p.offset) - p.offset, min(hi, p.offset + p.numel) - p.offset
+            if start >= end:
+                continue
+            if p.quantize:
+                m, n = p.shape
+                if start % n or end % n:
+                    raise ValueError(
+                        f"{p.name!r} {p.shape}: rank {rank}'s chunk cuts it inside a row (elements "
+                        f"[{start}, {end})); shard it at {self.block[0]}-row granularity"
+                    )
+                _check_run_aligned(start // n, end // n, m, self.block, f"rank {rank}'s part of {p.name!r}")
+            held.append((i, start, end))
+        # regions: scales, then raw, then fp8; each 16-byte aligned
+        scale_off = 0
+        pieces_scale = {}
+        for i, start, end in held:
+            p = self.params[i]
+            if p.quantize:
+                n = p.shape[1]
+                k = scale_shape(((end - start) // n, n), self.block)
+                pieces_scale[i] = (scale_off, k[0] * k[1])
+                scale_off += 4 * k[0] * k[1]
+        raw_off = _align(scale_off)
+        data_offsets = {}
+        for i, start, end in held:
+            if not self.params[i].quantize:
+                raw_off = -(-raw_off // self.raw_dtype.itemsize) * self.raw_dtype.itemsize
+                data_offsets[i] = raw_off
+                raw_off += (end - start) * self.raw_dtype.itemsize
+        fp8_off = _align(raw_off)
+        for i, start, end in held:
+            if self.params[i].quantize:
+                data_offsets[i] = fp8_off
+                fp8_off += end - start
+        return [
+            FP8Piece(i, start, end, self.params[i].offset + start - lo, data_offsets[i], *pieces_scale.get(i, (0, 0)))
+            for i, start, end in held
+        ]
+
+    def _rank_nbytes(self, pieces: list[FP8Piece]) -> int:
+        ends = [0]
+        for pc in pieces:
+            itemsize = 1 if self.params[pc.param].quantize else self.raw_dtype.itemsize
+            ends.append(pc.data_offset + (pc.end - pc.start) * itemsize)
+        return max(ends)
+
+    # -- byte accounting ---------------------------------------------------------------------
+    @property
+    def gathered_nbytes(self) -> int:
+        """Bytes of the gathered buffer (= bytes every rank receives): ``world_size * send_nbytes``."""
+        return self.world_size * self.send_nbytes
+
+    @property
+    def fp8_nbytes(self) -> int:
+        """FP8 payload: one byte per element of every quantized weight."""
+        return sum(p.numel for p in self.params if p.quantize)
+
+    @property
+    def scale_nbytes(self) -> int:
+        """Scale payload: 4 bytes per block of every quantized weight."""
+        return sum(4 * math.prod(scale_shape(p.shape, self.block)) for p in self.params if p.quantize)
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Payload of the non-quantized parameters in ``raw_dtype``."""
+        return sum(p.numel * self.raw_dtype.itemsize for p in self.params if not p.quantize)
+
+    @property
+    def padding_nbytes(self) -> int:
+        """Gathered bytes that carry no payload (alignment and equal-size padding)."""
+        return self.gathered_nbytes - self.fp8_nbytes - self.scale_nbytes - self.raw_nbytes
+
+    # -- rank side ---------------------------------------------------------------------------
+    def pack(
+        self, rank: int, local_chunk: torch.Tensor, send: torch.Tensor | None = None, *, kernel: Kernel = "auto"
+    ) -> torch.Tensor:
+        """Quantize ``rank``'s blocks of ``local_chunk`` (its ``S`` flat fp32/bf16 elements) into ``send``.
+
+        ``send`` is a ``uint8`` tensor of ``send_nbytes`` (allocated when omitted) and is what
+        the rank passes to the all-gather. Padding bytes are zeroed (deterministic buffers).
+        Raises ``ValueError`` on inf/NaN in a quantized weight.
+        """
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        if local_chunk.dim() != 1 or local_chunk.numel() != self.chunk_numel:
+            raise ValueError(f"local_chunk must be 1-D with {self.chunk_numel} elements, got {tuple(local_chunk.shape)}")
+        if send is None:
+            send = torch.empty(self.send_nbytes, dtype=torch.uint8, device=local_chunk.device)
+        elif send.dtype != torch.uint8 or send.shape != (self.send_nbytes,) or not send.is_contiguous():
+            raise ValueError(f"send must be a contiguous uint8 tensor of {self.send_nbytes} bytes, got {send.dtype} {tuple(send.shape)}")
+        for pc in self.pieces[rank]:
+            p = self.params[pc.param]
+            src = local_chunk[pc.chunk_offset: pc.chunk_offset + pc.end - pc.start]
+            if p.quantize:
+                n = p.shape[1]
+                rows = (pc.end - pc.start) // n
+                q_out = send[pc.data_offset: pc.data_offset + rows * n].view(FP8_DTYPE).view(rows, n)
+                s_out = send[pc.scale_offset: pc.scale_offset + 4 * pc.scale_numel].view(torch.float32)
+                quantize_run(
+                    src.view(rows, n), pc.start // n, p.shape, self.block,
+                    q_out=q_out, s_out=s_out.view(-1, scale_shape((rows, n), self.block)[1]), kernel=kernel,
+                )
+            else:
+                nbytes = (pc.end - pc.start) * self.raw_dtype.itemsize
+                send[pc.data_offset: pc.data_offset + nbytes].view(self.raw_dtype).copy_(src)
+        self._zero_gaps(rank, send)
+        return send
+
+    def _zero_gaps(self, rank: int, send: torch.Tensor) -> None:
+        used = []
+        for pc in self.pieces[rank]:
+            itemsize = 1 if self.params[pc.param].quantize else self.raw_dtype.itemsize
+            used.append((pc.data_offset, pc.data_offset + (pc.end - pc.start) * itemsize))
+            if pc.scale_numel:
+                used.append((pc.scale_offset, pc.scale_offset + 4 * pc.scale_numel))
+        pos = 0
+        for a, b in sorted(used):
+            if a > pos:
+                send[pos:a].zero_()
+            pos = max(pos, b)
+        send[pos:].zero_()
+
+    # -- gathered side -----------------------------------------------------------------------
+    def unpack(self, gathered: torch.Tensor) -> list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+        """View the gathered buffer as every parameter, in ``params`` order.
+
+        Quantized weights come back as ``(q, s)`` (``float8_e4m3fn`` of the weight's shape and
+        fp32 ``[ceil(m / bm), ceil(n / bn)]``), equal bitwise to ``quantize_blockwise`` of the
+        full weight; other parameters as ``raw_dtype`` tensors of their shape. A parameter held
+        by one rank is a view of ``gathered``; one split over ranks is concatenated (a copy).
+        """
+        if gathered.dtype != torch.uint8 or gathered.shape != (self.gathered_nbytes,):
+            raise ValueError(
+                f"gathered must be uint8 of {self.gathered_nbytes} bytes, got {gathered.dtype} {tuple(gathered.shape)}"
+            )
+        by_param: dict[int, list[tuple[int, FP8Piece]]] = {}
+        for rank, pieces in enumerate(self.pieces):
+            for pc in pieces:
+                by_param.setdefault(pc.param, []).append((rank, pc))
+        out: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = []
+        for i, p in enumerate(self.params):
+            parts = sorted(by_param.get(i, []), key=lambda rp: rp[1].start)
+            if p.quantize:
+                qs, ss = zip(*(self._view_quantized(gathered, r, pc, p) for r, pc in parts))
+                out.append((_cat(qs), _cat(ss)))
+            else:
+                raws = [self._view_raw(gathered, r, pc) for r, pc in parts]
+                out.append(_cat(raws).view(p.shape))
+        return out
+
+    def _view_quantized(self, gathered: torch.Tensor, rank: int, pc: FP8Piece, p: FlatParam):
+        base = rank * self.send_nbytes
+        n = p.shape[1]
+        rows = (pc.end - pc.start) // n
+        q = gathered[base + pc.data_offset: base + pc.data_offset + rows * n].view(FP8_DTYPE).view(rows, n)
+        s = gathered[base + pc.scale_offset: base + pc.scale_offset + 4 * pc.scale_numel].view(torch.float32)
+        return q, s.view(-1, scale_shape(p.shape, self.block)[1])
+
+    def _view_raw(self, gathered: torch.Tensor, rank: int, pc: FP8Piece) -> torch.Tensor:
+        base = rank * self.send_nbytes + pc.data_offset
+        return gathered[base: base + (pc.end - pc.start) * self.raw_dtype.itemsize].view(self.raw_dtype)
+
+
+def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
