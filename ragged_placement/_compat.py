@@ -29,3 +29,10 @@ def reduce_scatter_single(
 ):
     """Reduce ``input`` over ``group`` and keep this rank's equal chunk in ``output``."""
     return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+# The Partial placement torch uses for pending p-norms (module moved between releases).
+try:
+    from torch.distributed.tensor._ops._math_ops import _NormPartial as NormPartial
+except ImportError:  # pragma: no cover - layout of other releases
+    from torch.distributed.tensor._ops.math_ops import _NormPartial as NormPartial  # type: ignore[no-redef]

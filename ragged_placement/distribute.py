@@ -1,0 +1,174 @@
+"""Creating RaggedShard DTensors, and where their local tensors sit in the global tensor.
+
+* :func:`distribute_tensor` is what ``torch.distributed.tensor.distribute_tensor`` runs when a
+  placement list contains a RaggedShard.
+* :func:`local_chunks` gives the boxes (offset, size) of this rank's local tensor in the global
+  tensor: one box for ``dims=(0,)``, up to ``2 * len(dims) - 1`` for a flattened run. Distributed
+  checkpoint uses it, so a RaggedShard DTensor saves without any resharding traffic.
+* :func:`global_shape_and_stride` infers the global shape for ``DTensor.from_local``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from ragged_placement.placement import RaggedShard
+from ragged_placement.redistribute import _apply_cut, validate_placements
+from ragged_placement.regions import flat_range_boxes, shard_size_and_offset
+
+__all__ = ["distribute_tensor", "local_chunks", "global_shape_and_stride"]
+
+
+def _scatter_ragged(tensor: torch.Tensor, p: RaggedShard, mesh: DeviceMesh, mesh_dim: int, src: int | None):
+    """The local run of ``p`` on this rank, taken from group rank ``src``'s ``tensor`` with one
+    ``all_to_all_single`` (only ``src`` sends), or from the local ``tensor`` if ``src`` is None."""
+    me, n = mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim)
+    p.check_mesh_size(n, mesh_dim=mesh_dim)
+    flat = p.flatten_prefix(tensor)
+    ranges = p.row_ranges(tensor.shape)
+    row = math.prod(p.row_shape(tensor.shape))
+    start, end = ranges[me]
+    if src is None:
+        return flat[start:end].clone()
+    group = mesh.get_group(mesh_dim)
+    send = flat.contiguous().view(-1) if me == src else tensor.new_empty(0)
+    in_splits = [(e - s) * row if me == src else 0 for s, e in ranges]
+    out_splits = [(end - start) * row if r == src else 0 for r in range(n)]
+    out = tensor.new_empty((end - start) * row)
+    if sum(e - s for s, e in ranges) * row:
+        from ragged_placement.redistribute import _as_movable
+
+        o, scale = _as_movable(out)
+        s_, _ = _as_movable(send)
+        dist.all_to_all_single(o, s_, [x * scale for x in out_splits], [x * scale for x in in_splits], group=group)
+    return out.view(end - start, *p.row_shape(tensor.shape))
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """``distribute_tensor`` for placement lists that contain a RaggedShard.
+
+    Placements apply in mesh-dim order, like torch's. A RaggedShard mesh dim moves only each
+    rank's run (one ``all_to_all_single`` from ``src_data_rank``), never a full replica.
+    """
+    if not tensor.is_leaf:
+        raise RuntimeError("`distribute_tensor` should be used to distribute leaf tensors! but found non-leaf tensor!")
+    if device_mesh.device_type != tensor.device.type and not tensor.is_meta:
+        tensor = tensor.to(device_mesh.device_type)
+    placements = [Shard(p.dim + tensor.ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements]
+    validate_placements(device_mesh, placements, tensor.ndim)
+    local = tensor.detach()
+    for idx, p in enumerate(placements):
+        if isinstance(p, RaggedShard):
+            local = _scatter_ragged(local, p, device_mesh, idx, src_data_rank)
+        elif isinstance(p, Shard):
+            local = Shard._make_shard_tensor(p.dim, local, device_mesh, idx, src_data_rank)
+        elif isinstance(p, Replicate):
+            local = Replicate._make_replicate_tensor(local, device_mesh, idx, src_data_rank)
+        elif isinstance(p, Partial):
+            local = Replicate._make_replicate_tensor(local, device_mesh, idx, src_data_rank)
+            local = p._partition_value(local, device_mesh, idx)
+        else:
+            raise ValueError(f"unsupported placement {p!r} on mesh dim {idx}")
+    spec = DTensorSpec(
+        mesh=device_mesh,
+        placements=tuple(placements),
+        tensor_meta=TensorMeta(shape=tensor.size(), stride=tensor.stride(), dtype=tensor.dtype),
+    )
+    return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
+
+
+def local_chunks(
+    global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """``(offsets, sizes, flat_offset)`` of each box of this rank's local tensor.
+
+    ``flat_offset`` is where the box starts in the flattened local tensor; every box is
+    contiguous there. Replicated mesh dims give the full extent; ``Partial`` is rejected by DCP.
+    """
+    shape = [int(s) for s in global_shape]
+    coord = mesh.get_coordinate()
+    offsets = [0] * len(shape)
+    multi: tuple[RaggedShard, int, int] | None = None
+    for m, p in enumerate(placements):
+        n, c = mesh.size(m), coord[m]
+        if isinstance(p, Shard):
+            size, off = shard_size_and_offset(shape[p.dim], n, c)
+            offsets[p.dim] += off
+            shape[p.dim] = size
+        elif isinstance(p, RaggedShard) and len(p.dims) == 1:
+            start, end = p.local_row_range(shape, c)
+            offsets[0] += start
+            shape[0] = end - start
+        elif isinstance(p, RaggedShard):
+            multi = (p, m, c)  # validated: the only sharded placement
+    if multi is None:
+        return [(tuple(offsets), tuple(shape), 0)]
+    p, _, c = multi
+    j = len(p.dims)
+    start, end = p.local_row_range(shape, c)
+    out, flat = [], 0
+    for box in flat_range_boxes(shape[:j], start, end):
+        sizes = tuple(e - s for s, e in box) + tuple(shape[j:])
+        out.append((tuple(s for s, _ in box) + (0,) * (len(shape) - j), sizes, flat))
+        flat += math.prod(sizes)
+    return out
+
+
+def global_shape_and_stride(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], *, strict: bool = True
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Infer the global shape of a DTensor from this rank's local tensor, without communication.
+
+    A RaggedShard needs this rank to hold at least one unit (``L = rows * sum / units[rank]``);
+    with zero-unit ranks every rank must pass ``shape=`` and ``stride=`` to ``from_local``
+    (inferring would need a collective on some ranks only, which could hang). With
+    ``strict=False`` an uninferable dim 0 is returned as 0: the row-major stride, which is all
+    ``from_local``'s backward asks for, does not depend on it.
+    """
+    coord = mesh.get_coordinate()
+    shape = list(local.shape)
+    for m in reversed(range(len(placements))):
+        p, n = placements[m], mesh.size(m)
+        if isinstance(p, RaggedShard):
+            if not strict and (len(p.dims) > 1 or p.local_units[coord[m]] == 0):
+                shape = [0, *shape[1:]] if len(p.dims) == 1 else list(local.shape)
+                continue
+            if 0 in p.local_units:
+                raise ValueError(
+                    f"DTensor.from_local with {p!r} (zero units on some ranks) needs shape= and stride="
+                )
+            if len(p.dims) > 1:
+                raise ValueError(f"DTensor.from_local with {p!r} (flattened dims) needs shape= and stride=")
+            rows = shape[0] * sum(p.local_units)
+            if rows % p.local_units[coord[m]]:
+                raise ValueError(f"local tensor of shape {tuple(local.shape)} does not match {p!r}")
+            shape[0] = rows // p.local_units[coord[m]]
+        elif isinstance(p, Shard):
+            shape[p.dim] *= n
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(shape), tuple(reversed(stride))
+
+
+def local_shape(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
+    """Shape of this rank's local tensor."""
+    shape = [int(s) for s in global_shape]
+    coord = mesh.get_coordinate()
+    for m, p in enumerate(placements):
+        shape = _apply_cut(shape, p, coord[m], mesh.size(m))
+    return tuple(shape)
