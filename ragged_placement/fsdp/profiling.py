@@ -1,0 +1,134 @@
+"""Measurement helpers used by the demo, the benchmark and the tests: collectives, copies, memory.
+
+They observe torch FSDP2 and this runtime through the same instruments, so the numbers compare:
+
+* :class:`CollectiveMeter` wraps the c10d entry points both runtimes call
+  (``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` or their 2.11 names, and
+  the bound references in :mod:`ragged_placement._compat`) and counts calls and bytes.
+* :class:`LayoutCopyMeter` is a dispatch mode that counts bytes written by the ops FSDP runtimes
+  use to move parameters and gradients between per-parameter tensors and flat collective buffers
+  (FSDP2's ``all_gather_copy_in``, ``split_with_sizes_copy``, ``_chunk_cat``). It does not count
+  the model's own copies.
+* :func:`peak_step_memory` runs a callable under the profiler's memory tracking and returns the
+  highest number of tensor bytes alive during it, on top of the bytes alive before it.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ragged_placement._compat as compat
+
+__all__ = ["CollectiveMeter", "LayoutCopyMeter", "peak_step_memory", "live_tensor_bytes"]
+
+_LAYOUT_COPY_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "_chunk_cat", "chunk_cat")
+
+
+class CollectiveMeter:
+    """Counts all-gathers and reduce-scatters (calls and bytes) issued inside the ``with`` block.
+
+    ``all_gather_bytes`` sums the gathered outputs, ``reduce_scatter_bytes`` the reduced inputs:
+    the size of the collective, the same on every rank.
+    """
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._saved: list[tuple[object, str, object]] = []
+
+    @property
+    def all_gather_bytes(self) -> int:
+        return self.counts["all_gather_bytes"]
+
+    @property
+    def reduce_scatter_bytes(self) -> int:
+        return self.counts["reduce_scatter_bytes"]
+
+    def _wrap(self, kind: str, fn):
+        def counted(output, input, *args, **kwargs):
+            self.counts[kind] += 1
+            big = output if kind == "all_gather" else input
+            self.counts[f"{kind}_bytes"] += big.numel() * big.element_size()
+            return fn(output, input, *args, **kwargs)
+
+        return counted
+
+    def __enter__(self) -> CollectiveMeter:
+        targets = [
+            (dist, "all_gather_single", "all_gather"),
+            (dist, "all_gather_into_tensor", "all_gather"),
+            (dist, "reduce_scatter_single", "reduce_scatter"),
+            (dist, "reduce_scatter_tensor", "reduce_scatter"),
+            (compat, "_all_gather", "all_gather"),
+            (compat, "_reduce_scatter", "reduce_scatter"),
+        ]
+        for obj, name, kind in targets:
+            fn = getattr(obj, name, None)
+            if fn is not None:
+                self._saved.append((obj, name, fn))
+                setattr(obj, name, self._wrap(kind, fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, fn in reversed(self._saved):
+            setattr(obj, name, fn)
+        self._saved.clear()
+
+
+class LayoutCopyMeter(TorchDispatchMode):
+    """Bytes written by per-parameter <-> flat-buffer copy ops (FSDP2's copy-in / copy-out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
+        if name in _LAYOUT_COPY_OPS:
+            written = kwargs.get("out") if kwargs and "out" in kwargs else out
+            self.bytes[name] += sum(
+                t.numel() * t.element_size() for t in _tensors(written)
+            )
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+def _tensors(x) -> Iterable[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def live_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local tensor)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)
+        st = local.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
+
+
+def peak_step_memory(fn: Callable[[], object]) -> int:
+    """Highest net bytes of CPU tensor memory allocated while ``fn`` runs (the profiler's
+    allocation events, summed in time order); add what was alive before to get the peak."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start
+    )
+    live = peak = 0
+    for e in events:
+        live += e.cpu_memory_usage
+        peak = max(peak, live)
+    return peak
