@@ -113,7 +113,8 @@ def quantize_blockwise_reference(
     s = _scale_from_amax(x.abs().amax(dim=(1, 3)))
     check_finite_scales(s, "w")
     q = _cast_e4m3(x / s[:, None, :, None])
-    return q.view(x.shape[0] * block[0], -1)[:m, :n].contiguous(), s
+    mb, bm, nb, bn = x.shape
+    return q.reshape(mb * bm, nb * bn)[:m, :n].contiguous(), s
 
 
 def dequantize_blockwise_reference(
@@ -124,7 +125,8 @@ def dequantize_blockwise_reference(
     check_dequant_args(q, s, scale_shape(q.shape, block) if q.dim() == 2 else None)
     m, n = q.shape
     x = _blocks(q.float(), block) * s[:, None, :, None]
-    return x.view(s.shape[0] * block[0], -1)[:m, :n].to(dtype)
+    mb, bm, nb, bn = x.shape
+    return x.reshape(mb * bm, nb * bn)[:m, :n].to(dtype)
 
 
 def check_dequant_args(q: torch.Tensor, s: torch.Tensor, expected_s: tuple[int, int] | None) -> None:

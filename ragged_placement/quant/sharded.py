@@ -320,7 +320,9 @@ class FP8GatherLayout:
         Quantized weights come back as ``(q, s)`` (``float8_e4m3fn`` of the weight's shape and
         fp32 ``[ceil(m / bm), ceil(n / bn)]``), equal bitwise to ``quantize_blockwise`` of the
         full weight; other parameters as ``raw_dtype`` tensors of their shape. A parameter held
-        by one rank is a view of ``gathered``; one split over ranks is concatenated (a copy).
+        by one rank aliases ``gathered``'s storage (with its own version counter, so refilling
+        the buffer does not trip autograd's saved-tensor check); one split over ranks is
+        concatenated (a copy).
         """
         if gathered.dtype != torch.uint8 or gathered.shape != (self.gathered_nbytes,):
             raise ValueError(
@@ -345,13 +347,25 @@ class FP8GatherLayout:
         base = rank * self.send_nbytes
         n = p.shape[1]
         rows = (pc.end - pc.start) // n
-        q = gathered[base + pc.data_offset: base + pc.data_offset + rows * n].view(FP8_DTYPE).view(rows, n)
-        s = gathered[base + pc.scale_offset: base + pc.scale_offset + 4 * pc.scale_numel].view(torch.float32)
-        return q, s.view(-1, scale_shape(p.shape, self.block)[1])
+        nb = scale_shape(p.shape, self.block)[1]
+        q = _alias(gathered, base + pc.data_offset, FP8_DTYPE, (rows, n))
+        s = _alias(gathered, base + pc.scale_offset, torch.float32, (pc.scale_numel // nb, nb))
+        return q, s
 
     def _view_raw(self, gathered: torch.Tensor, rank: int, pc: FP8Piece) -> torch.Tensor:
-        base = rank * self.send_nbytes + pc.data_offset
-        return gathered[base: base + (pc.end - pc.start) * self.raw_dtype.itemsize].view(self.raw_dtype)
+        return _alias(gathered, rank * self.send_nbytes + pc.data_offset, self.raw_dtype, (pc.end - pc.start,))
+
+
+def _alias(buf: torch.Tensor, byte_offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous ``dtype`` tensor over ``buf``'s storage at ``byte_offset`` with its own version
+    counter: refilling ``buf`` (the next all-gather into the same storage) does not invalidate
+    tensors autograd saved from it, as FSDP's free-and-refill of unsharded storage requires."""
+    start = buf.storage_offset() + byte_offset  # buf is uint8: offsets are bytes
+    if start % dtype.itemsize:
+        raise ValueError(f"gathered buffer offset {start} is not aligned to {dtype} ({dtype.itemsize} bytes)")
+    out = torch.empty(0, dtype=dtype, device=buf.device)
+    out.set_(buf.untyped_storage(), start // dtype.itemsize, shape, torch.empty(shape, device="meta").stride())
+    return out
 
 
 def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
