@@ -1,1 +1,13 @@
-"""Structure-aware planner (placeholder until the planner lands)."""
+"""Structure-aware planner: block-aligned RaggedShard placements for every parameter.
+
+``plan(named_shapes, world_size, granularity)`` lays the parameters of one FSDP unit out in a
+flat buffer of ``world_size`` equal chunks so that no chunk boundary cuts a granularity block,
+with the least padding it can find, and gives each parameter the :class:`RaggedShard` those
+boundaries induce. See :mod:`.packing` for the algorithm and its lower bound.
+"""
+
+from ragged_placement.planner.granularity import CutSpec, Granularity, GranularityPolicy
+from ragged_placement.planner.packing import chunk_lower_bound
+from ragged_placement.planner.plan import Plan, plan
+
+__all__ = ["plan", "Plan", "Granularity", "GranularityPolicy", "CutSpec", "chunk_lower_bound"]

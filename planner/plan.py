@@ -1,0 +1,287 @@
+"""``plan()``: the flat layout and RaggedShard placements of one FSDP unit."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ragged_placement.placement import RaggedShard
+from ragged_placement.planner.granularity import (
+    CutSpec,
+    Granularity,
+    GranularityPolicy,
+    resolve,
+    resolve_policy,
+)
+from ragged_placement.planner.packing import Layout, pack
+
+__all__ = ["Plan", "plan"]
+
+NamedShapes = Mapping[str, Sequence[int]] | Sequence[tuple[str, Sequence[int]]]
+
+
+def _placement(spec: CutSpec, offset: int, chunk: int, world_size: int) -> RaggedShard:
+    """The RaggedShard that chunk boundaries ``r * chunk`` induce on a parameter at ``offset``."""
+    dims = tuple(range(spec.prefix))
+    numel = spec.numel
+    if numel == 0:
+        units = [0] * world_size
+        units[min(offset // chunk, world_size - 1)] = 1
+        return RaggedShard(dims, units)
+    first, last = offset // chunk, (offset + numel - 1) // chunk
+    runs = [
+        (min(offset + numel, (r + 1) * chunk) - max(offset, r * chunk)) // spec.row_numel
+        for r in range(first, last + 1)
+    ]
+    g = functools.reduce(math.gcd, runs)
+    units = [0] * first + [x // g for x in runs] + [0] * (world_size - 1 - last)
+    return RaggedShard(dims, units)
+
+
+@functools.lru_cache(maxsize=256)
+def _planned(specs: tuple[CutSpec, ...], world_size: int) -> tuple[Layout, tuple[RaggedShard, ...]]:
+    """Layout and placements of ``specs``; identical units (every transformer layer) share it."""
+    layout = pack(specs, world_size)
+    placements = tuple(
+        _placement(sp, off, layout.chunk_numel, world_size)
+        for sp, off in zip(specs, layout.offsets)
+    )
+    return layout, placements
+
+
+def _normalize(named_shapes: NamedShapes) -> list[tuple[str, tuple[int, ...]]]:
+    items = named_shapes.items() if isinstance(named_shapes, Mapping) else named_shapes
+    out: list[tuple[str, tuple[int, ...]]] = []
+    seen: set[str] = set()
+    for entry in items:
+        try:
+            name, shape = entry
+        except (TypeError, ValueError):
+            raise ValueError(f"named_shapes entries must be (name, shape) pairs, got {entry!r}") from None
+        if not isinstance(name, str):
+            raise ValueError(f"parameter names must be str, got {name!r}")
+        if name in seen:
+            raise ValueError(f"parameter name {name!r} appears twice in named_shapes")
+        seen.add(name)
+        try:
+            dims = tuple(shape)
+        except TypeError:
+            raise ValueError(f"shape of {name!r} must be a sequence of ints, got {shape!r}") from None
+        if any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+            raise ValueError(f"shape of {name!r} must be a sequence of ints, got {shape!r}")
+        out.append((name, tuple(int(d) for d in dims)))
+    if not out:
+        raise ValueError("named_shapes is empty: a plan needs at least one parameter")
+    return out
+
+
+class Plan:
+    """The flat layout of one FSDP unit over ``world_size`` ranks and its RaggedShard placements.
+
+    The global flat buffer has ``chunk_numel * world_size`` elements; rank ``r`` owns
+    ``[r * chunk_numel, (r + 1) * chunk_numel)``. Parameter ``n`` occupies
+    ``[offsets[n], offsets[n] + numel)`` in row-major order, so the local run of rank ``r`` is
+    the intersection of the two, and ``placements[n].local_row_range(shape, r)`` times the row
+    numel is exactly that intersection relative to ``offsets[n]``. Build with :func:`plan`.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        specs: Sequence[CutSpec],
+        granularities: Sequence[Granularity],
+        layout: Layout,
+        placements: Sequence[RaggedShard],
+        dtype: torch.dtype,
+    ) -> None:
+        self.world_size: int = layout.world_size
+        self.names: tuple[str, ...] = tuple(names)
+        self.order: tuple[str, ...] = tuple(self.names[i] for i in layout.order)
+        self.shapes: dict[str, torch.Size] = {n: torch.Size(s.shape) for n, s in zip(names, specs)}
+        self.granularities: dict[str, Granularity] = dict(zip(names, granularities))
+        self.specs: dict[str, CutSpec] = dict(zip(names, specs))
+        self.offsets: dict[str, int] = dict(zip(names, layout.offsets))
+        self.placements: dict[str, RaggedShard] = dict(zip(names, placements))
+        self.chunk_numel: int = layout.chunk_numel
+        self.chunk_lower_bound: int = layout.chunk_lower_bound
+        self.numel: int = sum(s.numel for s in specs)
+        self.padding_numel: int = self.chunk_numel * self.world_size - self.numel
+        self.dtype: torch.dtype = dtype
+        self.attempts: int = layout.attempts
+
+    # -- geometry ---------------------------------------------------------------------------
+    def _check_rank(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+
+    def local_slice(self, name: str, rank: int) -> tuple[int, int]:
+        """``[begin, end)`` of ``name``'s local run inside ``rank``'s chunk (empty: begin == end)."""
+        self._check_rank(rank)
+        if name not in self.offsets:
+            raise ValueError(f"no parameter named {name!r} in this plan")
+        s = self.chunk_numel
+        o = self.offsets[name] - rank * s
+        begin, end = max(o, 0), min(o + self.specs[name].numel, s)
+        if begin >= end:
+            begin = end = min(max(o, 0), s)
+        return begin, end
+
+    def local_views(self, chunk: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
+        """Views into ``rank``'s flat ``chunk`` (``chunk_numel`` elements), one per parameter,
+        each shaped ``placements[name].local_shape(shape, rank)``."""
+        self._check_rank(rank)
+        if chunk.dim() != 1 or chunk.numel() != self.chunk_numel:
+            raise ValueError(
+                f"chunk must be 1-D with {self.chunk_numel} elements, got shape {tuple(chunk.shape)}"
+            )
+        out = {}
+        for name in self.names:
+            begin, end = self.local_slice(name, rank)
+            shape = self.placements[name].local_shape(self.shapes[name], rank)
+            out[name] = chunk[begin:end].view(shape)
+        return out
+
+    def rank_span(self, name: str) -> tuple[int, int]:
+        """First and last rank (inclusive) holding part of ``name``."""
+        o, n, s = self.offsets[name], self.specs[name].numel, self.chunk_numel
+        return o // s, max(o + n - 1, o) // s
+
+    def rank_work(self) -> np.ndarray:
+        """Optimizer work per rank: Newton-Schulz FLOPs for whole-matrix parameters, numel for
+        the rest (float64, one entry per rank)."""
+        s, w = self.chunk_numel, self.world_size
+        work = np.zeros(w, dtype=np.float64)
+        for name in self.names:
+            spec, o = self.specs[name], self.offsets[name]
+            if spec.numel == 0:
+                continue
+            if spec.matrix_owner:
+                work[o // s] += spec.work()
+                continue
+            first, last = o // s, (o + spec.numel - 1) // s
+            if first == last:
+                work[first] += spec.numel
+            else:
+                work[first] += (first + 1) * s - o
+                work[first + 1:last] += s
+                work[last] += o + spec.numel - last * s
+        return work
+
+    # -- identity ---------------------------------------------------------------------------
+    def digest(self) -> str:
+        """A stable hash of the plan (shapes, granularities, layout, world size, dtype)."""
+        payload = [
+            self.world_size,
+            self.chunk_numel,
+            str(self.dtype),
+            [
+                [n, list(self.shapes[n]), self.offsets[n], self.specs[n].prefix,
+                 self.specs[n].band, self.specs[n].period, self.specs[n].matrix_owner]
+                for n in self.order
+            ],
+        ]
+        return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()
+
+    def check_consistent(self, group: dist.ProcessGroup | None = None) -> None:
+        """Raise ``ValueError`` unless every rank of ``group`` holds the same plan."""
+        size = dist.get_world_size(group)
+        if size != self.world_size:
+            raise ValueError(f"the plan is for {self.world_size} ranks but the group has {size}")
+        digests: list[str | None] = [None] * size
+        dist.all_gather_object(digests, self.digest(), group=group)
+        if len(set(digests)) > 1:
+            by_digest: dict[str, list[int]] = {}
+            for r, d in enumerate(digests):
+                by_digest.setdefault(d, []).append(r)
+            parts = "; ".join(f"ranks {rs} have {d[:12]}" for d, rs in by_digest.items())
+            raise ValueError(f"ranks disagree on the plan (check shapes, names, policy): {parts}")
+
+    # -- reporting --------------------------------------------------------------------------
+    @property
+    def padding_fraction(self) -> float:
+        """Padding as a fraction of the buffer."""
+        return self.padding_numel / (self.chunk_numel * self.world_size)
+
+    def summary(self) -> str:
+        """A human-readable table of the plan."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        lines = [
+            f"Plan: {len(self.names)} params, {self.numel:,} elements ({self.dtype}, "
+            f"{self.numel * item / 2**20:,.1f} MiB), world {self.world_size}, chunk "
+            f"S={self.chunk_numel:,} (lower bound {self.chunk_lower_bound:,}), padding "
+            f"{self.padding_numel:,} ({100 * self.padding_fraction:.3f}%)",
+        ]
+        work = self.rank_work()
+        if work.mean() > 0:
+            lines.append(f"work max/mean {work.max() / work.mean():.3f}")
+        width = max(len(n) for n in self.names)
+        for n in self.order:
+            spec, o = self.specs[n], self.offsets[n]
+            first, last = self.rank_span(n)
+            lines.append(
+                f"  {n:<{width}}  {str(tuple(self.shapes[n])):<20} "
+                f"{str(self.granularities[n]):<16} offset {o:>14,}  ranks {first}-{last}"
+            )
+        return "\n".join(lines)
+
+    def ascii_map(self, width: int = 64, max_ranks: int = 32) -> str:
+        """Which rank owns which rows of each parameter, one bar per rank (see render.py)."""
+        from ragged_placement.planner.render import ascii_map
+
+        return ascii_map(self, width=width, max_ranks=max_ranks)
+
+    def save_png(self, path: str, width: int = 512, max_ranks: int = 1024) -> None:
+        """Write the map as a PNG: one pixel row band per rank, one color per parameter."""
+        from ragged_placement.planner.render import save_png
+
+        save_png(self, path, width=width, max_ranks=max_ranks)
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(params={len(self.names)}, world_size={self.world_size}, "
+            f"chunk_numel={self.chunk_numel}, padding_numel={self.padding_numel})"
+        )
+
+
+def plan(
+    named_shapes: NamedShapes,
+    world_size: int,
+    granularity: GranularityPolicy = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Plan:
+    """Plan the flat buffer of one FSDP unit over ``world_size`` ranks.
+
+    Args:
+        named_shapes: ``{name: shape}`` or a sequence of ``(name, shape)``; the input order is
+            ``Plan.names``, the buffer order (``Plan.order``) is the planner's choice.
+        world_size: ranks of the FSDP mesh dim.
+        granularity: ``None`` (rows for >= 2-D, elements for 1-D), one :class:`Granularity`,
+            a callable ``(name, shape) -> Granularity``, or ``{fnmatch pattern: Granularity}``
+            (first match wins, unmatched names get the default).
+        dtype: element type of the buffer (reported in bytes; part of the digest).
+
+    The plan depends only on the shapes, granularities and ``world_size``: every rank computes
+    the same one (:meth:`Plan.check_consistent` verifies it). Padding is minimized first (no
+    granularity block is ever cut), optimizer work is balanced second. Raises ``ValueError`` for
+    a granularity a shape cannot take (block granularity on a 1-D tensor, keep_dims_whole beyond
+    the tensor's dims). A whole-matrix parameter larger than ``total / world_size`` is not an
+    error: the chunk grows to hold it, and the extra is padding.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+    entries = _normalize(named_shapes)
+    names = [n for n, _ in entries]
+    grans = [resolve_policy(granularity, n, s) for n, s in entries]
+    specs = tuple(resolve(n, s, g) for (n, s), g in zip(entries, grans))
+    layout, placements = _planned(specs, world_size)
+    return Plan(names, specs, grans, layout, placements, dtype)

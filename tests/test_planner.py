@@ -1,0 +1,276 @@
+"""Properties of ragged_placement.planner, checked against independent references.
+
+The reference for "allowed cut" is computed here from the shape and the granularity's documented
+meaning, not from the planner's CutSpec; the reference for the layout invariant is plain interval
+arithmetic on the global flat buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ragged_placement.placement import RaggedShard
+from ragged_placement.planner import Granularity, chunk_lower_bound, plan
+from ragged_placement.planner.granularity import resolve
+
+# -- independent references -------------------------------------------------------------------
+
+
+def ref_cut_ok(shape: tuple[int, ...], gran: Granularity, x: int) -> bool:
+    """Whether a cut ``x`` elements into a tensor of ``shape`` respects ``gran``."""
+    n = math.prod(shape)
+    if x <= 0 or x >= n:
+        return True
+    if gran.keep_dims_whole and x % math.prod(shape[min(gran.keep_dims_whole):]):
+        return False
+    if gran.kind == "element":
+        return True
+    if gran.kind == "matrix":
+        return False
+    if gran.kind == "rows":
+        row_numel = math.prod(shape[1:])
+        return x % row_numel == 0 and (x // row_numel) % gran.band_rows == 0
+    # block: bands of band_rows rows of the trailing matrix, restarting at every matrix
+    cols, rows = shape[-1], shape[-2]
+    return x % cols == 0 and ((x // cols) % rows) % gran.band_rows == 0
+
+
+def ref_dims(shape: tuple[int, ...], gran: Granularity) -> tuple[int, ...]:
+    """The RaggedShard dims a granularity documents."""
+    nd = {"element": len(shape), "rows": 1, "block": len(shape) - 1, "matrix": 1}[gran.kind]
+    if gran.keep_dims_whole:
+        nd = max(min(nd, min(gran.keep_dims_whole)), 1)
+    return tuple(range(nd))
+
+
+def shard0_padding(shapes: dict[str, tuple[int, ...]], world: int) -> int:
+    """FSDP2: every parameter's dim 0 padded up to a multiple of the world size."""
+    return sum(
+        (-(-s[0] // world) * world - s[0]) * math.prod(s[1:]) for s in shapes.values()
+    )
+
+
+def check_plan(p, shapes: dict[str, tuple[int, ...]], grans: dict[str, Granularity]) -> None:
+    """Every documented invariant of a plan, for every parameter and rank."""
+    s, w = p.chunk_numel, p.world_size
+    total = sum(math.prod(sh) for sh in shapes.values())
+    assert p.padding_numel == s * w - total >= 0
+    assert list(p.names) == list(shapes)
+    assert sorted(p.order) == sorted(shapes)
+    # parameters are disjoint, in buffer order, inside the buffer
+    end = 0
+    for name in p.order:
+        o = p.offsets[name]
+        assert o >= end
+        end = o + math.prod(shapes[name])
+    assert end <= s * w
+    for name, shape in shapes.items():
+        o, n, g = p.offsets[name], math.prod(shape), grans[name]
+        pl = p.placements[name]
+        assert isinstance(pl, RaggedShard)
+        assert p.shapes[name] == torch.Size(shape)
+        assert pl.dims == ref_dims(shape, g), (name, pl, g)
+        assert len(pl.local_units) == w
+        row_numel = math.prod(shape[len(pl.dims):])
+        rows = math.prod(shape[:len(pl.dims)])
+        assert sum(pl.local_units) * pl.unit_rows(shape) == rows  # units sum to the rows
+        # no block is ever cut
+        for r in range(1, w):
+            if o < r * s < o + n:
+                assert ref_cut_ok(shape, g, r * s - o), (name, shape, g, r * s - o)
+        for r in range(w):
+            lo, hi = max(o, r * s), min(o + n, (r + 1) * s)
+            b, e = p.local_slice(name, r)
+            r0, r1 = pl.local_row_range(shape, r)
+            if lo < hi:
+                assert (b, e) == (lo - r * s, hi - r * s)
+                assert (r0 * row_numel, r1 * row_numel) == (lo - o, hi - o)
+            else:
+                assert b == e and r0 == r1
+            assert pl.local_shape(shape, r)[0] * row_numel == max(hi - lo, 0)
+
+
+# -- strategies -------------------------------------------------------------------------------
+
+GRANS = [
+    Granularity.element(),
+    Granularity.row(),
+    Granularity.rows(3),
+    Granularity.block(4, 4),
+    Granularity.matrix(),
+]
+
+
+@st.composite
+def units(draw, max_params: int = 7):
+    """A small FSDP unit: shapes of 1-3 dims with a granularity each."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    grans: dict[str, Granularity] = {}
+    for i in range(draw(st.integers(1, max_params))):
+        ndim = draw(st.integers(1, 3))
+        shape = tuple(draw(st.lists(st.integers(1, 12), min_size=ndim, max_size=ndim)))
+        options = [g for g in GRANS if not (g.kind == "block" and ndim < 2)]
+        g = draw(st.sampled_from(options))
+        if ndim >= 2 and draw(st.booleans()):
+            keep = draw(st.integers(1, ndim - 1))
+            if g.kind != "matrix":
+                g = Granularity(g.kind, g.band_rows, g.block_cols, (keep,))
+        shapes[f"p{i}"] = shape
+        grans[f"p{i}"] = g
+    return shapes, grans
+
+
+def _resolvable(shapes, grans) -> bool:
+    try:
+        for n, s in shapes.items():
+            resolve(n, s, grans[n])
+    except ValueError:
+        return False
+    return True
+
+
+# -- properties -------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(units(), st.integers(1, 9))
+def test_plan_invariants(unit, world):
+    shapes, grans = unit
+    if not _resolvable(shapes, grans):
+        return
+    p = plan(shapes, world, granularity=grans)
+    check_plan(p, shapes, grans)
+    assert p.chunk_numel >= chunk_lower_bound([p.specs[n] for n in shapes], world)
+    # deterministic: same input, same plan, from a fresh computation
+    from ragged_placement.planner.plan import _planned
+
+    _planned.cache_clear()
+    assert plan(shapes, world, granularity=grans).digest() == p.digest()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=3), min_size=1, max_size=8),
+       st.integers(1, 64))
+def test_element_granularity_never_pads_more_than_fsdp2(shape_list, world):
+    shapes = {f"p{i}": tuple(s) for i, s in enumerate(shape_list)}
+    p = plan(shapes, world, granularity=Granularity.element())
+    check_plan(p, shapes, {n: Granularity.element() for n in shapes})
+    assert p.padding_numel <= shard0_padding(shapes, world)
+    assert p.padding_numel < world  # one flat pad: FSDP1's
+
+
+def _brute_force_chunk(shapes, grans, world) -> int:
+    """The smallest S with a valid layout, by exhaustive search over orders and paddings."""
+    names = list(shapes)
+    sizes = {n: math.prod(shapes[n]) for n in names}
+    total = sum(sizes.values())
+    s = max(-(-total // world), 1)
+    while True:
+        cap = s * world
+
+        def fits(rest, pos):
+            if not rest:
+                return True
+            for i, n in enumerate(rest):
+                for o in range(pos, cap - sizes[n] + 1):
+                    if all(
+                        ref_cut_ok(shapes[n], grans[n], r * s - o)
+                        for r in range(1, world)
+                        if o < r * s < o + sizes[n]
+                    ) and fits(rest[:i] + rest[i + 1:], o + sizes[n]):
+                        return True
+            return False
+
+        if fits(names, 0):
+            return s
+        s += 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(units(max_params=3), st.integers(2, 4))
+def test_lower_bound_and_planner_against_brute_force(unit, world):
+    shapes, grans = unit
+    if not _resolvable(shapes, grans) or sum(math.prod(s) for s in shapes.values()) > 36:
+        return
+    p = plan(shapes, world, granularity=grans)
+    best = _brute_force_chunk(shapes, grans, world)
+    assert p.chunk_lower_bound <= best <= p.chunk_numel
+
+
+# -- targeted cases ---------------------------------------------------------------------------
+
+
+def test_stacked_experts_cut_between_experts_or_bands():
+    shapes = {"experts.w1": (4, 300, 64), "norm": (64,)}
+    grans = {"experts.w1": Granularity.block(128, 128), "norm": Granularity.element()}
+    for world in (2, 3, 5, 8, 16):
+        p = plan(shapes, world, granularity=grans)
+        check_plan(p, shapes, grans)
+        assert p.placements["experts.w1"].dims == (0, 1)
+
+
+def test_keep_dims_whole_tensor_parallel():
+    shapes = {"w": (8, 6, 4)}
+    g = Granularity.element(keep_dims_whole=(1,))
+    p = plan(shapes, 4, granularity=g)
+    check_plan(p, shapes, {"w": g})
+    assert p.placements["w"].dims == (0,)  # only whole [6, 4] slices move
+    whole = plan(shapes, 4, granularity=Granularity.row(keep_dims_whole=(0,)))
+    assert sum(1 for u in whole.placements["w"].local_units if u) == 1
+
+
+def test_policy_forms_and_errors():
+    shapes = [("layers.0.w", (256, 64)), ("layers.0.b", (64,))]
+    by_pattern = plan(shapes, 4, granularity={"*.w": Granularity.block(128, 128)})
+    by_callable = plan(
+        shapes, 4,
+        granularity=lambda n, s: Granularity.block(128, 128) if len(s) == 2 else Granularity.element(),
+    )
+    assert by_pattern.digest() == by_callable.digest()
+    assert by_pattern.granularities["layers.0.b"] == Granularity.element()
+    with pytest.raises(ValueError, match="layers.0.b"):
+        plan(shapes, 4, granularity=Granularity.block(128, 128))
+    with pytest.raises(ValueError, match="world_size"):
+        plan(shapes, 0)
+    with pytest.raises(ValueError, match="twice"):
+        plan([("a", (2,)), ("a", (3,))], 2)
+    with pytest.raises(ValueError, match="0-d"):
+        plan({"s": ()}, 2)
+    with pytest.raises(ValueError, match="keep_dims_whole"):
+        plan({"w": (4, 4)}, 2, granularity=Granularity.row(keep_dims_whole=(2,)))
+
+
+def test_whole_matrices_balance_newton_schulz_work():
+    # four 64x64 and four 32x32 matrices on 4 ranks: padding-minimal S holds one big + one small
+    shapes = {f"big{i}": (64, 64) for i in range(4)} | {f"small{i}": (32, 32) for i in range(4)}
+    p = plan(shapes, 4, granularity=Granularity.matrix())
+    check_plan(p, shapes, {n: Granularity.matrix() for n in shapes})
+    assert p.padding_numel == 0
+    work = p.rank_work()
+    assert work.max() == work.min() == 64**3 + 32**3
+
+
+def test_local_views_and_rendering(tmp_path):
+    shapes = {"a": (5, 3), "b": (7,), "c": (2, 4, 3)}
+    p = plan(shapes, 3, granularity={"c": Granularity.block(2, 2)})
+    full = {n: torch.randn(s) for n, s in shapes.items()}
+    flat = torch.zeros(p.chunk_numel * p.world_size)
+    for n, t in full.items():
+        flat[p.offsets[n]:p.offsets[n] + t.numel()] = t.flatten()
+    for r in range(p.world_size):
+        views = p.local_views(flat[r * p.chunk_numel:(r + 1) * p.chunk_numel], r)
+        for n, t in full.items():
+            torch.testing.assert_close(views[n], p.placements[n].shard_local(t, r), rtol=0, atol=0)
+    text = p.ascii_map()
+    assert all(f"rank {r}" in text for r in range(3)) and "a[" in text
+    path = tmp_path / "plan.png"
+    p.save_png(str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(data[20:24], "big") == 3
+    assert "padding" in p.summary()
