@@ -8,13 +8,16 @@
 """
 
 from ragged_placement.optim.muon import Muon, MuonStepInfo, adjusted_lr
+from ragged_placement.optim.shampoo import Shampoo, matrix_power
 from ragged_placement.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, newton_schulz, newton_schulz_flops
 
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
     "Muon",
     "MuonStepInfo",
+    "Shampoo",
     "adjusted_lr",
+    "matrix_power",
     "newton_schulz",
     "newton_schulz_flops",
 ]

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ragged_placement.placement import RaggedShard
 
-__all__ = ["Layout", "Item", "layout_of", "local_flat", "assign_owners", "Exchange"]
+__all__ = ["Layout", "Item", "layout_of", "local_tensor", "local_flat", "assign_owners", "Exchange"]
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,14 @@ def layout_of(tensor: torch.Tensor) -> Layout:
     return Layout(shape, mesh.get_group(0), rank, ranges)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a DTensor's local tensor, a plain tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def local_flat(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's elements of ``tensor`` as a 1-D view (DTensor: its local tensor)."""
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     if not local.is_contiguous():
         raise ValueError(f"local tensor of shape {tuple(local.shape)} must be contiguous")
     return local.view(-1)

@@ -33,10 +33,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ragged_placement.optim._adamw import adamw_update
-from ragged_placement.optim._sharding import Exchange, Item, Layout, assign_owners, layout_of, local_flat
+from ragged_placement.optim._sharding import (
+    Exchange,
+    Item,
+    Layout,
+    assign_owners,
+    layout_of,
+    local_flat,
+    local_tensor,
+)
 from ragged_placement.optim._state import ShardedStateOptimizer, check_non_negative, check_unit_interval
 from ragged_placement.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, newton_schulz, newton_schulz_flops
 
@@ -144,13 +151,13 @@ class Muon(ShardedStateOptimizer):
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {group['algorithm']!r}")
         check_non_negative("lr", group["lr"])
         check_non_negative("weight_decay", group["weight_decay"])
+        betas = group["betas"]
+        if len(betas) != 2:
+            raise ValueError(f"betas must be a pair, got {betas!r}")
+        check_unit_interval("betas[0]", betas[0])
+        check_unit_interval("betas[1]", betas[1])
+        check_non_negative("adamw_eps", group["adamw_eps"])
         if group["algorithm"] == "adamw":
-            betas = group["betas"]
-            if len(betas) != 2:
-                raise ValueError(f"betas must be a pair, got {betas!r}")
-            check_unit_interval("betas[0]", betas[0])
-            check_unit_interval("betas[1]", betas[1])
-            check_non_negative("adamw_eps", group["adamw_eps"])
             return
         check_unit_interval("momentum", group["momentum"])
         check_non_negative("eps", group["eps"])
@@ -246,7 +253,7 @@ class Muon(ShardedStateOptimizer):
                 for p in g["params"]:
                     if p.grad is not None:
                         adamw_update(
-                            local_flat(p), local_flat(p.grad), self.state[p], lr=g["lr"], betas=g["betas"],
+                            local_tensor(p), local_tensor(p.grad), self.state[p], lr=g["lr"], betas=g["betas"],
                             eps=g["adamw_eps"], weight_decay=g["weight_decay"],
                         )
 
@@ -263,7 +270,7 @@ class Muon(ShardedStateOptimizer):
         grad = local_flat(p.grad)
         state = self.state[p]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+            state["momentum_buffer"] = torch.zeros_like(local_tensor(p.grad))
         buf = state["momentum_buffer"].view(-1)
         m = group["momentum"]
         buf.lerp_(grad, 1 - m)
