@@ -20,7 +20,7 @@ from typing import Union
 
 __all__ = ["Granularity", "GranularityPolicy", "CutSpec", "resolve", "resolve_policy"]
 
-_KINDS = ("element", "rows", "block", "matrix")
+_KINDS = ("element", "rows", "block", "matrix", "matrices")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class Granularity:
       ``[E, out, in]`` is cut between experts or between bands of one expert (RaggedShard dims
       ``(0, 1)``); if ``out`` is not divisible, each expert's last band is short and whole.
     * :meth:`matrix` - never: the whole tensor on one rank (a Muon owner).
+    * :meth:`matrices` - between the trailing 2-D matrices of a stacked tensor: each expert of
+      ``[E, out, in]`` whole on one rank (a Muon owner per expert); a 2-D tensor stays whole.
 
     ``keep_dims_whole`` (any constructor) is the tensor-parallel constraint: a dim sharded on
     another mesh dim must never be cut through. Keeping dim ``k`` whole allows cuts only
@@ -89,12 +91,18 @@ class Granularity:
         """Never cut: the whole tensor lives on one rank."""
         return cls("matrix")
 
+    @classmethod
+    def matrices(cls) -> Granularity:
+        """Cut only between the trailing matrices of a stacked tensor (one owner per expert)."""
+        return cls("matrices")
+
     def __str__(self) -> str:
         base = {
             "element": "element",
             "rows": "row" if self.band_rows == 1 else f"rows({self.band_rows})",
             "block": f"block({self.band_rows}x{self.block_cols})",
             "matrix": "matrix",
+            "matrices": "matrices",
         }[self.kind]
         return base + (f"[keep {self.keep_dims_whole}]" if self.keep_dims_whole else "")
 
@@ -150,7 +158,9 @@ class CutSpec:
 
     ``prefix`` leading dims are flattened into ``rows`` rows of ``row_numel`` elements (the
     RaggedShard ``dims`` are ``range(prefix)``). A cut may fall only before row
-    ``j * period + i * band`` (``0 <= i * band < period``) or at the end.
+    ``j * period + i * band`` (``0 <= i * band < period``) or at the end. ``work`` is the
+    optimizer work of the whole tensor, spread evenly over its elements: Newton-Schulz FLOPs
+    ``m*n*min(m,n)`` per owned matrix for matrix granularities, the numel otherwise.
     """
 
     shape: tuple[int, ...]
@@ -159,7 +169,7 @@ class CutSpec:
     rows: int
     band: int
     period: int
-    matrix_owner: bool
+    work: int
 
     @property
     def numel(self) -> int:
@@ -186,20 +196,15 @@ class CutSpec:
         row, rem = divmod(offset, self.row_numel)
         return rem == 0 and (row % self.period) % self.band == 0
 
-    def work(self) -> int:
-        """Optimizer work: Newton-Schulz FLOPs ``m*n*min(m,n)`` for a matrix owner, else numel."""
-        if self.matrix_owner and len(self.shape) >= 2 and self.numel:
-            m = self.shape[0]
-            n = self.numel // m
-            return m * n * min(m, n)
-        return self.numel
 
 
 def _canonical(rows: int, band: int, period: int) -> tuple[int, int]:
-    """Normalize ``(band, period)``: a band dividing its period is uniform (period == band)."""
+    """Normalize ``(band, period)``. A band dividing its period is uniform (period == band), and
+    so is a single period (``period == rows``): its short last band ends at the end, where a
+    cut is always allowed, so every multiple of the band is a cut."""
     if band >= period:
         return max(period, 1), max(period, 1)
-    if period % band == 0:
+    if period % band == 0 or period == rows:
         return band, band
     return band, period
 
@@ -209,7 +214,7 @@ def _coarsen(spec: CutSpec, name: str, gran: Granularity, keep: int) -> CutSpec:
     shape = spec.shape
     if keep == 0:
         return CutSpec(shape, 1, math.prod(shape[1:]), shape[0], max(shape[0], 1),
-                       max(shape[0], 1), True)
+                       max(shape[0], 1), spec.work)
     if keep >= spec.prefix:
         return spec
     q = math.prod(shape[keep:spec.prefix])  # fine rows per coarse row
@@ -221,13 +226,18 @@ def _coarsen(spec: CutSpec, name: str, gran: Granularity, keep: int) -> CutSpec:
         band, period = _canonical(rows, spec.band // math.gcd(spec.band, q), spec.period // q)
     elif spec.band == spec.period:
         band = spec.band // math.gcd(spec.band, q)
-        band, period = _canonical(rows, band, band if rows % band == 0 else rows)
+        band, period = _canonical(rows, band, rows)
     else:
         raise ValueError(
             f"parameter {name!r} {shape}: granularity {gran} cannot keep dim {keep} whole "
             f"(its bands of {spec.band} rows do not align with slices of {q} rows)"
         )
-    return CutSpec(shape, keep, row_numel, rows, band, period, spec.matrix_owner)
+    return CutSpec(shape, keep, row_numel, rows, band, period, spec.work)
+
+
+def _newton_schulz_flops(m: int, n: int) -> int:
+    """FLOPs of a Newton-Schulz orthogonalization step on an ``m x n`` matrix, up to a constant."""
+    return m * n * min(m, n)
 
 
 def resolve(name: str, shape: Sequence[int], gran: Granularity) -> CutSpec:
@@ -240,23 +250,28 @@ def resolve(name: str, shape: Sequence[int], gran: Granularity) -> CutSpec:
     if any(s < 0 for s in shape):
         raise ValueError(f"parameter {name!r} has a negative dim: {shape}")
     ndim = len(shape)
+    numel = math.prod(shape)
     if gran.kind == "element":
-        spec = CutSpec(shape, ndim, 1, math.prod(shape), 1, 1, False)
+        spec = CutSpec(shape, ndim, 1, numel, 1, 1, numel)
     elif gran.kind == "rows":
-        rows = shape[0]
-        band, period = _canonical(rows, gran.band_rows, rows)
-        spec = CutSpec(shape, 1, math.prod(shape[1:]), rows, band, period, False)
+        band, period = _canonical(shape[0], gran.band_rows, shape[0])
+        spec = CutSpec(shape, 1, math.prod(shape[1:]), shape[0], band, period, numel)
     elif gran.kind == "block":
         if ndim < 2:
             raise ValueError(
                 f"parameter {name!r} {shape}: block granularity needs a matrix (>= 2 dims); "
                 "use element or rows for 1-D parameters"
             )
-        band, period = _canonical(shape[-2], gran.band_rows, shape[-2])
-        spec = CutSpec(shape, ndim - 1, shape[-1], math.prod(shape[:-1]), band, period, False)
-    else:  # matrix
-        spec = CutSpec(shape, 1, math.prod(shape[1:]), shape[0], max(shape[0], 1),
-                       max(shape[0], 1), True)
+        band, period = _canonical(math.prod(shape[:-1]), gran.band_rows, shape[-2])
+        spec = CutSpec(shape, ndim - 1, shape[-1], math.prod(shape[:-1]), band, period, numel)
+    elif gran.kind == "matrix" or ndim <= 2:
+        rows = max(shape[0], 1)
+        spec = CutSpec(shape, 1, math.prod(shape[1:]), shape[0], rows, rows,
+                       _newton_schulz_flops(shape[0], numel // rows))
+    else:  # matrices of a stacked tensor: cut between them
+        m, n = shape[-2], shape[-1]
+        stack = math.prod(shape[:-2])
+        spec = CutSpec(shape, ndim - 2, m * n, stack, 1, 1, stack * _newton_schulz_flops(m, n))
     if gran.keep_dims_whole:
         bad = [d for d in gran.keep_dims_whole if d >= ndim]
         if bad:

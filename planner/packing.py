@@ -80,10 +80,10 @@ def _lcm(values) -> int:
 def _classes(specs: Sequence[CutSpec]) -> list[_Class]:
     by_key: dict[tuple, _Class] = {}
     for i, s in enumerate(specs):
-        key = (s.numel, s.band_numel, s.period_numel, s.whole, s.work())
+        key = (s.numel, s.band_numel, s.period_numel, s.whole, s.work)
         cls = by_key.get(key)
         if cls is None:
-            by_key[key] = _Class(s.numel, s.band_numel, s.period_numel, s.work(), [i])
+            by_key[key] = _Class(s.numel, s.band_numel, s.period_numel, s.work, [i])
         else:
             cls.members.append(i)
     return list(by_key.values())
@@ -170,15 +170,31 @@ def _head(c: _Class, f: int, s: int) -> int | None:
 def _try_pack(
     classes: Sequence[_Class], n_items: int, world_size: int, s: int
 ) -> tuple[list[int] | None, int]:
-    """Offsets of every item at chunk size ``s``, or ``(None, deficit)``."""
+    """Offsets of every item at chunk size ``s``, or ``(None, deficit)``.
+
+    Fillers first go into the free runs left by the others; if that fails they join the flow
+    (where they cross boundaries that would cost banded parameters padding)."""
+    fillers = [c for c in classes if c.band == 1 and c.numel >= 1]
+    flow = [c for c in classes if 1 < c.band < c.numel]
+    whole = [c for c in classes if c.band >= c.numel and not (c.band == 1 and c.numel >= 1)]
+    offsets, deficit = _attempt(flow, whole, fillers, n_items, world_size, s)
+    if offsets is None and fillers:
+        offsets, deficit2 = _attempt(flow + fillers, whole, [], n_items, world_size, s)
+        deficit = min(deficit, deficit2)
+    return offsets, deficit
+
+
+def _attempt(
+    flow: list[_Class], whole: list[_Class], fillers: list[_Class], n_items: int,
+    world_size: int, s: int,
+) -> tuple[list[int] | None, int]:
+    """One packing at chunk size ``s``: flow, then whole parameters, then fillers."""
     offsets = [0] * n_items
     capacity = world_size * s
-    flow = [c for c in classes if 1 < c.band < c.numel]
-    whole = [c for c in classes if c.band >= c.numel]
-    fillers = [c for c in classes if c.band == 1 < c.numel]
     # -- 1. flow ------------------------------------------------------------------------
     pos = 0
     gaps: list[tuple[int, int]] = []
+    placed: list[tuple[int, int, int]] = []  # (offset, numel, work) of flow items, by offset
     remaining = [len(c.members) for c in flow]
     left = sum(remaining)
     while left:
@@ -209,6 +225,7 @@ def _try_pack(
             pos += waste
         c = flow[ci]
         offsets[c.members[len(c.members) - remaining[ci]]] = pos
+        placed.append((pos, c.numel, c.work))
         pos += c.numel
         remaining[ci] -= 1
         left -= 1
@@ -224,12 +241,13 @@ def _try_pack(
     # -- 2. whole parameters --------------------------------------------------------------
     items = [(c, m) for c in whole for m in c.members]
     if items:
-        placed = _place_whole_lpt(items, free, next_fresh, world_size, s, offsets)
-        if placed is None:
-            placed = _place_whole_bfd(items, free, next_fresh, world_size, s, offsets)
-        if placed is None:
+        load = {k: _flow_work(placed, k * s, (k + 1) * s) for k in free}
+        result = _place_whole_lpt(items, free, load, next_fresh, world_size, s, offsets)
+        if result is None:
+            result = _place_whole_bfd(items, free, next_fresh, world_size, s, offsets)
+        if result is None:
             return None, sum(c.numel for c, _ in items)
-        free, next_fresh = placed
+        free, next_fresh = result
     # -- 3. fillers -----------------------------------------------------------------------
     fill = sorted(((c.numel, m) for c in fillers for m in c.members), key=lambda t: (-t[0], t[1]))
     if fill:
@@ -268,10 +286,20 @@ def _take(runs: list[list[int]], numel: int) -> int | None:
     return start
 
 
-def _place_whole_lpt(items, free, next_fresh, world_size, s, offsets):
+def _flow_work(placed: list[tuple[int, int, int]], lo: int, hi: int) -> float:
+    """Work of the flow items' pieces inside ``[lo, hi)`` (items sorted by offset, disjoint)."""
+    total = 0.0
+    j = bisect.bisect_left(placed, (hi, -1, -1)) - 1
+    while j >= 0 and placed[j][0] + placed[j][1] > lo:
+        o, n, w = placed[j]
+        total += w * (min(o + n, hi) - max(o, lo)) / n
+        j -= 1
+    return total
+
+
+def _place_whole_lpt(items, free, load, next_fresh, world_size, s, offsets):
     """Longest-processing-time assignment of whole parameters to chunks, balancing work."""
     free = {k: [list(r) for r in v] for k, v in free.items()}
-    load: dict[int, int] = {k: s - sum(r[1] for r in v) for k, v in free.items()}
     heap = [(load[k], k) for k in free]
     heapq.heapify(heap)
     order = sorted(items, key=lambda cm: (-cm[0].work, -cm[0].numel, cm[1]))

@@ -155,24 +155,22 @@ class Plan:
         return o // s, max(o + n - 1, o) // s
 
     def rank_work(self) -> np.ndarray:
-        """Optimizer work per rank: Newton-Schulz FLOPs for whole-matrix parameters, numel for
-        the rest (float64, one entry per rank)."""
+        """Optimizer work per rank (float64): Newton-Schulz FLOPs of the matrices a rank owns
+        under matrix granularities, its element count under the others."""
         s, w = self.chunk_numel, self.world_size
         work = np.zeros(w, dtype=np.float64)
         for name in self.names:
             spec, o = self.specs[name], self.offsets[name]
             if spec.numel == 0:
                 continue
-            if spec.matrix_owner:
-                work[o // s] += spec.work()
-                continue
+            per = spec.work / spec.numel
             first, last = o // s, (o + spec.numel - 1) // s
             if first == last:
-                work[first] += spec.numel
+                work[first] += spec.work
             else:
-                work[first] += (first + 1) * s - o
-                work[first + 1:last] += s
-                work[last] += o + spec.numel - last * s
+                work[first] += ((first + 1) * s - o) * per
+                work[first + 1:last] += s * per
+                work[last] += (o + spec.numel - last * s) * per
         return work
 
     # -- identity ---------------------------------------------------------------------------
@@ -184,7 +182,7 @@ class Plan:
             str(self.dtype),
             [
                 [n, list(self.shapes[n]), self.offsets[n], self.specs[n].prefix,
-                 self.specs[n].band, self.specs[n].period, self.specs[n].matrix_owner]
+                 self.specs[n].band, self.specs[n].period, self.specs[n].work]
                 for n in self.order
             ],
         ]

@@ -31,8 +31,10 @@ def ref_cut_ok(shape: tuple[int, ...], gran: Granularity, x: int) -> bool:
         return False
     if gran.kind == "element":
         return True
-    if gran.kind == "matrix":
+    if gran.kind == "matrix" or (gran.kind == "matrices" and len(shape) <= 2):
         return False
+    if gran.kind == "matrices":  # between the trailing matrices of a stack
+        return x % (shape[-1] * shape[-2]) == 0
     if gran.kind == "rows":
         row_numel = math.prod(shape[1:])
         return x % row_numel == 0 and (x // row_numel) % gran.band_rows == 0
@@ -43,7 +45,8 @@ def ref_cut_ok(shape: tuple[int, ...], gran: Granularity, x: int) -> bool:
 
 def ref_dims(shape: tuple[int, ...], gran: Granularity) -> tuple[int, ...]:
     """The RaggedShard dims a granularity documents."""
-    nd = {"element": len(shape), "rows": 1, "block": len(shape) - 1, "matrix": 1}[gran.kind]
+    nd = {"element": len(shape), "rows": 1, "block": len(shape) - 1, "matrix": 1,
+          "matrices": max(len(shape) - 2, 1)}[gran.kind]
     if gran.keep_dims_whole:
         nd = max(min(nd, min(gran.keep_dims_whole)), 1)
     return tuple(range(nd))
@@ -104,6 +107,7 @@ GRANS = [
     Granularity.rows(3),
     Granularity.block(4, 4),
     Granularity.matrix(),
+    Granularity.matrices(),
 ]
 
 
@@ -119,7 +123,7 @@ def units(draw, max_params: int = 7):
         g = draw(st.sampled_from(options))
         if ndim >= 2 and draw(st.booleans()):
             keep = draw(st.integers(1, ndim - 1))
-            if g.kind != "matrix":
+            if g.kind not in ("matrix", "matrices"):
                 g = Granularity(g.kind, g.band_rows, g.block_cols, (keep,))
         shapes[f"p{i}"] = shape
         grans[f"p{i}"] = g
