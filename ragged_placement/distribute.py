@@ -146,7 +146,7 @@ def global_shape_and_stride(
             if not strict and (len(p.dims) > 1 or p.local_units[coord[m]] == 0):
                 shape = [0, *shape[1:]] if len(p.dims) == 1 else list(local.shape)
                 continue
-            if 0 in p.local_units:
+            if strict and 0 in p.local_units:
                 raise ValueError(
                     f"DTensor.from_local with {p!r} (zero units on some ranks) needs shape= and stride="
                 )

@@ -15,6 +15,8 @@ own fake-tensor propagation; the rules here only choose placements:
   sharded mesh dim whose cut dims are all reduced becomes ``Partial`` (sum), a
   :class:`RaggedMeanPartial` (mean: each rank weighted by its share, exact for uneven and empty
   shards) or torch's ``_NormPartial``; dims that are not reduced keep their placement.
+* ``x.new_empty_strided(x.shape, ...)`` and the other ``new_*`` factories (autograd calls them to
+  accumulate gradients) keep ``x``'s placements.
 * every other op raises ``NotImplementedError`` naming the op and the placements.
 """
 
@@ -45,6 +47,11 @@ _LIKE_OPS = {
     aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default,
     aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default,
     aten.lerp_.Scalar, aten.lerp_.Tensor, aten.lerp.Scalar, aten.lerp.Tensor,
+}
+# new_* factories: (index of the size arg, index of the stride arg or None)
+_NEW_FACTORIES = {
+    aten.new_empty_strided.default: (1, 2), aten.new_empty.default: (1, None),
+    aten.new_zeros.default: (1, None), aten.new_ones.default: (1, None), aten.new_full.default: (1, None),
 }
 _NON_POINTWISE_FOREACH = {"_foreach_norm", "_foreach_max"}
 _SUM_OPS = {aten.sum.default, aten.sum.dim_IntList}
@@ -269,12 +276,32 @@ def _reduction(op_schema: OpSchema, meta) -> OutputSharding:
     return OutputSharding(_with_meta(spec, placements, meta))
 
 
+def _new_factory(op_schema: OpSchema, meta) -> OutputSharding:
+    """``x.new_*(x.shape)`` keeps ``x``'s placements; the local call gets the local size."""
+    from ragged_placement.distribute import local_shape
+
+    spec = op_schema.args_schema[0]
+    size_idx, stride_idx = _NEW_FACTORIES[op_schema.op]
+    if tuple(op_schema.args_schema[size_idx]) != tuple(spec.shape):
+        raise _unsupported(op_schema, f"a new tensor of another shape than {tuple(spec.shape)}")
+    local = local_shape(spec.shape, spec.mesh, spec.placements)
+    args = list(op_schema.args_schema)
+    args[size_idx] = list(local)
+    if stride_idx is not None:
+        args[stride_idx] = list(torch.empty(local, device="meta").stride())
+    suggestion = OpSchema(op_schema.op, tuple(args), op_schema.kwargs_schema, schema_info=op_schema.schema_info)
+    return OutputSharding(_with_meta(spec, spec.placements, meta), suggestion, needs_redistribute=True,
+                          use_val_from_redistribute_schema=True)
+
+
 def propagate(propagator, op_schema: OpSchema) -> OutputSharding:
     """The ``OutputSharding`` of an op with RaggedShard inputs (see the module docstring)."""
     op = op_schema.op
     meta = propagator._propagate_tensor_meta_non_cached(op_schema)
     if op in _SUM_OPS or op in _MEAN_OPS or op in _NORM_OPS or op is aten._foreach_norm.Scalar:
         return _reduction(op_schema, meta)
+    if op in _NEW_FACTORIES:
+        return _new_factory(op_schema, meta)
     if _is_pointwise(op):
         return _pointwise(op_schema, meta)
     if op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) and \
