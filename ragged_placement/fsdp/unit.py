@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ragged_placement._compat import all_gather_single, reduce_scatter_single
 
@@ -69,12 +70,16 @@ class UnitState(enum.Enum):
     UNSHARDED = "unsharded"
 
 
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
 def _alias(storage: torch.UntypedStorage, dtype: torch.dtype, device: torch.device,
            offset: int, shape: torch.Size) -> torch.Tensor:
     """A tensor over ``storage`` with its own version counter (a plain view would share the
     buffer's, and the all-gather writing the buffer would invalidate tensors autograd saved)."""
     out = torch.empty(0, dtype=dtype, device=device)
-    out.set_(storage, offset, shape, torch.empty(shape, device="meta").stride())
+    out.set_(storage, offset, shape, _contiguous_stride(shape))
     return out
 
 
@@ -131,15 +136,24 @@ class FSDPUnit:
                     src = self.plan.offsets[slot.fqn]
                     g0 = self.rank * S + begin - src  # first element of p in this rank's run
                     self.sharded[begin:end].copy_(p.detach().reshape(-1)[g0:g0 + end - begin])
+        # One spec per parameter, shared by the sharded parameter and its gradient. DTensors are
+        # built from it directly (as FSDP2 does): from_local would add an autograd node and
+        # re-derive the global shape on every gradient landing.
+        self.specs: list[DTensorSpec] = []
         local_views = self.plan.local_views(self.sharded, self.rank)
         self.sharded_params: list[nn.Parameter] = []
         for slot in slots:
             placement = self.plan.placements[slot.fqn]
-            dt = DTensor.from_local(
-                local_views[slot.fqn], mesh, [placement], run_check=False,
-                shape=slot.shape, stride=torch.empty(slot.shape, device="meta").stride(),
-            )
-            self.sharded_params.append(nn.Parameter(dt, requires_grad=slot.requires_grad))
+            placement.check_mesh_size(self.world_size)
+            local = local_views[slot.fqn]
+            if tuple(local.shape) != placement.local_shape(slot.shape, self.rank):
+                raise ValueError(
+                    f"plan gives {slot.fqn} a local view of shape {tuple(local.shape)}, but "
+                    f"{placement!r} needs {placement.local_shape(slot.shape, self.rank)}"
+                )
+            spec = DTensorSpec(mesh, (placement,), TensorMeta(slot.shape, _contiguous_stride(slot.shape), self.orig_dtype))
+            self.specs.append(spec)
+            self.sharded_params.append(nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=slot.requires_grad))
 
         self.unsharded = torch.empty(S * W, dtype=self.param_dtype, device=self.device)
         self._storage = self.unsharded.untyped_storage()
@@ -248,27 +262,21 @@ class FSDPUnit:
         if self.sharded_grad is None:
             self.sharded_grad = out
             views = self.plan.local_views(out, self.rank)
-            for slot, p in zip(self.slots, self.sharded_params):
+            for slot, spec, p in zip(self.slots, self.specs, self.sharded_params):
                 if slot.requires_grad:
-                    p.grad = DTensor.from_local(
-                        views[slot.fqn], self.mesh, [self.plan.placements[slot.fqn]], run_check=False,
-                        shape=slot.shape, stride=p.stride(),
-                    )
+                    p.grad = DTensor(views[slot.fqn], spec, requires_grad=False)
         else:
             self._accumulate_sharded(out)
 
     def _accumulate_sharded(self, new: torch.Tensor) -> None:
         views = self.plan.local_views(new, self.rank)
         own = self.plan.local_views(self.sharded_grad, self.rank)
-        for slot, p in zip(self.slots, self.sharded_params):
+        for slot, spec, p in zip(self.slots, self.specs, self.sharded_params):
             if not slot.requires_grad:
                 continue
             if p.grad is None:
                 own[slot.fqn].copy_(views[slot.fqn])
-                p.grad = DTensor.from_local(
-                    own[slot.fqn], self.mesh, [self.plan.placements[slot.fqn]], run_check=False,
-                    shape=slot.shape, stride=p.stride(),
-                )
+                p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
             else:
                 p.grad._local_tensor.add_(views[slot.fqn])
 
