@@ -195,6 +195,8 @@ def _gather(x, p, lead, trail, group, me: int, n: int) -> torch.Tensor:
         g, _ = _as_movable(gathered)
         s, _ = _as_movable(send)
         _compat.all_gather_single(g, s, group=group)
+        if isinstance(p, RaggedShard) and all(lay.local_numel == pad for lay in src):
+            return gathered.view(*lead, *trail)  # equal runs: the gathered buffer is the tensor
         if isinstance(p, RaggedShard):  # runs are contiguous and in rank order
             torch.cat([gathered[r * pad: r * pad + src[r].local_numel] for r in range(n)], out=out)
         else:
@@ -227,11 +229,14 @@ def _reduce_scatter(x, partial: Partial, q, lead, trail, group, me: int, n: int)
     out = torch.empty(dst[me].local_numel, dtype=x.dtype, device=x.device)
     if pad:
         src_flat = x.contiguous().view(-1)
-        send = x.new_zeros(n * pad)
-        for r in range(n):
-            seg = send[r * pad: r * pad + dst[r].local_numel]
-            for b in dst[r].boxes:
-                dst[r].view(seg, b).copy_(full.view(src_flat, b))
+        if isinstance(q, RaggedShard) and all(lay.local_numel == pad for lay in dst):
+            send = src_flat  # equal runs in rank order: the tensor is the send buffer
+        else:
+            send = x.new_zeros(n * pad)
+            for r in range(n):
+                seg = send[r * pad: r * pad + dst[r].local_numel]
+                for b in dst[r].boxes:
+                    dst[r].view(seg, b).copy_(full.view(src_flat, b))
         recv = x.new_empty(pad)
         _compat.reduce_scatter_single(recv, send, op=_REDUCE_OPS[partial.reduce_op], group=group)
         out.copy_(recv[: dst[me].local_numel])

@@ -1,0 +1,167 @@
+"""RaggedShard redistribution vs the matching Shard path, on 4 gloo ranks.
+
+For each transform: bytes sent per rank (counted from the collectives actually issued, c10d and
+functional, by a dispatch mode) and the median wall time of several runs, for ours and for the
+peer in the same run: torch's own ``Shard`` redistribution of the same tensor, and for
+RaggedShard <-> RaggedShard / Shard the route through a full replica that veScale takes.
+
+    python benchmarks/redistribute.py [--rows 8192] [--cols 512] [--runs 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ragged_placement import RaggedShard
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+class SentBytes(TorchDispatchMode):
+    """Bytes this rank sends in the collectives issued inside the block (ring algorithms:
+    all-gather ``(n-1) x input``, reduce-scatter ``(n-1)/n x input``, all-to-all ``input minus
+    the part kept``, all-reduce ``2 (n-1)/n x input``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ns, name = func.namespace, func._overloadpacket.__name__
+        if ns not in ("c10d", "_c10d_functional"):
+            return out
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        if ns == "c10d":
+            if name in ("_allgather_base_", "alltoall_base_", "_reduce_scatter_base_", "allreduce_"):
+                self.calls += 1
+                pg = dist.ProcessGroup.unbox(args[2])
+                n = pg.size()
+                rank = pg.rank()
+                if name == "_allgather_base_":
+                    self.bytes += nbytes(args[1]) * (n - 1)
+                elif name == "_reduce_scatter_base_":
+                    self.bytes += nbytes(args[1]) * (n - 1) // n
+                elif name == "alltoall_base_":
+                    splits = args[4] or [args[1].numel() // n] * n
+                    per = args[1].element_size() * (args[1].numel() // max(sum(splits), 1))
+                    self.bytes += (sum(splits) - splits[rank]) * per
+                else:
+                    self.bytes += sum(nbytes(t) for t in args[0]) * 2 * (n - 1) // n
+        elif name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce"):
+            self.calls += 1
+            group = dist.distributed_c10d._resolve_process_group(args[-1])
+            n, rank = group.size(), group.rank()
+            if name == "all_gather_into_tensor":
+                self.bytes += nbytes(args[0]) * (n - 1)
+            elif name == "reduce_scatter_tensor":
+                self.bytes += nbytes(args[0]) * (n - 1) // n
+            elif name == "all_to_all_single":
+                in_splits = args[2]
+                per = args[0].element_size() * (args[0].numel() // max(sum(in_splits), 1))
+                self.bytes += (sum(in_splits) - in_splits[rank]) * per
+            else:
+                self.bytes += nbytes(args[0]) * 2 * (n - 1) // n
+        return out
+
+
+def _measure(fn, runs: int) -> tuple[int, int, float]:
+    with SentBytes() as meter:
+        fn()
+    times = []
+    for _ in range(runs):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return meter.bytes, meter.calls, statistics.median(times) * 1e3
+
+
+def _worker(rank: int, world: int, port: int, rows: int, cols: int, runs: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    t = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
+    uneven = RaggedShard((0,), (3, 1, 2, 2))
+    rebalanced = RaggedShard((0,), (1, 3, 2, 2))
+    rs = distribute_tensor(t, mesh, [uneven])
+    sh = distribute_tensor(t, mesh, [Shard(0)])
+    rep = distribute_tensor(t, mesh, [Replicate()])
+    par = distribute_tensor(t, mesh, [Partial()])
+
+    def via_replica(src, dst):
+        return lambda: src.redistribute(mesh, [Replicate()]).redistribute(mesh, dst)
+
+    even = distribute_tensor(t, mesh, [RaggedShard((0,), (1, 1, 1, 1))])
+    cases = [
+        ("RS even -> Replicate", lambda: even.redistribute(mesh, [Replicate()]),
+         "Shard(0) -> Replicate", lambda: sh.redistribute(mesh, [Replicate()])),
+        ("RS -> Replicate", lambda: rs.redistribute(mesh, [Replicate()]),
+         "Shard(0) -> Replicate", lambda: sh.redistribute(mesh, [Replicate()])),
+        ("Partial -> RS even", lambda: par.redistribute(mesh, [RaggedShard((0,), (1, 1, 1, 1))]),
+         "Partial -> Shard(0)", lambda: par.redistribute(mesh, [Shard(0)])),
+        ("Partial -> RS", lambda: par.redistribute(mesh, [uneven]),
+         "Partial -> Shard(0)", lambda: par.redistribute(mesh, [Shard(0)])),
+        ("Replicate -> RS", lambda: rep.redistribute(mesh, [uneven]),
+         "Replicate -> Shard(0)", lambda: rep.redistribute(mesh, [Shard(0)])),
+        ("RS -> RS (rebalance)", lambda: rs.redistribute(mesh, [rebalanced]),
+         "via full replica", via_replica(rs, [rebalanced])),
+        ("RS -> Shard(0)", lambda: rs.redistribute(mesh, [Shard(0)]),
+         "via full replica", via_replica(rs, [Shard(0)])),
+        ("RS -> Shard(1)", lambda: rs.redistribute(mesh, [Shard(1)]),
+         "Shard(0) -> Shard(1)", lambda: sh.redistribute(mesh, [Shard(1)])),
+    ]
+    rows_out = []
+    for name, fn, peer_name, peer_fn in cases:
+        ours = _measure(fn, runs)
+        peer = _measure(peer_fn, runs)
+        rows_out.append((name, *ours, peer_name, *peer))
+    if rank == 0:
+        out["rows"] = rows_out
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--cols", type=int, default=512)
+    ap.add_argument("--runs", type=int, default=7)
+    args = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(4, port, args.rows, args.cols, args.runs, out), nprocs=4)
+        rows = list(out["rows"])
+    mib = 1 << 20
+    print(f"4 gloo ranks, fp32 [{args.rows}, {args.cols}] ({args.rows * args.cols * 4 / mib:.0f} MiB), "
+          f"RS = RaggedShard((0,), (3, 1, 2, 2)); median of {args.runs} runs")
+    header = (f"{'ours':<22}{'MiB/rank':>9}{'colls':>6}{'ms':>8}   {'peer':<22}{'MiB/rank':>9}{'colls':>6}"
+              f"{'ms':>8}{'bytes x':>9}{'time x':>8}")
+    print(header)
+    print("-" * len(header))
+    for name, b, c, ms, pname, pb, pc, pms in rows:
+        ratio_b = f"{b / pb:.2f}" if pb else ("-" if not b else "inf")
+        print(f"{name:<22}{b / mib:>9.2f}{c:>6}{ms:>8.2f}   {pname:<22}{pb / mib:>9.2f}{pc:>6}{pms:>8.2f}"
+              f"{ratio_b:>9}{ms / pms:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
