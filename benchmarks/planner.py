@@ -17,7 +17,9 @@ Padding is reported as a percentage of the buffer bytes (padding / (params + pad
 over units. ``load`` is max/mean per-rank optimizer work summed over the model's units
 (elements for blocks, Newton-Schulz FLOPs m*n*min(m,n) for whole matrices); ``unit load`` is
 the same inside the largest layer. ``plan ms`` is the median of 3 cold runs (cache cleared)
-planning every unit of the model on one core, identical layers planned once.
+planning every unit of the model on one core, identical layers planned once; ``pl ms`` is the
+time to then build every RaggedShard of every unit (each holds one unit count per rank, O(world)),
+identical layers sharing theirs.
 
 Usage: python benchmarks/planner.py [--models a,b] [--worlds 8,64] [--separate-experts]
 """
@@ -45,14 +47,18 @@ WORLDS = (8, 64, 512, 4096, 16384, 65536)
 BLOCK = 128
 
 
+_BLOCK, _ELEMENT = Granularity.block(BLOCK, BLOCK), Granularity.element()
+_MATRIX, _MATRICES = Granularity.matrix(), Granularity.matrices()
+
+
 def block_policy(name: str, shape: tuple[int, ...]) -> Granularity:
-    return Granularity.block(BLOCK, BLOCK) if len(shape) >= 2 else Granularity.element()
+    return _BLOCK if len(shape) >= 2 else _ELEMENT
 
 
 def matrix_policy(name: str, shape: tuple[int, ...]) -> Granularity:
     if len(shape) >= 3:
-        return Granularity.matrices()  # one Muon owner per expert of a stacked tensor
-    return Granularity.matrix() if len(shape) == 2 else Granularity.element()
+        return _MATRICES  # one Muon owner per expert of a stacked tensor
+    return _MATRIX if len(shape) == 2 else _ELEMENT
 
 
 POLICIES = {"block128": block_policy, "matrix": matrix_policy}
@@ -92,7 +98,8 @@ def run(models, worlds, separate: bool) -> None:
     configs = load_configs(MODELS_JSON)
     header = (
         f"{'model':<22}{'world':>6} {'gran':<9}{'ours%':>9}{'LB%':>9}{'blkS0%':>9}"
-        f"{'FSDP2%':>9}{'FSDP1%':>9}{'ours/S0':>9}{'load':>9}{'unit':>8}{'plan ms':>9}"
+        f"{'FSDP2%':>9}{'FSDP1%':>9}{'ours/S0':>9}{'load':>9}{'unit':>9}{'plan ms':>9}"
+        f"{'pl ms':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -121,18 +128,25 @@ def run(models, worlds, separate: bool) -> None:
                     f2 = sum(fsdp2_padding(us, world) for us in unit_shapes)
                     f1 = sum(fsdp1_padding(us, world) for us in unit_shapes)
                     bs0 = sum(block_shard0_padding(us, world) for us in unit_shapes)
-                    base = bs0 if gname == "block128" else f2
                     work = np.zeros(world)
                     for p in plans:
                         work += p.rank_work()
                     uw = plans[biggest].rank_work()
-                    bs0_txt = f"{pct(bs0, total):9.3f}" if gname == "block128" else f"{'-':>9}"
-                    ratio = f"{ours / base:9.3f}" if base else (f"{'=':>9}" if ours == 0 else f"{'inf':>9}")
+                    t0 = time.perf_counter()
+                    for p in plans:
+                        for n in p.names:
+                            p.placements[n]
+                    pl_ms = 1e3 * (time.perf_counter() - t0)
+                    if gname == "block128":
+                        bs0_txt = f"{pct(bs0, total):9.3f}"
+                        ratio = f"{ours / bs0:9.3f}" if bs0 else (f"{'=':>9}" if not ours else f"{'inf':>9}")
+                    else:
+                        bs0_txt = ratio = f"{'-':>9}"
                     print(
                         f"{label:<22}{world:>6} {gname:<9}{pct(ours, total):9.3f}{pct(lb, total):9.3f}"
                         f"{bs0_txt}{pct(f2, total):9.3f}{pct(f1, total):9.3f}{ratio}"
-                        f"{work.max() / work.mean():9.2f}{uw.max() / uw.mean():8.2f}"
-                        f"{1e3 * statistics.median(times):9.1f}",
+                        f"{work.max() / work.mean():9.1f}{uw.max() / uw.mean():9.1f}"
+                        f"{1e3 * statistics.median(times):9.1f}{pl_ms:9.0f}",
                         flush=True,
                     )
 

@@ -13,6 +13,7 @@ the band) repeats per matrix with a short last band, ``period`` = the matrix row
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -209,7 +210,7 @@ def _canonical(rows: int, band: int, period: int) -> tuple[int, int]:
     return band, period
 
 
-def _coarsen(spec: CutSpec, name: str, gran: Granularity, keep: int) -> CutSpec:
+def _coarsen(spec: CutSpec, gran: Granularity, keep: int) -> CutSpec:
     """Restrict ``spec`` to cuts between whole slices ``x[i_0, ..., i_{keep-1}]``."""
     shape = spec.shape
     if keep == 0:
@@ -229,7 +230,7 @@ def _coarsen(spec: CutSpec, name: str, gran: Granularity, keep: int) -> CutSpec:
         band, period = _canonical(rows, band, rows)
     else:
         raise ValueError(
-            f"parameter {name!r} {shape}: granularity {gran} cannot keep dim {keep} whole "
+            f"shape {shape}: granularity {gran} cannot keep dim {keep} whole "
             f"(its bands of {spec.band} rows do not align with slices of {q} rows)"
         )
     return CutSpec(shape, keep, row_numel, rows, band, period, spec.work)
@@ -242,13 +243,18 @@ def _newton_schulz_flops(m: int, n: int) -> int:
 
 def resolve(name: str, shape: Sequence[int], gran: Granularity) -> CutSpec:
     """The :class:`CutSpec` of parameter ``name`` with ``shape`` under ``gran``."""
-    shape = tuple(int(s) for s in shape)
+    try:
+        return _resolve(tuple(int(s) for s in shape), gran)
+    except ValueError as exc:
+        raise ValueError(f"parameter {name!r}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve(shape: tuple[int, ...], gran: Granularity) -> CutSpec:
     if not shape:
-        raise ValueError(
-            f"parameter {name!r} is 0-d; RaggedShard needs at least one dim (reshape it to (1,))"
-        )
+        raise ValueError("0-d tensor; RaggedShard needs at least one dim (reshape it to (1,))")
     if any(s < 0 for s in shape):
-        raise ValueError(f"parameter {name!r} has a negative dim: {shape}")
+        raise ValueError(f"negative dim in shape {shape}")
     ndim = len(shape)
     numel = math.prod(shape)
     if gran.kind == "element":
@@ -259,7 +265,7 @@ def resolve(name: str, shape: Sequence[int], gran: Granularity) -> CutSpec:
     elif gran.kind == "block":
         if ndim < 2:
             raise ValueError(
-                f"parameter {name!r} {shape}: block granularity needs a matrix (>= 2 dims); "
+                f"shape {shape}: block granularity needs a matrix (>= 2 dims); "
                 "use element or rows for 1-D parameters"
             )
         band, period = _canonical(math.prod(shape[:-1]), gran.band_rows, shape[-2])
@@ -276,8 +282,8 @@ def resolve(name: str, shape: Sequence[int], gran: Granularity) -> CutSpec:
         bad = [d for d in gran.keep_dims_whole if d >= ndim]
         if bad:
             raise ValueError(
-                f"parameter {name!r} {shape}: keep_dims_whole={gran.keep_dims_whole} names dims "
+                f"shape {shape}: keep_dims_whole={gran.keep_dims_whole} names dims "
                 f"{bad} beyond its {ndim} dims"
             )
-        spec = _coarsen(spec, name, gran, min(gran.keep_dims_whole))
+        spec = _coarsen(spec, gran, min(gran.keep_dims_whole))
     return spec

@@ -45,6 +45,8 @@ __all__ = ["Layout", "pack", "chunk_lower_bound"]
 _PERIODIC_HEAD_TRIES = 64
 # S search: candidates tried one after another before the step grows geometrically.
 _LINEAR_ATTEMPTS = 8
+# ... and bisection steps between the last failure and the first success.
+_BISECT_ATTEMPTS = 16
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,7 @@ def _attempt(
                 best = key
         if best is None:
             if f == s:  # cannot start anywhere: S is incompatible with a remaining parameter
-                return None, sum(c.numel * r for c, r in zip(flow, remaining))
+                return None, 0
             gaps.append((pos, f))
             pos += f
             continue
@@ -244,10 +246,11 @@ def _attempt(
         load = {k: _flow_work(placed, k * s, (k + 1) * s) for k in free}
         result = _place_whole_lpt(items, free, load, next_fresh, world_size, s, offsets)
         if result is None:
-            result = _place_whole_bfd(items, free, next_fresh, world_size, s, offsets)
-        if result is None:
-            return None, sum(c.numel for c, _ in items)
-        free, next_fresh = result
+            free, next_fresh, unplaced = _place_whole_bfd(items, free, next_fresh, world_size, s, offsets)
+            if unplaced:
+                return None, unplaced
+        else:
+            free, next_fresh = result
     # -- 3. fillers -----------------------------------------------------------------------
     fill = sorted(((c.numel, m) for c in fillers for m in c.members), key=lambda t: (-t[0], t[1]))
     if fill:
@@ -261,14 +264,18 @@ def _attempt(
             else:
                 merged.append([start, length])
         sizes = sorted((length, start) for start, length in merged)
-        for k, (numel, m) in enumerate(fill):
+        unplaced = 0
+        for numel, m in fill:
             j = bisect.bisect_left(sizes, (numel, -1))
             if j == len(sizes):
-                return None, sum(n for n, _ in fill[k:])
+                unplaced += numel
+                continue
             length, start = sizes.pop(j)
             offsets[m] = start
             if length > numel:
                 bisect.insort(sizes, (length - numel, start + numel))
+        if unplaced:
+            return None, unplaced
     return offsets, 0
 
 
@@ -331,9 +338,11 @@ def _place_whole_lpt(items, free, load, next_fresh, world_size, s, offsets):
 
 
 def _place_whole_bfd(items, free, next_fresh, world_size, s, offsets):
-    """Best-fit decreasing by size: the densest packing of whole parameters into chunks."""
+    """Best-fit decreasing by size: the densest packing of whole parameters into chunks.
+    Returns the free runs, the next untouched chunk and the numel that did not fit."""
     free = {k: [list(r) for r in v] for k, v in free.items()}
     runs = sorted((r[1], r[0], k) for k, v in free.items() for r in v if r[1] > 0)
+    unplaced = 0
     for c, m in sorted(items, key=lambda cm: (-cm[0].numel, cm[1])):
         j = bisect.bisect_left(runs, (c.numel, -1, -1))
         if j < len(runs):
@@ -344,14 +353,15 @@ def _place_whole_bfd(items, free, next_fresh, world_size, s, offsets):
             length, start = s, k * s
             free[k] = []
         else:
-            return None
+            unplaced += c.numel
+            continue
         offsets[m] = start
         if length > c.numel:
             bisect.insort(runs, (length - c.numel, start + c.numel, k))
     rebuilt: dict[int, list[list[int]]] = {}
     for length, start, k in runs:
         rebuilt.setdefault(k, []).append([start, length])
-    return rebuilt, next_fresh
+    return rebuilt, next_fresh, unplaced
 
 
 def pack(specs: Sequence[CutSpec], world_size: int) -> Layout:
@@ -364,7 +374,7 @@ def pack(specs: Sequence[CutSpec], world_size: int) -> Layout:
     modulus = _ChainModulus(classes, include_periodic=True)
     total = sum(sp.numel for sp in specs)
     s = modulus.next_valid(lower)
-    attempts = 0
+    attempts, failed = 0, None
     while True:
         attempts += 1
         offsets, deficit = _try_pack(classes, len(specs), world_size, s)
@@ -372,9 +382,23 @@ def pack(specs: Sequence[CutSpec], world_size: int) -> Layout:
             break
         if s >= max(total, 1):
             raise AssertionError(f"planner bug: no layout at S={s} >= total={total}")
+        failed = s
         step = -(-deficit // world_size)
         if attempts > _LINEAR_ATTEMPTS:
             step = max(step, s - lower)
         s = min(modulus.next_valid(s + max(step, 1)), modulus.next_valid(max(total, 1)))
+    # the steps may have jumped past a feasible S: bisect between the last failure and success
+    for _ in range(_BISECT_ATTEMPTS):
+        if failed is None:
+            break
+        mid = modulus.next_valid(failed + 1 + (s - failed - 1) // 2)
+        if mid >= s:
+            break
+        attempts += 1
+        got, _ = _try_pack(classes, len(specs), world_size, mid)
+        if got is None:
+            failed = mid
+        else:
+            s, offsets = mid, got
     order = tuple(sorted(range(len(specs)), key=lambda i: (offsets[i], i)))
     return Layout(s, world_size, order, tuple(offsets), lower, attempts)

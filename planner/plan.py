@@ -23,7 +23,7 @@ from ragged_placement.planner.granularity import (
 )
 from ragged_placement.planner.packing import Layout, pack
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "Placements", "plan"]
 
 NamedShapes = Mapping[str, Sequence[int]] | Sequence[tuple[str, Sequence[int]]]
 
@@ -46,15 +46,43 @@ def _placement(spec: CutSpec, offset: int, chunk: int, world_size: int) -> Ragge
     return RaggedShard(dims, units)
 
 
+class Placements(Mapping[str, RaggedShard]):
+    """``{name: RaggedShard}`` of a plan, each built on first access.
+
+    A placement holds one unit count per rank, so building one is O(world size); plans of large
+    worlds build only what is asked for. Plans of identical units share the built placements.
+    """
+
+    def __init__(self, names: Sequence[str], specs: Sequence[CutSpec], layout: Layout,
+                 built: list[RaggedShard | None]) -> None:
+        self._index = {n: i for i, n in enumerate(names)}
+        self._specs = specs
+        self._layout = layout
+        self._built = built
+
+    def __getitem__(self, name: str) -> RaggedShard:
+        i = self._index[name]
+        pl = self._built[i]
+        if pl is None:
+            lay = self._layout
+            pl = _placement(self._specs[i], lay.offsets[i], lay.chunk_numel, lay.world_size)
+            self._built[i] = pl
+        return pl
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __repr__(self) -> str:
+        return f"Placements({len(self)} parameters over {self._layout.world_size} ranks)"
+
+
 @functools.lru_cache(maxsize=256)
-def _planned(specs: tuple[CutSpec, ...], world_size: int) -> tuple[Layout, tuple[RaggedShard, ...]]:
-    """Layout and placements of ``specs``; identical units (every transformer layer) share it."""
-    layout = pack(specs, world_size)
-    placements = tuple(
-        _placement(sp, off, layout.chunk_numel, world_size)
-        for sp, off in zip(specs, layout.offsets)
-    )
-    return layout, placements
+def _planned(specs: tuple[CutSpec, ...], world_size: int) -> tuple[Layout, list[RaggedShard | None]]:
+    """Layout of ``specs`` and its (lazily built) placements; identical units share both."""
+    return pack(specs, world_size), [None] * len(specs)
 
 
 def _normalize(named_shapes: NamedShapes) -> list[tuple[str, tuple[int, ...]]]:
@@ -75,7 +103,7 @@ def _normalize(named_shapes: NamedShapes) -> list[tuple[str, tuple[int, ...]]]:
             dims = tuple(shape)
         except TypeError:
             raise ValueError(f"shape of {name!r} must be a sequence of ints, got {shape!r}") from None
-        if any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+        if not all(type(d) is int for d in dims):
             raise ValueError(f"shape of {name!r} must be a sequence of ints, got {shape!r}")
         out.append((name, tuple(int(d) for d in dims)))
     if not out:
@@ -99,7 +127,7 @@ class Plan:
         specs: Sequence[CutSpec],
         granularities: Sequence[Granularity],
         layout: Layout,
-        placements: Sequence[RaggedShard],
+        built: list[RaggedShard | None],
         dtype: torch.dtype,
     ) -> None:
         self.world_size: int = layout.world_size
@@ -109,7 +137,7 @@ class Plan:
         self.granularities: dict[str, Granularity] = dict(zip(names, granularities))
         self.specs: dict[str, CutSpec] = dict(zip(names, specs))
         self.offsets: dict[str, int] = dict(zip(names, layout.offsets))
-        self.placements: dict[str, RaggedShard] = dict(zip(names, placements))
+        self.placements: Placements = Placements(names, specs, layout, built)
         self.chunk_numel: int = layout.chunk_numel
         self.chunk_lower_bound: int = layout.chunk_lower_bound
         self.numel: int = sum(s.numel for s in specs)
@@ -145,8 +173,8 @@ class Plan:
         out = {}
         for name in self.names:
             begin, end = self.local_slice(name, rank)
-            shape = self.placements[name].local_shape(self.shapes[name], rank)
-            out[name] = chunk[begin:end].view(shape)
+            spec = self.specs[name]
+            out[name] = chunk[begin:end].view((end - begin) // spec.row_numel, *spec.shape[spec.prefix:])
         return out
 
     def rank_span(self, name: str) -> tuple[int, int]:
@@ -281,5 +309,5 @@ def plan(
     names = [n for n, _ in entries]
     grans = [resolve_policy(granularity, n, s) for n, s in entries]
     specs = tuple(resolve(n, s, g) for (n, s), g in zip(entries, grans))
-    layout, placements = _planned(specs, world_size)
-    return Plan(names, specs, grans, layout, placements, dtype)
+    layout, built = _planned(specs, world_size)
+    return Plan(names, specs, grans, layout, built, dtype)
