@@ -14,12 +14,12 @@ each transformer layer, head) is planned and compared with:
   longer than two chunks).
 
 Padding is reported as a percentage of the buffer bytes (padding / (params + padding)), summed
-over units. ``load`` is max/mean per-rank optimizer work summed over the model's units
-(elements for blocks, Newton-Schulz FLOPs m*n*min(m,n) for whole matrices); ``unit load`` is
-the same inside the largest layer. ``plan ms`` is the median of 3 cold runs (cache cleared)
-planning every unit of the model on one core, identical layers planned once; ``pl ms`` is the
-time to then build every RaggedShard of every unit (each holds one unit count per rank, O(world)),
-identical layers sharing theirs.
+over units. ``load`` is max/mean per-rank optimizer work summed over the model's units as
+``plan_units`` spreads them (elements for blocks, Newton-Schulz FLOPs m*n*min(m,n) for whole
+matrices); ``unit`` is the same inside the largest unit alone. ``plan ms`` is the median of 3 cold runs (cache cleared) of
+``plan_units`` over every unit of the model on one core (identical layers packed once);
+``pl ms`` is the time to then build every RaggedShard of every unit with ``plan`` (each holds
+one unit count per rank, O(world); identical layers share theirs).
 
 Usage: python benchmarks/planner.py [--models a,b] [--worlds 8,64] [--separate-experts]
 """
@@ -37,7 +37,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from ragged_placement.planner import Granularity, plan  # noqa: E402
+from ragged_placement.planner import Granularity, plan, plan_units  # noqa: E402
 from ragged_placement.planner.models import fsdp_units, load_configs  # noqa: E402
 from ragged_placement.planner.packing import chunk_lower_bound  # noqa: E402
 from ragged_placement.planner.plan import _planned  # noqa: E402
@@ -87,7 +87,7 @@ def fsdp1_padding(shapes, world: int) -> int:
 
 
 def plan_model(units, world: int, policy):
-    return [plan(params, world, granularity=policy) for _, params in units]
+    return plan_units([params for _, params in units], world, granularity=policy)
 
 
 def pct(pad: int, total: int) -> float:
@@ -132,8 +132,10 @@ def run(models, worlds, separate: bool) -> None:
                     for p in plans:
                         work += p.rank_work()
                     uw = plans[biggest].rank_work()
+                    _planned.cache_clear()
+                    shared = [plan(params, world, granularity=policy) for _, params in units]
                     t0 = time.perf_counter()
-                    for p in plans:
+                    for p in shared:
                         for n in p.names:
                             p.placements[n]
                     pl_ms = 1e3 * (time.perf_counter() - t0)

@@ -23,7 +23,7 @@ from ragged_placement.planner.granularity import (
 )
 from ragged_placement.planner.packing import Layout, pack
 
-__all__ = ["Plan", "Placements", "plan"]
+__all__ = ["Plan", "Placements", "plan", "plan_units"]
 
 NamedShapes = Mapping[str, Sequence[int]] | Sequence[tuple[str, Sequence[int]]]
 
@@ -85,6 +85,56 @@ def _planned(specs: tuple[CutSpec, ...], world_size: int) -> tuple[Layout, list[
     return pack(specs, world_size), [None] * len(specs)
 
 
+def _crossed_boundaries(layout: Layout, specs: Sequence[CutSpec]) -> list[tuple[int, int]]:
+    """Merged ``[lo, hi]`` ranges of chunk boundaries ``b`` (at ``b * S``) inside a parameter."""
+    s = layout.chunk_numel
+    spans = sorted(
+        (o // s + 1, (o + sp.numel - 1) // s)
+        for o, sp in zip(layout.offsets, specs)
+        if sp.numel and (o + sp.numel - 1) // s > o // s
+    )
+    merged: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _rotation_at_or_after(layout: Layout, specs: Sequence[CutSpec], wanted: int) -> int:
+    """The smallest valid rank offset ``k >= wanted`` (cyclically; 0 is always valid).
+
+    Rotating by ``k`` moves buffer position ``x`` to ``(x + k*S) mod (W*S)``; it is valid when
+    no parameter contains the boundary ``(W - k) * S`` that becomes the end of the buffer."""
+    w = layout.world_size
+    b = w - wanted % w  # boundary that must be free; b == w means k == 0
+    for lo, hi in reversed(_crossed_boundaries(layout, specs)):
+        if lo <= b <= hi:
+            b = lo - 1
+        elif hi < b:
+            break
+    return (w - b) % w
+
+
+@functools.lru_cache(maxsize=1024)
+def _rotated(specs: tuple[CutSpec, ...], world_size: int, k: int) -> tuple[Layout, list[RaggedShard | None]]:
+    """The layout of :func:`_planned` rotated by ``k`` chunks (``rank_offset``)."""
+    base, built = _planned(specs, world_size)
+    if k == 0:
+        return base, built
+    if _rotation_at_or_after(base, specs, k) != k:
+        raise ValueError(
+            f"rank_offset={k} would split a parameter across the end of the buffer; the next "
+            f"valid offset is {_rotation_at_or_after(base, specs, k)}"
+        )
+    total = base.chunk_numel * world_size
+    offsets = tuple((o + k * base.chunk_numel) % total for o in base.offsets)
+    order = tuple(sorted(range(len(specs)), key=lambda i: (offsets[i], i)))
+    layout = Layout(base.chunk_numel, world_size, order, offsets, base.chunk_lower_bound, base.attempts)
+    return layout, [None] * len(specs)
+
+
 def _normalize(named_shapes: NamedShapes) -> list[tuple[str, tuple[int, ...]]]:
     items = named_shapes.items() if isinstance(named_shapes, Mapping) else named_shapes
     out: list[tuple[str, tuple[int, ...]]] = []
@@ -129,6 +179,7 @@ class Plan:
         layout: Layout,
         built: list[RaggedShard | None],
         dtype: torch.dtype,
+        rank_offset: int = 0,
     ) -> None:
         self.world_size: int = layout.world_size
         self.names: tuple[str, ...] = tuple(names)
@@ -144,6 +195,7 @@ class Plan:
         self.padding_numel: int = self.chunk_numel * self.world_size - self.numel
         self.dtype: torch.dtype = dtype
         self.attempts: int = layout.attempts
+        self.rank_offset: int = rank_offset
 
     # -- geometry ---------------------------------------------------------------------------
     def _check_rank(self, rank: int) -> None:
@@ -282,6 +334,8 @@ def plan(
     world_size: int,
     granularity: GranularityPolicy = None,
     dtype: torch.dtype = torch.bfloat16,
+    *,
+    rank_offset: int = 0,
 ) -> Plan:
     """Plan the flat buffer of one FSDP unit over ``world_size`` ranks.
 
@@ -293,6 +347,10 @@ def plan(
             a callable ``(name, shape) -> Granularity``, or ``{fnmatch pattern: Granularity}``
             (first match wins, unmatched names get the default).
         dtype: element type of the buffer (reported in bytes; part of the digest).
+        rank_offset: rotate the layout by this many chunks (what rank 0 would hold, rank
+            ``rank_offset`` holds), to spread the work of identical units over different
+            ranks (:func:`plan_units` picks it). ``ValueError`` if the rotation would split a
+            parameter across the end of the buffer.
 
     The plan depends only on the shapes, granularities and ``world_size``: every rank computes
     the same one (:meth:`Plan.check_consistent` verifies it). Padding is minimized first (no
@@ -309,5 +367,35 @@ def plan(
     names = [n for n, _ in entries]
     grans = [resolve_policy(granularity, n, s) for n, s in entries]
     specs = tuple(resolve(n, s, g) for (n, s), g in zip(entries, grans))
-    layout, built = _planned(specs, world_size)
-    return Plan(names, specs, grans, layout, built, dtype)
+    if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or not 0 <= rank_offset < world_size:
+        raise ValueError(f"rank_offset must be an int in [0, {world_size}), got {rank_offset!r}")
+    layout, built = _rotated(specs, world_size, rank_offset)
+    return Plan(names, specs, grans, layout, built, dtype, rank_offset)
+
+
+def plan_units(
+    units: Sequence[NamedShapes],
+    world_size: int,
+    granularity: GranularityPolicy = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[Plan]:
+    """Plan every FSDP unit of a model, spreading their optimizer work over the ranks.
+
+    Each unit is planned as by :func:`plan` (same padding), then rotated so that it starts on
+    the rank after the last one the previous unit used (round robin, the nearest valid
+    rotation at or after it). Identical layers thus put their whole matrices (Muon owners) on
+    different ranks instead of stacking them on the first few. Deterministic from the shapes.
+    """
+    plans: list[Plan] = []
+    cursor = 0
+    for unit in units:
+        base = plan(unit, world_size, granularity, dtype)
+        specs = tuple(base.specs[n] for n in base.names)
+        layout, _ = _planned(specs, world_size)
+        k = _rotation_at_or_after(layout, specs, cursor % world_size)
+        plans.append(plan(unit, world_size, granularity, dtype, rank_offset=k) if k else base)
+        s = layout.chunk_numel
+        used = max((o + sp.numel - 1) // s + 1 for o, sp in zip(layout.offsets, specs) if sp.numel) \
+            if any(sp.numel for sp in specs) else 1
+        cursor = k + used
+    return plans

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ragged_placement.placement import RaggedShard
-from ragged_placement.planner import Granularity, chunk_lower_bound, plan
+from ragged_placement.planner import Granularity, chunk_lower_bound, plan, plan_units
 from ragged_placement.planner.granularity import resolve
 
 # -- independent references -------------------------------------------------------------------
@@ -156,6 +156,10 @@ def test_plan_invariants(unit, world):
 
     _planned.cache_clear()
     assert plan(shapes, world, granularity=grans).digest() == p.digest()
+    # rotated copies (plan_units) keep every invariant and the padding
+    for q in plan_units([shapes] * 3, world, granularity=grans):
+        check_plan(q, shapes, grans)
+        assert q.padding_numel == p.padding_numel
 
 
 @settings(max_examples=100, deadline=None)
@@ -196,11 +200,27 @@ def _brute_force_chunk(shapes, grans, world) -> int:
         s += 1
 
 
-@settings(max_examples=30, deadline=None)
-@given(units(max_params=3), st.integers(2, 4))
+@st.composite
+def tiny_units(draw):
+    """Units small enough for exhaustive search: <= 3 parameters, <= 24 elements."""
+    shapes, grans = {}, {}
+    for i in range(draw(st.integers(1, 3))):
+        ndim = draw(st.integers(1, 3))
+        shape = tuple(draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim)))
+        g = draw(st.sampled_from([Granularity.element(), Granularity.row(), Granularity.rows(2),
+                                  Granularity.block(2, 2), Granularity.matrix(),
+                                  Granularity.matrices()]))
+        if g.kind == "block" and ndim < 2:
+            g = Granularity.row()
+        shapes[f"p{i}"], grans[f"p{i}"] = shape, g
+    return shapes, grans
+
+
+@settings(max_examples=60, deadline=None)
+@given(tiny_units(), st.integers(2, 4))
 def test_lower_bound_and_planner_against_brute_force(unit, world):
     shapes, grans = unit
-    if not _resolvable(shapes, grans) or sum(math.prod(s) for s in shapes.values()) > 36:
+    if sum(math.prod(s) for s in shapes.values()) > 24:
         return
     p = plan(shapes, world, granularity=grans)
     best = _brute_force_chunk(shapes, grans, world)
@@ -278,3 +298,27 @@ def test_local_views_and_rendering(tmp_path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(data[20:24], "big") == 3
     assert "padding" in p.summary()
+
+
+def test_plan_units_rotates_identical_units_round_robin():
+    unit = {"a": (8, 8), "b": (4, 4)}
+    g = Granularity.matrix()
+    alone = [plan(unit, 8, granularity=g) for _ in range(4)]
+    spread = plan_units([unit] * 4, 8, granularity=g)
+    assert [p.padding_numel for p in spread] == [p.padding_numel for p in alone]
+    assert [p.rank_offset for p in spread] == [0, 2, 4, 6]
+    for p in spread:
+        check_plan(p, unit, {"a": g, "b": g})
+    total = sum(p.rank_work() for p in spread)
+    assert total.tolist() == [8**3, 4**3] * 4  # one matrix per rank
+    assert sum(p.rank_work() for p in alone).tolist() == [4 * 8**3, 4 * 4**3] + [0] * 6
+
+
+def test_rank_offset_must_not_split_a_parameter():
+    shapes = {"w": (16, 4), "n": (4,)}
+    base = plan(shapes, 4)  # w spans ranks 0-3 (+ n): only a rotation keeping w whole is valid
+    assert base.rank_span("w") == (0, 3)
+    with pytest.raises(ValueError, match="rank_offset=1"):
+        plan(shapes, 4, rank_offset=1)
+    with pytest.raises(ValueError, match="rank_offset"):
+        plan(shapes, 4, rank_offset=4)
