@@ -33,7 +33,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ragged_placement.placement import RaggedShard
 
-__all__ = ["Layout", "Item", "layout_of", "local_tensor", "local_flat", "assign_owners", "Exchange"]
+__all__ = [
+    "Layout",
+    "Item",
+    "layout_of",
+    "local_tensor",
+    "local_flat",
+    "check_grad_placement",
+    "assign_owners",
+    "Exchange",
+]
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,18 @@ def local_flat(tensor: torch.Tensor) -> torch.Tensor:
     if not local.is_contiguous():
         raise ValueError(f"local tensor of shape {tuple(local.shape)} must be contiguous")
     return local.view(-1)
+
+
+def check_grad_placement(param: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``param.grad`` is laid out like ``param`` (the local math needs it)."""
+    grad = param.grad
+    p_placements = param.placements if isinstance(param, DTensor) else None
+    g_placements = grad.placements if isinstance(grad, DTensor) else None
+    if p_placements != g_placements or grad.shape != param.shape:
+        raise ValueError(
+            f"param.grad must have the parameter's shape and placements: parameter {tuple(param.shape)} "
+            f"{p_placements}, grad {tuple(grad.shape)} {g_placements}"
+        )
 
 
 @dataclass(frozen=True)

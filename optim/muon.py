@@ -40,6 +40,7 @@ from ragged_placement.optim._sharding import (
     Item,
     Layout,
     assign_owners,
+    check_grad_placement,
     layout_of,
     local_flat,
     local_tensor,
@@ -252,6 +253,7 @@ class Muon(ShardedStateOptimizer):
             if g["algorithm"] == "adamw":
                 for p in g["params"]:
                     if p.grad is not None:
+                        check_grad_placement(p)
                         adamw_update(
                             local_tensor(p), local_tensor(p.grad), self.state[p], lr=g["lr"], betas=g["betas"],
                             eps=g["adamw_eps"], weight_decay=g["weight_decay"],
@@ -267,6 +269,7 @@ class Muon(ShardedStateOptimizer):
         return loss
 
     def _momentum(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        check_grad_placement(p)
         grad = local_flat(p.grad)
         state = self.state[p]
         if "momentum_buffer" not in state:

@@ -39,7 +39,15 @@ from typing import Any
 
 import torch
 
-from ragged_placement.optim._sharding import Exchange, Item, Layout, assign_owners, layout_of, local_flat
+from ragged_placement.optim._sharding import (
+    Exchange,
+    Item,
+    Layout,
+    assign_owners,
+    check_grad_placement,
+    layout_of,
+    local_flat,
+)
 from ragged_placement.optim._state import ShardedStateOptimizer, check_non_negative, check_unit_interval
 
 __all__ = ["Shampoo", "matrix_power"]
@@ -166,6 +174,7 @@ class Shampoo(ShardedStateOptimizer):
             for p in g["params"]:
                 if p.grad is None:
                     continue
+                check_grad_placement(p)
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = torch.tensor(0.0)

@@ -450,3 +450,16 @@ def _unsupported_placement(rank, ws):
 
 def test_unsupported_placement_raises():
     assert all(run_threaded(_unsupported_placement, 2))
+
+
+def _grad_placement_mismatch(rank, ws):
+    mesh = init_device_mesh("cpu", (ws,))
+    p = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)]))
+    p.grad = distribute_tensor(torch.ones(4, 4), mesh, [Replicate()])
+    with pytest.raises(ValueError, match="grad must have the parameter's shape and placements"):
+        Muon([p]).step()
+    return True
+
+
+def test_grad_placement_must_match_param():
+    assert all(run_threaded(_grad_placement_mismatch, 2))
