@@ -359,18 +359,27 @@ def plan(
     the tensor's dims). A whole-matrix parameter larger than ``total / world_size`` is not an
     error: the chunk grows to hold it, and the extra is padding.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
-    entries = _normalize(named_shapes)
-    names = [n for n, _ in entries]
-    grans = [resolve_policy(granularity, n, s) for n, s in entries]
-    specs = tuple(resolve(n, s, g) for (n, s), g in zip(entries, grans))
+    _check_args(world_size, dtype)
+    names, grans, specs = _resolve_unit(named_shapes, granularity)
     if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or not 0 <= rank_offset < world_size:
         raise ValueError(f"rank_offset must be an int in [0, {world_size}), got {rank_offset!r}")
     layout, built = _rotated(specs, world_size, rank_offset)
     return Plan(names, specs, grans, layout, built, dtype, rank_offset)
+
+
+def _check_args(world_size: int, dtype: torch.dtype) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+
+
+def _resolve_unit(named_shapes: NamedShapes, granularity: GranularityPolicy):
+    entries = _normalize(named_shapes)
+    names = [n for n, _ in entries]
+    grans = [resolve_policy(granularity, n, s) for n, s in entries]
+    specs = tuple(resolve(n, s, g) for (n, s), g in zip(entries, grans))
+    return names, grans, specs
 
 
 def plan_units(
@@ -386,14 +395,14 @@ def plan_units(
     rotation at or after it). Identical layers thus put their whole matrices (Muon owners) on
     different ranks instead of stacking them on the first few. Deterministic from the shapes.
     """
+    _check_args(world_size, dtype)
     plans: list[Plan] = []
     cursor = 0
     for unit in units:
-        base = plan(unit, world_size, granularity, dtype)
-        specs = tuple(base.specs[n] for n in base.names)
+        names, grans, specs = _resolve_unit(unit, granularity)
         layout, _ = _planned(specs, world_size)
         k = _rotation_at_or_after(layout, specs, cursor % world_size)
-        plans.append(plan(unit, world_size, granularity, dtype, rank_offset=k) if k else base)
+        plans.append(Plan(names, specs, grans, *_rotated(specs, world_size, k), dtype, k))
         s = layout.chunk_numel
         used = max((o + sp.numel - 1) // s + 1 for o, sp in zip(layout.offsets, specs) if sp.numel) \
             if any(sp.numel for sp in specs) else 1
