@@ -7,7 +7,6 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -226,7 +225,11 @@ class Plan:
         for name in self.names:
             begin, end = self.local_slice(name, rank)
             spec = self.specs[name]
-            out[name] = chunk[begin:end].view((end - begin) // spec.row_numel, *spec.shape[spec.prefix:])
+            if spec.row_numel:
+                shape = ((end - begin) // spec.row_numel, *spec.shape[spec.prefix:])
+            else:  # rows of no elements: only the placement knows how many this rank has
+                shape = self.placements[name].local_shape(spec.shape, rank)
+            out[name] = chunk[begin:end].view(shape)
         return out
 
     def rank_span(self, name: str) -> tuple[int, int]:

@@ -95,7 +95,7 @@ def check_plan(p, shapes: dict[str, tuple[int, ...]], grans: dict[str, Granulari
                 assert (b, e) == (lo - r * s, hi - r * s)
                 assert (r0 * row_numel, r1 * row_numel) == (lo - o, hi - o)
             else:
-                assert b == e and r0 == r1
+                assert b == e and (r1 - r0) * row_numel == 0
             assert pl.local_shape(shape, r)[0] * row_numel == max(hi - lo, 0)
 
 
@@ -322,3 +322,16 @@ def test_rank_offset_must_not_split_a_parameter():
         plan(shapes, 4, rank_offset=1)
     with pytest.raises(ValueError, match="rank_offset"):
         plan(shapes, 4, rank_offset=4)
+
+
+def test_empty_parameters():
+    shapes = {"e": (0, 3), "z": (4, 0), "w": (5, 2), "b": (0,)}
+    grans = {n: Granularity.row() for n in shapes}
+    p = plan(shapes, 3, granularity=grans)
+    check_plan(p, shapes, grans)
+    chunk = torch.arange(float(p.chunk_numel))
+    for r in range(3):
+        views = p.local_views(chunk, r)
+        assert {n: tuple(v.shape) for n, v in views.items()} == {
+            n: p.placements[n].local_shape(shapes[n], r) for n in shapes
+        }
