@@ -39,7 +39,6 @@ torch.set_num_threads(1)
 
 from ragged_placement.planner import Granularity, plan, plan_units  # noqa: E402
 from ragged_placement.planner.models import fsdp_units, load_configs  # noqa: E402
-from ragged_placement.planner.packing import chunk_lower_bound  # noqa: E402
 from ragged_placement.planner.plan import _planned  # noqa: E402
 
 MODELS_JSON = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models.json")

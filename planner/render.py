@@ -80,23 +80,30 @@ def _png_chunk(tag: bytes, data: bytes) -> bytes:
 
 
 def save_png(plan: Plan, path: str, width: int = 512, max_ranks: int = 1024) -> None:
-    """Write the plan as an RGB PNG: one row of pixels per rank (rank 0 on top), ``width``
-    pixels across its chunk, a color per parameter, light grey for padding. Worlds larger than
-    ``max_ranks`` show the first and last ``max_ranks // 2`` ranks."""
+    """Write the plan as an RGB PNG: one band of pixel rows per rank (rank 0 on top), ``width``
+    pixels across its chunk, a color per parameter (in buffer order, as the ASCII map's
+    letters), light grey for padding. Worlds larger than ``max_ranks`` show the first and last
+    ``max_ranks // 2`` ranks."""
     if width < 1 or max_ranks < 1:
         raise ValueError(f"width and max_ranks must be positive, got {width}, {max_ranks}")
     colors = {n: _color(i) for i, n in enumerate(plan.order)}
     pad = (225, 225, 225)
     s = plan.chunk_numel
+    shown = _shown_ranks(plan.world_size, max_ranks)
+    height = max(1, min(16, 512 // len(shown)))  # pixel rows per rank
+    sep = b"\x00" + bytes(255 for _ in range(3 * width))  # white line between ranks
     rows = []
-    for rank in _shown_ranks(plan.world_size, max_ranks):
+    for rank in shown:
         px = [pad] * width
         for begin, end, name in _segments(plan, rank):
             lo = begin * width // s
             hi = max(-(-end * width // s), lo + 1)
             for k in range(lo, min(hi, width)):
                 px[k] = colors[name]
-        rows.append(b"\x00" + bytes(v for p in px for v in p))
+        line = b"\x00" + bytes(v for p in px for v in p)
+        rows += [line] * (height - 1 if height > 2 else height)
+        if height > 2:
+            rows.append(sep)
     header = struct.pack(">IIBBBBB", width, len(rows), 8, 2, 0, 0, 0)
     with open(path, "wb") as fh:
         fh.write(b"\x89PNG\r\n\x1a\n")

@@ -7,7 +7,6 @@ arithmetic on the global flat buffer.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -296,7 +295,7 @@ def test_local_views_and_rendering(tmp_path):
     path = tmp_path / "plan.png"
     p.save_png(str(path))
     data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(data[20:24], "big") == 3
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(data[16:20], "big") == 512
     assert "padding" in p.summary()
 
 
