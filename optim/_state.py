@@ -64,20 +64,26 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict`; DTensor state must match the placements."""
-        params = self._indexed_params()
+        """Load a state dict from :meth:`state_dict` (or DCP's ``get_optimizer_state_dict``).
+
+        State keys are matched to parameters the way torch does it: through the ids listed in
+        the saved ``param_groups``, in order. DTensor state must have its parameter's placements.
+        """
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        by_id = dict(zip(saved_ids, params))
         state = {}
-        for index, pstate in state_dict["state"].items():
-            p = params.get(index)
+        for key, pstate in state_dict["state"].items():
+            p = by_id.get(key)
             unpacked = {}
             for k, v in pstate.items():
                 if isinstance(v, DTensor):
-                    if p is None or not isinstance(p, DTensor) or v.placements != p.placements:
+                    if not isinstance(p, DTensor) or v.placements != p.placements:
                         raise ValueError(
-                            f"state_dict state {index}[{k!r}] has placements {v.placements}, but the "
+                            f"state_dict state {key!r}[{k!r}] has placements {v.placements}, but the "
                             f"parameter has {getattr(p, 'placements', None)}"
                         )
                     v = v._local_tensor
                 unpacked[k] = v
-            state[index] = unpacked
+            state[key] = unpacked
         super().load_state_dict({**state_dict, "state": state})

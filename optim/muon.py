@@ -51,6 +51,7 @@ from ragged_placement.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, newton
 __all__ = ["Muon", "MuonStepInfo", "adjusted_lr"]
 
 ADJUST_LR = ("original", "match_rms_adamw")
+_BATCH_MAX_NUMEL = 1 << 20
 ALGORITHMS = ("muon", "adamw")
 
 
@@ -69,8 +70,8 @@ class MuonStepInfo:
 
     ``bytes_sent``: bytes this rank put on the wire in its all-to-alls (both directions).
     ``all_to_all_calls``: collectives this rank issued. ``flops_per_rank``: NS FLOPs assigned to
-    each rank of the (last) process group by the owner plan; ``flops_local``: NS FLOPs of whole
-    (plain / replicated) matrices, which every rank computes itself.
+    each rank of the (last) process group by the owner plan; ``flops_local``: NS FLOPs of
+    unsharded (plain / Replicate) matrices, which every rank computes itself.
     """
 
     bytes_sent: int = 0
@@ -200,12 +201,13 @@ class Muon(ShardedStateOptimizer):
         # 1. momentum, locally; U in bf16 (what NS consumes) is what travels.
         updates = [self._momentum(p, g) for p, g in entries]
 
-        # 2. split matrices into the whole ones (every rank computes) and per-group exchanges.
+        # 2. split parameters into unsharded ones (plain / Replicate: every rank computes them)
+        #    and one exchange per process group.
         by_group: dict[Any, list[int]] = {}
-        whole: list[int] = []
+        unsharded: list[int] = []
         layouts = [layout_of(p) for p, _ in entries]
         for i, layout in enumerate(layouts):
-            (whole if layout.group is None else by_group.setdefault(layout.group, [])).append(i)
+            (unsharded if layout.group is None else by_group.setdefault(layout.group, [])).append(i)
         exchanges = []
         for idx in by_group.values():
             sub_layouts = [layouts[i] for i in idx]
@@ -223,11 +225,13 @@ class Muon(ShardedStateOptimizer):
             info.flops_per_rank = plan.loads
             exchanges.append((idx, plan.exchange, flats, pending))
 
-        # 3. while the gathers fly: NS of whole parameters and of matrices already on their owner.
-        whole_out = {i: self._orthogonalize({0: updates[i].view(layouts[i].shape)}, entries[i][1])[0] for i in whole}
+        # 3. while the gathers fly: NS of unsharded parameters and of matrices already on their owner.
+        unsharded_out = {
+            i: self._orthogonalize({0: updates[i].view(layouts[i].shape)}, entries[i][1])[0] for i in unsharded
+        }
         info.flops_local = sum(
             newton_schulz_flops(*layouts[i].shape[-2:], entries[i][1]["ns_steps"]) * math.prod(layouts[i].shape[:-2])
-            for i in whole
+            for i in unsharded
         )
         results: list[dict[int, torch.Tensor]] = []
         for idx, ex, flats, _ in exchanges:
@@ -243,12 +247,12 @@ class Muon(ShardedStateOptimizer):
             info.bytes_sent += sum(ex.recv_splits) * 2
             returns.append(back)
 
-        # 6. meanwhile: weight decay, whole parameters, AdamW groups.
+        # 6. meanwhile: weight decay, unsharded parameters, AdamW groups.
         for p, g in entries:
             if g["weight_decay"]:
                 local_flat(p).mul_(1 - g["lr"] * g["weight_decay"])
-        for i in whole:
-            self._apply(entries[i], whole_out[i])
+        for i in unsharded:
+            self._apply(entries[i], unsharded_out[i])
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 for p in g["params"]:
@@ -282,15 +286,21 @@ class Muon(ShardedStateOptimizer):
 
     @staticmethod
     def _orthogonalize(mats: dict[int, torch.Tensor], group: dict[str, Any]) -> dict[int, torch.Tensor]:
-        """NS of every matrix (or stack) in ``mats``; equal shapes run as one batch."""
+        """NS of every matrix (or stack) in ``mats``.
+
+        Small matrices of equal shape run as one batch (they are launch-bound); matrices of at
+        least ``_BATCH_MAX_NUMEL`` elements run one by one (a stack would only add a copy).
+        """
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for k, x in mats.items():
             by_shape.setdefault(tuple(x.shape), []).append(k)
         out = {}
-        for keys in by_shape.values():
-            batch = torch.stack([mats[k] for k in keys]) if len(keys) > 1 else mats[keys[0]].unsqueeze(0)
-            ortho = newton_schulz(batch, group["ns_steps"], group["ns_coefficients"], group["eps"])
-            out.update(zip(keys, ortho.unbind(0)))
+        for shape, keys in by_shape.items():
+            chunks = [keys] if math.prod(shape) < _BATCH_MAX_NUMEL else [[k] for k in keys]
+            for chunk in chunks:
+                batch = torch.stack([mats[k] for k in chunk]) if len(chunk) > 1 else mats[chunk[0]].unsqueeze(0)
+                ortho = newton_schulz(batch, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                out.update(zip(chunk, ortho.unbind(0)))
         return out
 
     def _orthogonalize_items(
