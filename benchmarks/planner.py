@@ -39,7 +39,7 @@ torch.set_num_threads(1)
 
 from ragged_placement.planner import Granularity, plan, plan_units  # noqa: E402
 from ragged_placement.planner.models import fsdp_units, load_configs  # noqa: E402
-from ragged_placement.planner.plan import _planned  # noqa: E402
+from ragged_placement.planner.plan import _planned, _rotated  # noqa: E402
 
 MODELS_JSON = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models.json")
 WORLDS = (8, 64, 512, 4096, 16384, 65536)
@@ -117,6 +117,7 @@ def run(models, worlds, separate: bool) -> None:
                     times = []
                     for _ in range(3):
                         _planned.cache_clear()
+                        _rotated.cache_clear()
                         t0 = time.perf_counter()
                         plans = plan_model(units, world, policy)
                         times.append(time.perf_counter() - t0)
@@ -132,6 +133,7 @@ def run(models, worlds, separate: bool) -> None:
                         work += p.rank_work()
                     uw = plans[biggest].rank_work()
                     _planned.cache_clear()
+                    _rotated.cache_clear()
                     shared = [plan(params, world, granularity=policy) for _, params in units]
                     t0 = time.perf_counter()
                     for p in shared:

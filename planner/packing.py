@@ -95,14 +95,15 @@ def _classes(specs: Sequence[CutSpec]) -> list[_Class]:
 
 
 class _ChainModulus:
-    """``M(S)``: the lcm of bands that every chunk size ``S`` must be a multiple of.
+    """``M(S)``: the lcm of bands (and the alignment) every chunk size ``S`` must divide by.
 
     A parameter of ``N`` elements longer than ``2 * S`` spans two boundaries ``S`` apart, so ``S``
     must be a multiple of its band (uniform bands) or, as a search heuristic, of its period
     (ragged bands). ``M`` only shrinks as ``S`` grows, at the breakpoints ``S = ceil(N / 2)``.
     """
 
-    def __init__(self, classes: Sequence[_Class], include_periodic: bool) -> None:
+    def __init__(self, classes: Sequence[_Class], include_periodic: bool, align: int = 1) -> None:
+        self._align = align
         mods = []
         for c in classes:
             if c.band >= c.numel or c.band <= 1:
@@ -115,7 +116,7 @@ class _ChainModulus:
         self._breaks = sorted({(n + 1) // 2 for n, _ in mods})
 
     def __call__(self, s: int) -> int:
-        return _lcm(m for n, m in self._mods if n > 2 * s)
+        return _lcm([self._align] + [m for n, m in self._mods if n > 2 * s])
 
     def next_valid(self, x: int) -> int:
         """The smallest ``S >= x`` with ``S % M(S) == 0``."""
@@ -134,22 +135,32 @@ def _base_bound(classes: Sequence[_Class], world_size: int) -> int:
     return max(-(-total // world_size), biggest, 1)
 
 
-def chunk_lower_bound(specs: Sequence[CutSpec], world_size: int) -> int:
-    """A proven lower bound on the chunk size ``S`` of any valid layout of ``specs``."""
+def chunk_lower_bound(specs: Sequence[CutSpec], world_size: int, align: int = 1) -> int:
+    """A proven lower bound on the chunk size ``S`` of any valid layout of ``specs`` whose
+    parameter offsets and chunk size are multiples of ``align`` elements."""
     classes = _classes(specs)
-    return _ChainModulus(classes, include_periodic=False).next_valid(
+    return _ChainModulus(classes, include_periodic=False, align=align).next_valid(
         _base_bound(classes, world_size)
     )
 
 
-def _head(c: _Class, f: int, s: int) -> int | None:
-    """Largest ``h`` in ``(0, f]`` so that ``c`` placed ``h`` before a boundary cuts only at
-    allowed offsets ``h, h + s, h + 2s, ...``; ``None`` if there is none."""
+def _up(x: int, align: int) -> int:
+    return -(-x // align) * align
+
+
+def _run(start: int, length: int, align: int) -> list[int]:
+    """A free run ``[start, start + length)`` trimmed to start on an aligned offset."""
+    begin = _up(start, align)
+    return [begin, max(start + length - begin, 0)]
+
+
+def _head(c: _Class, f: int, s: int, align: int) -> int | None:
+    """Largest ``h`` in ``(0, f]``, a multiple of ``align``, so that ``c`` placed ``h`` before a
+    boundary cuts only at allowed offsets ``h, h + s, h + 2s, ...``; ``None`` if there is none."""
     n, a, p = c.numel, c.band, c.period
-    if a == 1:
-        return f
     if a == p:
-        h = f - f % a
+        step = _lcm((a, align))
+        h = f - f % step
         if h == 0 or (h + s < n and s % a):
             return None
         return h
@@ -159,8 +170,8 @@ def _head(c: _Class, f: int, s: int) -> int | None:
     for _ in range(_PERIODIC_HEAD_TRIES):
         if h <= 0:
             return None
-        x, k, ok = h + s, 1, True
-        while x < n and k < cycle:
+        x, k, ok = h + s, 1, h % align == 0
+        while ok and x < n and k < cycle:
             if (x % p) % a:
                 ok = False
                 break
@@ -173,7 +184,7 @@ def _head(c: _Class, f: int, s: int) -> int | None:
 
 
 def _try_pack(
-    classes: Sequence[_Class], n_items: int, world_size: int, s: int
+    classes: Sequence[_Class], n_items: int, world_size: int, s: int, align: int
 ) -> tuple[list[int] | None, int]:
     """Offsets of every item at chunk size ``s``, or ``(None, deficit)``.
 
@@ -182,16 +193,16 @@ def _try_pack(
     fillers = [c for c in classes if c.band == 1 and c.numel >= 1]
     flow = [c for c in classes if 1 < c.band < c.numel]
     whole = [c for c in classes if c.band >= c.numel and not (c.band == 1 and c.numel >= 1)]
-    offsets, deficit = _attempt(flow, whole, fillers, n_items, world_size, s)
+    offsets, deficit = _attempt(flow, whole, fillers, n_items, world_size, s, align)
     if offsets is None and fillers:
-        offsets, deficit2 = _attempt(flow + fillers, whole, [], n_items, world_size, s)
+        offsets, deficit2 = _attempt(flow + fillers, whole, [], n_items, world_size, s, align)
         deficit = min(deficit, deficit2)
     return offsets, deficit
 
 
 def _attempt(
     flow: list[_Class], whole: list[_Class], fillers: list[_Class], n_items: int,
-    world_size: int, s: int,
+    world_size: int, s: int, align: int,
 ) -> tuple[list[int] | None, int]:
     """One packing at chunk size ``s``: flow, then whole parameters, then fillers."""
     offsets = [0] * n_items
@@ -203,6 +214,9 @@ def _attempt(
     remaining = [len(c.members) for c in flow]
     left = sum(remaining)
     while left:
+        if pos % align:
+            gaps.append((pos, _up(pos, align) - pos))
+            pos = _up(pos, align)
         f = s - pos % s
         best = None
         for ci, c in enumerate(flow):
@@ -211,7 +225,7 @@ def _attempt(
             if c.numel <= f:
                 waste = 0
             else:
-                h = _head(c, f, s)
+                h = _head(c, f, s, align)
                 if h is None:
                     continue
                 waste = f - h
@@ -239,17 +253,19 @@ def _attempt(
     # free runs inside touched chunks, by chunk
     free: dict[int, list[list[int]]] = {}
     for start, length in gaps:
-        free.setdefault(start // s, []).append([start, length])
+        free.setdefault(start // s, []).append(_run(start, length, align))
     if pos % s:
-        free.setdefault(pos // s, []).append([pos, s - pos % s])
+        free.setdefault(pos // s, []).append(_run(pos, s - pos % s, align))
     next_fresh = -(-pos // s)
     # -- 2. whole parameters --------------------------------------------------------------
     items = [(c, m) for c in whole for m in c.members]
     if items:
         load = {k: _flow_work(placed, k * s, (k + 1) * s) for k in free}
-        result = _place_whole_lpt(items, free, load, next_fresh, world_size, s, offsets)
+        result = _place_whole_lpt(items, free, load, next_fresh, world_size, s, align, offsets)
         if result is None:
-            free, next_fresh, unplaced = _place_whole_bfd(items, free, next_fresh, world_size, s, offsets)
+            free, next_fresh, unplaced = _place_whole_bfd(
+                items, free, next_fresh, world_size, s, align, offsets
+            )
             if unplaced:
                 return None, unplaced
         else:
@@ -275,15 +291,16 @@ def _attempt(
                 continue
             length, start = sizes.pop(j)
             offsets[m] = start
-            if length > numel:
-                bisect.insort(sizes, (length - numel, start + numel))
+            rest = _run(start + numel, length - numel, align)
+            if rest[1] > 0:
+                bisect.insort(sizes, (rest[1], rest[0]))
         if unplaced:
             return None, unplaced
     return offsets, 0
 
 
-def _take(runs: list[list[int]], numel: int) -> int | None:
-    """Best-fit ``numel`` into one of ``runs`` (shrinking it); the start, or None."""
+def _take(runs: list[list[int]], numel: int, align: int) -> int | None:
+    """Best-fit ``numel`` into one of ``runs`` (aligned starts; shrinking it); the start."""
     best = None
     for r in runs:
         if r[1] >= numel and (best is None or r[1] < best[1]):
@@ -291,8 +308,7 @@ def _take(runs: list[list[int]], numel: int) -> int | None:
     if best is None:
         return None
     start = best[0]
-    best[0] += numel
-    best[1] -= numel
+    best[:] = _run(start + numel, best[1] - numel, align)
     return start
 
 
@@ -307,7 +323,7 @@ def _flow_work(placed: list[tuple[int, int, int]], lo: int, hi: int) -> float:
     return total
 
 
-def _place_whole_lpt(items, free, load, next_fresh, world_size, s, offsets):
+def _place_whole_lpt(items, free, load, next_fresh, world_size, s, align, offsets):
     """Longest-processing-time assignment of whole parameters to chunks, balancing work."""
     free = {k: [list(r) for r in v] for k, v in free.items()}
     heap = [(load[k], k) for k in free]
@@ -334,13 +350,13 @@ def _place_whole_lpt(items, free, load, next_fresh, world_size, s, offsets):
                 heapq.heappush(heap, e)
             if k is None:
                 return None
-        offsets[m] = _take(free[k], c.numel)
+        offsets[m] = _take(free[k], c.numel, align)
         load[k] += c.work
         heapq.heappush(heap, (load[k], k))
     return free, next_fresh
 
 
-def _place_whole_bfd(items, free, next_fresh, world_size, s, offsets):
+def _place_whole_bfd(items, free, next_fresh, world_size, s, align, offsets):
     """Best-fit decreasing by size: the densest packing of whole parameters into chunks.
     Returns the free runs, the next untouched chunk and the numel that did not fit."""
     free = {k: [list(r) for r in v] for k, v in free.items()}
@@ -359,37 +375,42 @@ def _place_whole_bfd(items, free, next_fresh, world_size, s, offsets):
             unplaced += c.numel
             continue
         offsets[m] = start
-        if length > c.numel:
-            bisect.insort(runs, (length - c.numel, start + c.numel, k))
+        rest = _run(start + c.numel, length - c.numel, align)
+        if rest[1] > 0:
+            bisect.insort(runs, (rest[1], rest[0], k))
     rebuilt: dict[int, list[list[int]]] = {}
     for length, start, k in runs:
         rebuilt.setdefault(k, []).append([start, length])
     return rebuilt, next_fresh, unplaced
 
 
-def pack(specs: Sequence[CutSpec], world_size: int) -> Layout:
-    """The smallest-chunk layout the greedy finds for ``specs`` over ``world_size`` ranks."""
+def pack(specs: Sequence[CutSpec], world_size: int, align: int = 1) -> Layout:
+    """The smallest-chunk layout the greedy finds for ``specs`` over ``world_size`` ranks, with
+    every parameter offset and the chunk size multiples of ``align`` elements."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align must be a positive int, got {align!r}")
     classes = _classes(specs)
     base = _base_bound(classes, world_size)
-    lower = _ChainModulus(classes, include_periodic=False).next_valid(base)
-    modulus = _ChainModulus(classes, include_periodic=True)
-    total = sum(sp.numel for sp in specs)
+    lower = _ChainModulus(classes, include_periodic=False, align=align).next_valid(base)
+    modulus = _ChainModulus(classes, include_periodic=True, align=align)
+    # everything in one chunk, each parameter aligned, always fits
+    ceiling = modulus.next_valid(max(sum(sp.numel for sp in specs) + (align - 1) * len(specs), 1))
     s = modulus.next_valid(lower)
     attempts, failed = 0, None
     while True:
         attempts += 1
-        offsets, deficit = _try_pack(classes, len(specs), world_size, s)
+        offsets, deficit = _try_pack(classes, len(specs), world_size, s, align)
         if offsets is not None:
             break
-        if s >= max(total, 1):
-            raise AssertionError(f"planner bug: no layout at S={s} >= total={total}")
+        if s >= ceiling:
+            raise AssertionError(f"planner bug: no layout at S={s} >= {ceiling}")
         failed = s
         step = -(-deficit // world_size)
         if attempts > _LINEAR_ATTEMPTS:
             step = max(step, s - lower)
-        s = min(modulus.next_valid(s + max(step, 1)), modulus.next_valid(max(total, 1)))
+        s = min(modulus.next_valid(s + max(step, 1)), ceiling)
     # the steps may have jumped past a feasible S: bisect between the last failure and success
     for _ in range(_BISECT_ATTEMPTS):
         if failed is None:
@@ -398,7 +419,7 @@ def pack(specs: Sequence[CutSpec], world_size: int) -> Layout:
         if mid >= s:
             break
         attempts += 1
-        got, _ = _try_pack(classes, len(specs), world_size, mid)
+        got, _ = _try_pack(classes, len(specs), world_size, mid, align)
         if got is None:
             failed = mid
         else:

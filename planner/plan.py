@@ -79,9 +79,11 @@ class Placements(Mapping[str, RaggedShard]):
 
 
 @functools.lru_cache(maxsize=256)
-def _planned(specs: tuple[CutSpec, ...], world_size: int) -> tuple[Layout, list[RaggedShard | None]]:
+def _planned(
+    specs: tuple[CutSpec, ...], world_size: int, align: int
+) -> tuple[Layout, list[RaggedShard | None]]:
     """Layout of ``specs`` and its (lazily built) placements; identical units share both."""
-    return pack(specs, world_size), [None] * len(specs)
+    return pack(specs, world_size, align), [None] * len(specs)
 
 
 def _crossed_boundaries(layout: Layout, specs: Sequence[CutSpec]) -> list[tuple[int, int]]:
@@ -117,9 +119,11 @@ def _rotation_at_or_after(layout: Layout, specs: Sequence[CutSpec], wanted: int)
 
 
 @functools.lru_cache(maxsize=1024)
-def _rotated(specs: tuple[CutSpec, ...], world_size: int, k: int) -> tuple[Layout, list[RaggedShard | None]]:
+def _rotated(
+    specs: tuple[CutSpec, ...], world_size: int, align: int, k: int
+) -> tuple[Layout, list[RaggedShard | None]]:
     """The layout of :func:`_planned` rotated by ``k`` chunks (``rank_offset``)."""
-    base, built = _planned(specs, world_size)
+    base, built = _planned(specs, world_size, align)
     if k == 0:
         return base, built
     if _rotation_at_or_after(base, specs, k) != k:
@@ -339,6 +343,7 @@ def plan(
     dtype: torch.dtype = torch.bfloat16,
     *,
     rank_offset: int = 0,
+    align_bytes: int | None = None,
 ) -> Plan:
     """Plan the flat buffer of one FSDP unit over ``world_size`` ranks.
 
@@ -354,6 +359,10 @@ def plan(
             ``rank_offset`` holds), to spread the work of identical units over different
             ranks (:func:`plan_units` picks it). ``ValueError`` if the rotation would split a
             parameter across the end of the buffer.
+        align_bytes: if given, every parameter starts, and every chunk is, a multiple of this
+            many bytes (e.g. 16 for vectorized and TMA kernels on GPUs), so every local view
+            is aligned if the chunk is. Must be a multiple of the dtype's item size. Costs at
+            most ``align_bytes`` per parameter and per chunk; ``None`` packs densely.
 
     The plan depends only on the shapes, granularities and ``world_size``: every rank computes
     the same one (:meth:`Plan.check_consistent` verifies it). Padding is minimized first (no
@@ -362,19 +371,30 @@ def plan(
     the tensor's dims). A whole-matrix parameter larger than ``total / world_size`` is not an
     error: the chunk grows to hold it, and the extra is padding.
     """
-    _check_args(world_size, dtype)
+    align = _check_args(world_size, dtype, align_bytes)
     names, grans, specs = _resolve_unit(named_shapes, granularity)
     if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or not 0 <= rank_offset < world_size:
         raise ValueError(f"rank_offset must be an int in [0, {world_size}), got {rank_offset!r}")
-    layout, built = _rotated(specs, world_size, rank_offset)
+    layout, built = _rotated(specs, world_size, align, rank_offset)
     return Plan(names, specs, grans, layout, built, dtype, rank_offset)
 
 
-def _check_args(world_size: int, dtype: torch.dtype) -> None:
+def _check_args(world_size: int, dtype: torch.dtype, align_bytes: int | None) -> int:
+    """Validate the common arguments; the alignment in elements."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if align_bytes is None:
+        return 1
+    item = torch.empty((), dtype=dtype).element_size()
+    if isinstance(align_bytes, bool) or not isinstance(align_bytes, int) or align_bytes < 1 \
+            or align_bytes % item:
+        raise ValueError(
+            f"align_bytes must be a positive multiple of the {dtype} item size {item}, "
+            f"got {align_bytes!r}"
+        )
+    return align_bytes // item
 
 
 def _resolve_unit(named_shapes: NamedShapes, granularity: GranularityPolicy):
@@ -390,6 +410,8 @@ def plan_units(
     world_size: int,
     granularity: GranularityPolicy = None,
     dtype: torch.dtype = torch.bfloat16,
+    *,
+    align_bytes: int | None = None,
 ) -> list[Plan]:
     """Plan every FSDP unit of a model, spreading their optimizer work over the ranks.
 
@@ -398,14 +420,14 @@ def plan_units(
     rotation at or after it). Identical layers thus put their whole matrices (Muon owners) on
     different ranks instead of stacking them on the first few. Deterministic from the shapes.
     """
-    _check_args(world_size, dtype)
+    align = _check_args(world_size, dtype, align_bytes)
     plans: list[Plan] = []
     cursor = 0
     for unit in units:
         names, grans, specs = _resolve_unit(unit, granularity)
-        layout, _ = _planned(specs, world_size)
+        layout, _ = _planned(specs, world_size, align)
         k = _rotation_at_or_after(layout, specs, cursor % world_size)
-        plans.append(Plan(names, specs, grans, *_rotated(specs, world_size, k), dtype, k))
+        plans.append(Plan(names, specs, grans, *_rotated(specs, world_size, align, k), dtype, k))
         s = layout.chunk_numel
         used = max((o + sp.numel - 1) // s + 1 for o, sp in zip(layout.offsets, specs) if sp.numel) \
             if any(sp.numel for sp in specs) else 1

@@ -142,21 +142,26 @@ def _resolvable(shapes, grans) -> bool:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(units(), st.integers(1, 9))
-def test_plan_invariants(unit, world):
+@given(units(), st.integers(1, 9), st.sampled_from([None, 4, 8, 16]))
+def test_plan_invariants(unit, world, align_bytes):
     shapes, grans = unit
     if not _resolvable(shapes, grans):
         return
-    p = plan(shapes, world, granularity=grans)
+    p = plan(shapes, world, granularity=grans, dtype=torch.float32, align_bytes=align_bytes)
     check_plan(p, shapes, grans)
-    assert p.chunk_numel >= chunk_lower_bound([p.specs[n] for n in shapes], world)
+    align = (align_bytes or 4) // 4
+    assert p.chunk_numel % align == 0 and all(o % align == 0 for o in p.offsets.values())
+    assert p.chunk_numel >= chunk_lower_bound([p.specs[n] for n in shapes], world, align)
     # deterministic: same input, same plan, from a fresh computation
-    from ragged_placement.planner.plan import _planned
+    from ragged_placement.planner.plan import _planned, _rotated
 
     _planned.cache_clear()
-    assert plan(shapes, world, granularity=grans).digest() == p.digest()
+    _rotated.cache_clear()
+    again = plan(shapes, world, granularity=grans, dtype=torch.float32, align_bytes=align_bytes)
+    assert again.digest() == p.digest()
     # rotated copies (plan_units) keep every invariant and the padding
-    for q in plan_units([shapes] * 3, world, granularity=grans):
+    for q in plan_units([shapes] * 3, world, granularity=grans, dtype=torch.float32,
+                        align_bytes=align_bytes):
         check_plan(q, shapes, grans)
         assert q.padding_numel == p.padding_numel
 
@@ -265,6 +270,8 @@ def test_policy_forms_and_errors():
         plan([("a", (2,)), ("a", (3,))], 2)
     with pytest.raises(ValueError, match="0-d"):
         plan({"s": ()}, 2)
+    with pytest.raises(ValueError, match="align_bytes"):
+        plan(shapes, 4, dtype=torch.float32, align_bytes=6)
     with pytest.raises(ValueError, match="keep_dims_whole"):
         plan({"w": (4, 4)}, 2, granularity=Granularity.row(keep_dims_whole=(2,)))
 
