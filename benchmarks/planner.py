@@ -21,7 +21,11 @@ matrices); ``unit`` is the same inside the largest unit alone. ``plan ms`` is th
 ``pl ms`` is the time to then build every RaggedShard of every unit with ``plan`` (each holds
 one unit count per rank, O(world); identical layers share theirs).
 
-Usage: python benchmarks/planner.py [--models a,b] [--worlds 8,64] [--separate-experts]
+``ours/S0`` compares with the matching Shard(0) baseline: block-respecting for blocks, FSDP2's
+for rows and elements (none for whole matrices).
+
+Usage: python benchmarks/planner.py [--models a,b] [--worlds 8,64] [--policies block128,matrix]
+       [--separate-experts]
 """
 
 from __future__ import annotations
@@ -60,7 +64,16 @@ def matrix_policy(name: str, shape: tuple[int, ...]) -> Granularity:
     return _MATRIX if len(shape) == 2 else _ELEMENT
 
 
-POLICIES = {"block128": block_policy, "matrix": matrix_policy}
+def row_policy(name: str, shape: tuple[int, ...]) -> Granularity:
+    return Granularity.row() if len(shape) >= 2 else _ELEMENT
+
+
+POLICIES = {
+    "block128": block_policy,
+    "matrix": matrix_policy,
+    "row": row_policy,
+    "element": lambda name, shape: _ELEMENT,
+}
 
 
 def fsdp2_padding(shapes, world: int) -> int:
@@ -93,7 +106,7 @@ def pct(pad: int, total: int) -> float:
     return 100.0 * pad / (total + pad)
 
 
-def run(models, worlds, separate: bool) -> None:
+def run(models, worlds, separate: bool, policies) -> None:
     configs = load_configs(MODELS_JSON)
     header = (
         f"{'model':<22}{'world':>6} {'gran':<9}{'ours%':>9}{'LB%':>9}{'blkS0%':>9}"
@@ -113,7 +126,8 @@ def run(models, worlds, separate: bool) -> None:
             unit_shapes = [[s for _, s in params] for _, params in units]
             biggest = max(range(len(units)), key=lambda i: sum(math.prod(s) for s in unit_shapes[i]))
             for world in worlds:
-                for gname, policy in POLICIES.items():
+                for gname in policies:
+                    policy = POLICIES[gname]
                     times = []
                     for _ in range(3):
                         _planned.cache_clear()
@@ -140,11 +154,14 @@ def run(models, worlds, separate: bool) -> None:
                         for n in p.names:
                             p.placements[n]
                     pl_ms = 1e3 * (time.perf_counter() - t0)
-                    if gname == "block128":
-                        bs0_txt = f"{pct(bs0, total):9.3f}"
-                        ratio = f"{ours / bs0:9.3f}" if bs0 else (f"{'=':>9}" if not ours else f"{'inf':>9}")
+                    bs0_txt = f"{pct(bs0, total):9.3f}" if gname == "block128" else f"{'-':>9}"
+                    base = {"block128": bs0, "row": f2, "element": f2}.get(gname)
+                    if base is None:
+                        ratio = f"{'-':>9}"
+                    elif base:
+                        ratio = f"{ours / base:9.3f}"
                     else:
-                        bs0_txt = ratio = f"{'-':>9}"
+                        ratio = f"{'=':>9}" if not ours else f"{'inf':>9}"
                     print(
                         f"{label:<22}{world:>6} {gname:<9}{pct(ours, total):9.3f}{pct(lb, total):9.3f}"
                         f"{bs0_txt}{pct(f2, total):9.3f}{pct(f1, total):9.3f}{ratio}"
@@ -158,12 +175,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=None, help="comma-separated model names (default: all)")
     ap.add_argument("--worlds", default=",".join(map(str, WORLDS)))
+    ap.add_argument("--policies", default="block128,matrix",
+                    help=f"comma-separated, from {','.join(POLICIES)}")
     ap.add_argument("--separate-experts", action="store_true",
                     help="also plan MoE models with one matrix per expert")
     args = ap.parse_args()
     configs = load_configs(MODELS_JSON)
     models = args.models.split(",") if args.models else list(configs)
-    run(models, [int(w) for w in args.worlds.split(",")], args.separate_experts)
+    run(models, [int(w) for w in args.worlds.split(",")], args.separate_experts,
+        args.policies.split(","))
 
 
 if __name__ == "__main__":
