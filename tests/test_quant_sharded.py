@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist_utils import run_gloo, run_threaded
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ragged_placement._compat import all_gather_single
 from ragged_placement.placement import RaggedShard
+from ragged_placement.planner import Granularity, plan
 from ragged_placement.quant import FlatParam, FP8GatherLayout, quantize_blockwise, quantize_run
 
 FP8 = torch.float8_e4m3fn
@@ -133,3 +135,37 @@ def test_unpack_single_rank_weights_are_views_of_the_gathered_buffer():
     w3_q, w3_s = layout.unpack(gathered)[3]
     assert w3_q.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()
     assert w3_s.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=st.lists(
+        st.one_of(
+            st.tuples(st.integers(1, 400), st.integers(1, 48)),  # Linear weights (FP8)
+            st.tuples(st.integers(1, 300)),  # norms / biases (bf16)
+        ),
+        min_size=1, max_size=5,
+    ),
+    world=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_planner_layouts_round_trip_bitwise(shapes, world, seed):
+    """Any unit the planner lays out at 128-row granularity: pack on every rank, concatenate
+    (what the all-gather does), unpack == single-device quantize_blockwise of each weight."""
+    named = [(f"p{i}", s) for i, s in enumerate(shapes)]
+    p = plan(named, world, granularity=lambda n, s: Granularity.block(128, 128) if len(s) == 2 else Granularity.element(), dtype=torch.float32)
+    layout = FP8GatherLayout([FlatParam(n, s, p.offsets[n], len(s) == 2) for n, s in named], p.chunk_numel, world)
+    g = torch.Generator().manual_seed(seed)
+    full = [torch.randn(s, generator=g) * 10.0 ** torch.randint(-3, 4, (), generator=g).item() for s in shapes]
+    flat = torch.zeros(p.chunk_numel * world)
+    for (n, _), t in zip(named, full):
+        flat[p.offsets[n]: p.offsets[n] + t.numel()] = t.reshape(-1)
+    S = p.chunk_numel
+    gathered = torch.cat([layout.pack(r, flat[r * S:(r + 1) * S].clone()) for r in range(world)])
+    assert gathered.numel() == layout.gathered_nbytes == world * layout.send_nbytes
+    for t, got in zip(full, layout.unpack(gathered)):
+        if t.dim() == 2:
+            q_ref, s_ref = quantize_blockwise(t)
+            assert torch.equal(got[0].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(got[1], s_ref)
+        else:
+            assert torch.equal(got, t.bfloat16())

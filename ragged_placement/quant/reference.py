@@ -88,8 +88,9 @@ def _blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     m, n = x.shape
     bm, bn = block
     mb, nb = scale_shape((m, n), block)
-    x = torch.nn.functional.pad(x, (0, nb * bn - n, 0, mb * bm - m))
-    return x.view(mb, bm, nb, bn)
+    if mb * bm != m or nb * bn != n:
+        x = torch.nn.functional.pad(x, (0, nb * bn - n, 0, mb * bm - m))
+    return x.reshape(mb, bm, nb, bn)
 
 
 def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,8 @@ def _quantize_kernel(
     offs_g = pid_m * GROUPS + tl.arange(0, GROUPS)  # scale-row index of each group
     offs_r = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = offs_g[:, None, None] * BLOCK_M + offs_r[None, :, None]  # [G, BM, 1]
+    # int64 rows: a stacked expert weight's row * stride can exceed 2**31
+    row = offs_g[:, None, None].to(tl.int64) * BLOCK_M + offs_r[None, :, None]  # [G, BM, 1]
     col = offs_n[None, None, :]  # [1, 1, BN]
     mask = (row < rows) & (col < cols)
     x = tl.load(x_ptr + row * stride_xm + col * stride_xn, mask=mask, other=0.0).to(tl.float32)
@@ -111,7 +112,7 @@ def _dequantize_kernel(
     offs_g = pid_m * GROUPS + tl.arange(0, GROUPS)
     offs_r = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = offs_g[:, None, None] * BLOCK_M + offs_r[None, :, None]
+    row = offs_g[:, None, None].to(tl.int64) * BLOCK_M + offs_r[None, :, None]
     col = offs_n[None, None, :]
     mask = (row < rows) & (col < cols)
     q = tl.load(q_ptr + row * stride_qm + col * stride_qn, mask=mask, other=0.0).to(tl.float32)
