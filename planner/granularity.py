@@ -43,7 +43,7 @@ class Granularity:
     * :meth:`matrices` - between the trailing 2-D matrices of a stacked tensor: each expert of
       ``[E, out, in]`` whole on one rank (a Muon owner per expert); a 2-D tensor stays whole.
 
-    ``keep_dims_whole`` (any constructor) is the tensor-parallel constraint: a dim sharded on
+    ``keep_dims_whole`` (element, row, rows, block) is the tensor-parallel constraint: a dim sharded on
     another mesh dim must never be cut through. Keeping dim ``k`` whole allows cuts only
     between whole slices ``x[i_0, ..., i_{k-1}]``; keeping dim 0 whole keeps the whole tensor on
     one rank. It combines with the granularity (both must hold).
