@@ -14,41 +14,29 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ragged_placement.placement import RaggedShard
-from ragged_placement.redistribute import _apply_cut, validate_placements
+from ragged_placement.redistribute import _apply_cut, _exchange, _slice, validate_placements
 from ragged_placement.regions import flat_range_boxes, shard_size_and_offset
 
 __all__ = ["distribute_tensor", "local_chunks", "global_shape_and_stride"]
 
 
 def _scatter_ragged(tensor: torch.Tensor, p: RaggedShard, mesh: DeviceMesh, mesh_dim: int, src: int | None):
-    """The local run of ``p`` on this rank, taken from group rank ``src``'s ``tensor`` with one
-    ``all_to_all_single`` (only ``src`` sends), or from the local ``tensor`` if ``src`` is None."""
+    """This rank's local tensor under ``p``, taken from group rank ``src``'s ``tensor`` (only
+    ``src`` sends: one ``all_to_all_single``), or from the local ``tensor`` if ``src`` is None."""
     me, n = mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim)
     p.check_mesh_size(n, mesh_dim=mesh_dim)
-    flat = p.flatten_prefix(tensor)
-    ranges = p.row_ranges(tensor.shape)
-    row = math.prod(p.row_shape(tensor.shape))
-    start, end = ranges[me]
+    k = len(p.dims)
+    lead, trail = tuple(tensor.shape[:k]), tuple(tensor.shape[k:])
     if src is None:
-        return flat[start:end].clone()
-    group = mesh.get_group(mesh_dim)
-    send = flat.contiguous().view(-1) if me == src else tensor.new_empty(0)
-    in_splits = [(e - s) * row if me == src else 0 for s, e in ranges]
-    out_splits = [(end - start) * row if r == src else 0 for r in range(n)]
-    out = tensor.new_empty((end - start) * row)
-    if sum(e - s for s, e in ranges) * row:
-        from ragged_placement.redistribute import _as_movable
-
-        o, scale = _as_movable(out)
-        s_, _ = _as_movable(send)
-        dist.all_to_all_single(o, s_, [x * scale for x in out_splits], [x * scale for x in in_splits], group=group)
-    return out.view(end - start, *p.row_shape(tensor.shape))
+        return _slice(tensor, p, lead, trail, me, n)
+    # rank `src` holds everything, every other rank nothing: exchange into `p`
+    everything_on_src = RaggedShard(p.dims, tuple(int(r == src) for r in range(n)))
+    return _exchange(tensor, everything_on_src, p, lead, trail, mesh.get_group(mesh_dim), me, n)
 
 
 def distribute_tensor(
@@ -96,27 +84,56 @@ def local_chunks(
     """``(offsets, sizes, flat_offset)`` of each box of this rank's local tensor.
 
     ``flat_offset`` is where the box starts in the flattened local tensor; every box is
-    contiguous there. Replicated mesh dims give the full extent; ``Partial`` is rejected by DCP.
+    contiguous there. One box for Shard / ``dims=(0,)`` placements; one per run for a strided
+    RaggedShard; up to ``2 * len(dims) - 1`` for a flattened prefix. Replicated mesh dims give the
+    full extent.
     """
     shape = [int(s) for s in global_shape]
     coord = mesh.get_coordinate()
+    # dim 0 of the level tensor as segments (global start, length) of global rows
+    segments = [(0, shape[0])] if shape else []
     offsets = [0] * len(shape)
-    multi: tuple[RaggedShard, int, int] | None = None
     for m, p in enumerate(placements):
         n, c = mesh.size(m), coord[m]
-        if isinstance(p, Shard):
+        if isinstance(p, RaggedShard) and len(p.dims) > 1:  # validated: the only sharded placement
+            return _flattened_chunks(shape, p, c)
+        if isinstance(p, Shard) and p.dim > 0:
             size, off = shard_size_and_offset(shape[p.dim], n, c)
             offsets[p.dim] += off
             shape[p.dim] = size
-        elif isinstance(p, RaggedShard) and len(p.dims) == 1:
-            start, end = p.local_row_range(shape, c)
-            offsets[0] += start
-            shape[0] = end - start
-        elif isinstance(p, RaggedShard):
-            multi = (p, m, c)  # validated: the only sharded placement
-    if multi is None:
-        return [(tuple(offsets), tuple(shape), 0)]
-    p, _, c = multi
+        elif isinstance(p, (Shard, RaggedShard)):
+            rows = sum(length for _, length in segments)
+            if isinstance(p, Shard):
+                size, off = shard_size_and_offset(rows, n, c)
+                wanted = [(off, off + size)]
+            else:
+                wanted = p.runs([rows, *shape[1:]], c)
+            segments = _select_rows(segments, wanted)
+    inner = math.prod(shape[1:])
+    out, flat = [], 0
+    for start, length in segments:
+        if length:
+            out.append(((start, *offsets[1:]), (length, *shape[1:]), flat))
+            flat += length * inner
+    if not out:
+        out.append((tuple(offsets), (0, *shape[1:]), 0) if shape else ((), (), 0))
+    return out
+
+
+def _select_rows(segments: list[tuple[int, int]], wanted: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The segments of global rows that level rows ``wanted`` (ranges, in order) map to."""
+    out = []
+    for lo, hi in wanted:
+        base = 0
+        for start, length in segments:
+            a, b = max(lo, base), min(hi, base + length)
+            if a < b:
+                out.append((start + a - base, b - a))
+            base += length
+    return out
+
+
+def _flattened_chunks(shape: list[int], p: RaggedShard, c: int):
     j = len(p.dims)
     start, end = p.local_row_range(shape, c)
     out, flat = [], 0
@@ -124,7 +141,7 @@ def local_chunks(
         sizes = tuple(e - s for s, e in box) + tuple(shape[j:])
         out.append((tuple(s for s, _ in box) + (0,) * (len(shape) - j), sizes, flat))
         flat += math.prod(sizes)
-    return out
+    return out or [((0,) * len(shape), (0, *shape[1:]), 0)]
 
 
 def global_shape_and_stride(

@@ -237,9 +237,7 @@ def _reduce_placements(op_schema, spec: DTensorSpec, reduced: set[int], keepdim:
             n = mesh.size(m)
             level = _level_shape(spec, m, coord)
             if isinstance(p, RaggedShard):
-                rows = p.row_ranges(level)
-                total = p.prefix_rows(level)
-                weights = [(e - s) / total for s, e in rows]
+                weights = [u / sum(p.local_units) for u in p.local_units]
             else:
                 weights = [shard_size_and_offset(level[p.dim], n, c)[0] / level[p.dim] for c in range(n)]
             out.append(RaggedMeanPartial(weights))

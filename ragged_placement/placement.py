@@ -51,16 +51,24 @@ class RaggedShard(Placement):
     0 rows; equal units express ``Shard(0)`` when divisible; all units on one rank put the whole
     tensor there; ``dims`` = all dims gives FSDP1's element-wise flat shard.
 
-    The placement is immutable and hashable on ``(dims, local_units)``. Like torch's
+    ``split_factor`` (keyword, default 1) composes RaggedShard with a ``Shard`` of the same dim on a
+    later mesh dim, as torch's ``_StridedShard`` does for FSDP2 + tensor parallel: the ``L`` rows
+    are first seen as ``split_factor`` equal contiguous blocks, each cut by the same units, and a
+    rank holds its run of every block, in block order. With ``(RaggedShard(..., split_factor=T),
+    Shard(0))`` on a ``(dp, tp)`` mesh, the local tensor of ``(d, t)`` is run ``d`` of tensor-parallel
+    shard ``t``: FSDP cuts the TP-local shard.
+
+    The placement is immutable and hashable on ``(dims, local_units, split_factor)``. Like torch's
     ``_StridedShard``, it answers ``False`` to ``is_shard()``, ``is_replicate()`` and
     ``is_partial()``: code that handles it recognizes it explicitly.
     """
 
-    __slots__ = ("dims", "local_units")
+    __slots__ = ("dims", "local_units", "split_factor")
     dims: tuple[int, ...]
     local_units: tuple[int, ...]
+    split_factor: int
 
-    def __init__(self, dims: Sequence[int] | int, local_units: Sequence[int]) -> None:
+    def __init__(self, dims: Sequence[int] | int, local_units: Sequence[int], *, split_factor: int = 1) -> None:
         super().__init__()
         dims_t = _as_int_tuple("dims", dims)
         units_t = _as_int_tuple("local_units", local_units)
@@ -74,8 +82,13 @@ class RaggedShard(Placement):
             raise ValueError(f"local_units must be non-negative, got {units_t}")
         if sum(units_t) == 0:
             raise ValueError(f"local_units must have at least one positive entry, got {units_t}")
+        if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor < 1:
+            raise ValueError(f"split_factor must be a positive int, got {split_factor!r}")
+        if split_factor > 1 and len(dims_t) > 1:
+            raise ValueError(f"split_factor={split_factor} needs dims=(0,), got dims={dims_t}")
         object.__setattr__(self, "dims", dims_t)
         object.__setattr__(self, "local_units", units_t)
+        object.__setattr__(self, "split_factor", split_factor)
 
     # -- value semantics -------------------------------------------------------------------
     def __setattr__(self, name: str, value: object) -> None:
@@ -86,22 +99,25 @@ class RaggedShard(Placement):
             isinstance(other, RaggedShard)
             and self.dims == other.dims
             and self.local_units == other.local_units
+            and self.split_factor == other.split_factor
         )
 
     def __hash__(self) -> int:
-        return hash(("RaggedShard", self.dims, self.local_units))
+        return hash(("RaggedShard", self.dims, self.local_units, self.split_factor))
 
     def __repr__(self) -> str:
-        return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"
+        sf = f", split_factor={self.split_factor}" if self.split_factor != 1 else ""
+        return f"RaggedShard(dims={self.dims}, local_units={self.local_units}{sf})"
 
     def __str__(self) -> str:
-        return f"RS({','.join(map(str, self.dims))};{','.join(map(str, self.local_units))})"
+        sf = f";sf={self.split_factor}" if self.split_factor != 1 else ""
+        return f"RS({','.join(map(str, self.dims))};{','.join(map(str, self.local_units))}{sf})"
 
     def __reduce__(self):
-        return (RaggedShard, (self.dims, self.local_units))
+        return (_rebuild, (self.dims, self.local_units, self.split_factor))
 
     def __fx_repr__(self):
-        return (f"RaggedShard(dims={self.dims}, local_units={self.local_units})", {"RaggedShard": RaggedShard})
+        return (repr(self), {"RaggedShard": RaggedShard})
 
     def __copy__(self) -> RaggedShard:
         return self
@@ -146,38 +162,53 @@ class RaggedShard(Placement):
         return tuple(int(s) for s in shape[len(self.dims):])
 
     def unit_rows(self, shape: Sequence[int]) -> int:
-        """Rows per unit; raises ``ValueError`` if ``L`` is not divisible by ``sum(units)``."""
+        """Rows per unit (within one block when ``split_factor > 1``); raises ``ValueError`` if
+        ``L`` is not divisible by ``split_factor * sum(units)``."""
         rows = self.prefix_rows(shape)
-        total = sum(self.local_units)
+        total = sum(self.local_units) * self.split_factor
         if rows % total:
+            sf = f" x split_factor={self.split_factor}" if self.split_factor != 1 else ""
             raise ValueError(
                 f"the flattened prefix of shape {tuple(shape)} over dims={self.dims} has {rows} rows, "
-                f"not divisible by sum(local_units)={total} ({self!r})"
+                f"not divisible by sum(local_units)={sum(self.local_units)}{sf} ({self!r})"
             )
         return rows // total
 
-    def row_ranges(self, shape: Sequence[int]) -> list[tuple[int, int]]:
-        """``[start, end)`` prefix-row ranges of every rank, in rank order."""
+    def runs(self, shape: Sequence[int], rank: int) -> list[tuple[int, int]]:
+        """Every ``[start, end)`` prefix-row run of ``rank``, one per block, in local order."""
         unit = self.unit_rows(shape)
-        out, start = [], 0
-        for u in self.local_units:
-            out.append((start, start + u * unit))
-            start += u * unit
-        return out
+        block = self.prefix_rows(shape) // self.split_factor
+        start = unit * sum(self.local_units[:rank])
+        end = start + unit * self.local_units[rank]
+        return [(b * block + start, b * block + end) for b in range(self.split_factor)]
+
+    def row_ranges(self, shape: Sequence[int]) -> list[tuple[int, int]]:
+        """``[start, end)`` prefix-row ranges of every rank, in rank order (``split_factor == 1``:
+        each rank holds one contiguous run; use :meth:`runs` for strided placements)."""
+        if self.split_factor != 1:
+            raise ValueError(f"{self!r} holds {self.split_factor} runs per rank; use runs(shape, rank)")
+        return [self.runs(shape, r)[0] for r in range(len(self.local_units))]
 
     def local_row_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
-        """``[start, end)`` prefix rows held by ``rank``."""
+        """``[start, end)`` prefix rows held by ``rank`` (``split_factor == 1``)."""
         return self.row_ranges(shape)[rank]
 
+    def local_rows(self, shape: Sequence[int], rank: int) -> int:
+        """Number of prefix rows ``rank`` holds (over all blocks)."""
+        return sum(e - s for s, e in self.runs(shape, rank))
+
     def local_shape(self, shape: Sequence[int], rank: int) -> tuple[int, ...]:
-        """Shape of the local tensor of ``rank``: ``(run_rows, *row_shape)``."""
-        start, end = self.local_row_range(shape, rank)
-        return (end - start, *self.row_shape(shape))
+        """Shape of the local tensor of ``rank``: ``(rows_held, *row_shape)``."""
+        return (self.local_rows(shape, rank), *self.row_shape(shape))
 
     def shard_local(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
-        """The local run of ``rank`` as a view of a full (contiguous-prefix) ``tensor``."""
-        start, end = self.local_row_range(tensor.shape, rank)
-        return self.flatten_prefix(tensor)[start:end]
+        """The local tensor of ``rank`` from a full ``tensor``: a view when ``split_factor == 1``,
+        else the concatenation of the rank's runs."""
+        flat = self.flatten_prefix(tensor)
+        runs = self.runs(tensor.shape, rank)
+        if len(runs) == 1:
+            return flat[runs[0][0]:runs[0][1]]
+        return torch.cat([flat[s:e] for s, e in runs])
 
     def flatten_prefix(self, tensor: torch.Tensor) -> torch.Tensor:
         """View ``tensor`` as ``(L, *row_shape)`` (a reshape when the prefix is not viewable)."""
@@ -190,6 +221,10 @@ class RaggedShard(Placement):
         if len(self.dims) == 1:
             return flat
         return flat.reshape(tuple(shape))
+
+
+def _rebuild(dims, local_units, split_factor=1) -> RaggedShard:
+    return RaggedShard(dims, local_units, split_factor=split_factor)
 
 
 def ragged_placements(placements: Sequence[Placement]) -> list[tuple[int, RaggedShard]]:

@@ -114,8 +114,7 @@ def _apply_cut(shape: list[int], p: Placement, index: int, n: int) -> list[int]:
         shape = list(shape)
         shape[p.dim] = shard_size_and_offset(shape[p.dim], n, index)[0]
     elif isinstance(p, RaggedShard):
-        start, end = p.local_row_range(shape, index)
-        shape = [end - start, *shape[len(p.dims):]]
+        shape = list(p.local_shape(shape, index))
     return shape
 
 
@@ -153,16 +152,17 @@ def _exchange(x, p, q, lead, trail, group, me: int, n: int) -> torch.Tensor:
     out_flat = torch.empty(dst[me].local_numel, dtype=x.dtype, device=x.device)
     send, in_splits = [], []
     for peer in range(n):
-        pieces = [src[me].view(flat, c) for a in src[me].boxes for b in dst[peer].boxes
+        pieces = [src[me].view(flat, c, i) for i, a in enumerate(src[me].boxes) for b in dst[peer].boxes
                   if (c := intersect(a, b)) is not None]
         in_splits.append(sum(v.numel() for v in pieces))
         send += [v.reshape(-1) for v in pieces]
     recv_boxes, out_splits = [], []
     for peer in range(n):
-        boxes = [c for a in src[peer].boxes for b in dst[me].boxes if (c := intersect(a, b)) is not None]
+        boxes = [(c, j) for a in src[peer].boxes for j, b in enumerate(dst[me].boxes)
+                 if (c := intersect(a, b)) is not None]
         recv_boxes.append(boxes)
-        out_splits.append(sum(box_numel(c) for c in boxes) * row)
-    total = sum(math.prod(e - s for s, e in b) for r in range(n) for b in src[r].boxes) * row
+        out_splits.append(sum(box_numel(c) for c, _ in boxes) * row)
+    total = sum(box_numel(b) for r in range(n) for b in src[r].boxes) * row
     if total:
         send_buf = torch.cat(send) if send else flat.new_empty(0)
         recv_buf = torch.empty(sum(out_splits), dtype=x.dtype, device=x.device)
@@ -172,10 +172,10 @@ def _exchange(x, p, q, lead, trail, group, me: int, n: int) -> torch.Tensor:
                                group=group)
         offset = 0
         for boxes in recv_boxes:
-            for c in boxes:
-                numel = box_numel(c) * row
-                dst[me].view(out_flat, c).copy_(recv_buf[offset:offset + numel].view(dst[me].view(out_flat, c).shape))
-                offset += numel
+            for c, j in boxes:
+                target = dst[me].view(out_flat, c, j)
+                target.copy_(recv_buf[offset:offset + target.numel()].view(target.shape))
+                offset += target.numel()
     return out_flat.view(_local_shape(q, lead, trail, me, n))
 
 
@@ -195,16 +195,17 @@ def _gather(x, p, lead, trail, group, me: int, n: int) -> torch.Tensor:
         g, _ = _as_movable(gathered)
         s, _ = _as_movable(send)
         _compat.all_gather_single(g, s, group=group)
-        if isinstance(p, RaggedShard) and all(lay.local_numel == pad for lay in src):
+        contiguous = isinstance(p, RaggedShard) and p.split_factor == 1  # runs in rank order
+        if contiguous and all(lay.local_numel == pad for lay in src):
             return gathered.view(*lead, *trail)  # equal runs: the gathered buffer is the tensor
-        if isinstance(p, RaggedShard):  # runs are contiguous and in rank order
+        if contiguous:
             torch.cat([gathered[r * pad: r * pad + src[r].local_numel] for r in range(n)], out=out)
         else:
             full = _layouts(Replicate(), lead, row, 1)[0]
             for r in range(n):
                 seg = gathered[r * pad: r * pad + src[r].local_numel]
-                for b in src[r].boxes:
-                    full.view(out, b).copy_(src[r].view(seg, b))
+                for i, b in enumerate(src[r].boxes):
+                    full.view(out, b, 0).copy_(src[r].view(seg, b, i))
     return out.view(*lead, *trail)
 
 
@@ -215,8 +216,8 @@ def _slice(x, q, lead, trail, me: int, n: int) -> torch.Tensor:
     full = layout(Replicate(), lead, row, 0, 1)
     src_flat = x.contiguous().view(-1)
     out = torch.empty(dst.local_numel, dtype=x.dtype, device=x.device)
-    for b in dst.boxes:
-        dst.view(out, b).copy_(full.view(src_flat, b))
+    for i, b in enumerate(dst.boxes):
+        dst.view(out, b, i).copy_(full.view(src_flat, b, 0))
     return out.view(_local_shape(q, lead, trail, me, n))
 
 
@@ -229,14 +230,14 @@ def _reduce_scatter(x, partial: Partial, q, lead, trail, group, me: int, n: int)
     out = torch.empty(dst[me].local_numel, dtype=x.dtype, device=x.device)
     if pad:
         src_flat = x.contiguous().view(-1)
-        if isinstance(q, RaggedShard) and all(lay.local_numel == pad for lay in dst):
+        if isinstance(q, RaggedShard) and q.split_factor == 1 and all(lay.local_numel == pad for lay in dst):
             send = src_flat  # equal runs in rank order: the tensor is the send buffer
         else:
             send = x.new_zeros(n * pad)
             for r in range(n):
                 seg = send[r * pad: r * pad + dst[r].local_numel]
-                for b in dst[r].boxes:
-                    dst[r].view(seg, b).copy_(full.view(src_flat, b))
+                for i, b in enumerate(dst[r].boxes):
+                    dst[r].view(seg, b, i).copy_(full.view(src_flat, b, 0))
         recv = x.new_empty(pad)
         _compat.reduce_scatter_single(recv, send, op=_REDUCE_OPS[partial.reduce_op], group=group)
         out.copy_(recv[: dst[me].local_numel])
@@ -254,8 +255,8 @@ def _to_partial(x, p, partial: Partial, lead, trail, me: int, n: int) -> torch.T
     full = layout(Replicate(), lead, row, 0, 1)
     out = x.new_zeros(math.prod(lead) * row)
     flat = x.contiguous().view(-1)
-    for b in src.boxes:
-        full.view(out, b).copy_(src.view(flat, b))
+    for i, b in enumerate(src.boxes):
+        full.view(out, b, 0).copy_(src.view(flat, b, i))
     if partial.reduce_op == "avg":
         out.mul_(n)
     return out.view(*lead, *trail)

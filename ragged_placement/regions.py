@@ -107,20 +107,22 @@ def _row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
 class Layout:
     """Region of one rank under one placement, and the addressing of its local tensor.
 
-    The local tensor is read as a flat contiguous buffer: the element of global index ``x``
-    (leading ``k`` dims) starts at ``(sum(x_i * strides_i) - base) * row``. ``row`` is the numel of
-    the trailing dims, carried whole; ``local_numel`` the numel of the local tensor.
+    The local tensor is read as a flat contiguous buffer: an element of global index ``x``
+    (leading ``k`` dims) inside ``boxes[i]`` starts at ``(sum(x_j * strides_j) - bases[i]) * row``.
+    ``row`` is the numel of the trailing dims, carried whole; ``local_numel`` the numel of the
+    local tensor.
     """
 
     boxes: tuple[Box, ...]
+    bases: tuple[int, ...]
     strides: tuple[int, ...]
-    base: int
     row: int
     local_numel: int
 
-    def view(self, flat_local: torch.Tensor, box: Box) -> torch.Tensor:
-        """An ``as_strided`` view of ``box`` (plus the row) into the flat local tensor."""
-        offset = sum(s * st for (s, _), st in zip(box, self.strides)) - self.base
+    def view(self, flat_local: torch.Tensor, box: Box, i: int) -> torch.Tensor:
+        """An ``as_strided`` view of ``box`` (inside ``boxes[i]``, plus the row) into the flat
+        local tensor."""
+        offset = sum(s * st for (s, _), st in zip(box, self.strides)) - self.bases[i]
         size = tuple(e - s for s, e in box) + (self.row,)
         stride = tuple(st * self.row for st in self.strides) + (1,)
         return flat_local.as_strided(size, stride, flat_local.storage_offset() + offset * self.row)
@@ -136,19 +138,24 @@ def layout(placement: Placement, shape: Sequence[int], row: int, index: int, num
     full_box: Box = tuple((0, s) for s in shape)
     if isinstance(placement, RaggedShard):
         j = len(placement.dims)
-        start, end = placement.local_row_range(shape[:j], index)
         tail = shape[j:]
-        boxes = tuple((*b, *((0, s) for s in tail)) for b in flat_range_boxes(shape[:j], start, end))
-        # the run is contiguous in the full tensor: full strides, shifted back by `start` rows
         inner = math.prod(tail)
-        return Layout(boxes, _row_major_strides(shape), start * inner, row, (end - start) * inner * row)
+        boxes, bases, held = [], [], 0
+        # each run is contiguous in the full tensor: full strides, shifted to where it sits locally
+        for start, end in placement.runs(shape[:j], index):
+            for b in flat_range_boxes(shape[:j], start, end):
+                boxes.append((*b, *((0, s) for s in tail)))
+                bases.append((start - held) * inner)
+            held += end - start
+        return Layout(tuple(boxes), tuple(bases), _row_major_strides(shape), row, held * inner * row)
     if isinstance(placement, Shard):
         d = placement.dim
         size, off = shard_size_and_offset(shape[d], num_chunks, index)
         local_shape = shape[:d] + (size,) + shape[d + 1:]
         strides = _row_major_strides(local_shape)
         box = full_box[:d] + ((off, off + size),) + full_box[d + 1:]
-        return Layout((box,) if size else (), strides, off * strides[d], row, math.prod(local_shape) * row)
+        boxes, bases = ((box,), (off * strides[d],)) if size else ((), ())
+        return Layout(boxes, bases, strides, row, math.prod(local_shape) * row)
     if isinstance(placement, (Replicate, Partial)):
-        return Layout((full_box,), _row_major_strides(shape), 0, row, math.prod(shape) * row)
+        return Layout((full_box,), (0,), _row_major_strides(shape), row, math.prod(shape) * row)
     raise NotImplementedError(f"no region rule for placement {placement!r}")

@@ -91,7 +91,7 @@ def test_world_size_4_redistribute_ops_and_collective_counts():
             assert n == 1, (name, n)  # one collective per redistribution
 
 
-def _mesh2x2(rank: int, world_size: int) -> dict:
+def _mesh2x2(rank: int, world_size: int, path: str) -> dict:
     mesh = init_device_mesh("cpu", (2, 2))
     torch.manual_seed(0)
     t = torch.randn(12, 4)
@@ -100,6 +100,8 @@ def _mesh2x2(rank: int, world_size: int) -> dict:
     layouts = {
         "(Shard(0), RS)": [Shard(0), rs], "(Replicate, RS)": [Replicate(), rs], "(RS, Shard(1))": [rs, Shard(1)],
         "(RS, Replicate)": [rs, Replicate()], "(RS, RS)": [rs, RaggedShard((0,), (1, 1))],
+        # FSDP x TP: (d, t) holds run d of TP shard t
+        "(RS split_factor=2, Shard(0))": [RaggedShard((0,), (2, 1), split_factor=2), Shard(0)],
     }
     for name, placements in layouts.items():
         d = distribute_tensor(t, mesh, placements)
@@ -114,11 +116,21 @@ def _mesh2x2(rank: int, world_size: int) -> dict:
         torch.testing.assert_close((d * d).full_tensor(), t * t)
     p = distribute_tensor(t, mesh, [Partial(), rs])
     torch.testing.assert_close(p.redistribute(mesh, [rs, Replicate()]).full_tensor(), t)
+    strided = distribute_tensor(t, mesh, layouts["(RS split_factor=2, Shard(0))"])
+    d, tp = mesh.get_coordinate()
+    assert torch.equal(strided.to_local(), t.chunk(2)[tp][[0, 4][d]:[4, 6][d]])
+    # checkpoint in the FSDP x TP layout, load into other 2-D layouts
+    dcp.save({"w": strided}, checkpoint_id=path)
+    for placements in ([Replicate(), rs], [Shard(0), Replicate()], [rs, Shard(1)]):
+        target = {"w": distribute_tensor(torch.zeros_like(t), mesh, placements)}
+        dcp.load(target, checkpoint_id=path)
+        assert torch.equal(target["w"].full_tensor(), t), placements
     return counts
 
 
 def test_mesh_2x2_every_layout_round_trips():
-    counts = run_gloo(_mesh2x2, 4)[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        counts = run_gloo(_mesh2x2, 4, os.path.join(tmp, "ckpt"))[0]
     for name, n in counts.items():
         assert n <= 1, (name, n)
 
