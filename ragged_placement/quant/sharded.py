@@ -28,6 +28,7 @@ per-rank scale regions sit between the pieces).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -164,13 +165,14 @@ class FP8GatherLayout:
     ) -> None:
         if chunk_numel <= 0 or world_size <= 0:
             raise ValueError(f"chunk_numel and world_size must be positive, got {chunk_numel}, {world_size}")
-        if not raw_dtype.is_floating_point or raw_dtype.itemsize > _ALIGN:
-            raise ValueError(f"raw_dtype must be a floating dtype, got {raw_dtype}")
+        if raw_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"raw_dtype must be float32, bfloat16 or float16, got {raw_dtype}")
         self.params = tuple(params)
         self.chunk_numel = chunk_numel
         self.world_size = world_size
         self.block = check_block(block)
         self.raw_dtype = raw_dtype
+        self._by_offset = sorted(range(len(self.params)), key=lambda i: self.params[i].offset)
         self._check_params()
         self.pieces: list[list[FP8Piece]] = [self._rank_pieces(r) for r in range(world_size)]
         self.rank_nbytes = [self._rank_nbytes(ps) for ps in self.pieces]
@@ -179,8 +181,8 @@ class FP8GatherLayout:
     # -- construction ------------------------------------------------------------------------
     def _check_params(self) -> None:
         total = self.chunk_numel * self.world_size
-        spans = sorted((p.offset, p.offset + p.numel, p.name) for p in self.params)
-        for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+        spans = [(p.offset, p.offset + p.numel, p.name) for p in (self.params[i] for i in self._by_offset)]
+        for (_, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
             if s1 < e0:
                 raise ValueError(f"params {n0!r} and {n1!r} overlap in the flat buffer ({s1} < {e0})")
         for s, e, name in spans:
@@ -189,8 +191,14 @@ class FP8GatherLayout:
 
     def _rank_pieces(self, rank: int) -> list[FP8Piece]:
         lo, hi = rank * self.chunk_numel, (rank + 1) * self.chunk_numel
+        # params in offset order: the ones overlapping [lo, hi) start at most one before the
+        # first whose offset is >= lo (parameters do not overlap)
+        first = bisect.bisect_left(self._by_offset, lo, key=lambda i: self.params[i].offset)
         held = []
-        for i, p in enumerate(self.params):
+        for i in self._by_offset[max(0, first - 1):]:
+            p = self.params[i]
+            if p.offset >= hi:
+                break
             start, end = max(lo, p.offset) - p.offset, min(hi, p.offset + p.numel) - p.offset
             if start >= end:
                 continue
