@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ragged_placement._compat import NormPartial
 from ragged_placement.placement import RaggedShard
-from ragged_placement.redistribute import has_ragged
+from ragged_placement.redistribute import _apply_cut, has_ragged
 from ragged_placement.regions import shard_size_and_offset
 
 aten = torch.ops.aten
@@ -245,8 +245,6 @@ def _reduce_placements(op_schema, spec: DTensorSpec, reduced: set[int], keepdim:
 
 
 def _level_shape(spec: DTensorSpec, mesh_dim: int, coord) -> list[int]:
-    from ragged_placement.redistribute import _apply_cut
-
     shape = list(spec.shape)
     for m in range(mesh_dim):
         shape = _apply_cut(shape, spec.placements[m], coord[m], spec.mesh.size(m))
