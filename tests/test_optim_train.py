@@ -69,7 +69,7 @@ def _whole_matrices(name: str, shape) -> Granularity:
     return Granularity.matrix() if len(shape) == 2 else Granularity.element()
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def one_thread():
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # rank threads share the process: avoid oversubscribing the cores
@@ -77,7 +77,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def test_fsdp_muon_beats_adamw_and_whole_matrix_placement_sends_nothing(one_thread):
+def test_fsdp_muon_beats_adamw_and_whole_matrix_placement_sends_nothing():
     muon = run_threaded(_train, WORLD, "muon", None)
     adamw = run_threaded(_train, WORLD, "adamw", None)
     whole = run_threaded(_train, WORLD, "muon", _whole_matrices)
