@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,9 +33,8 @@ POLICY = {
 
 
 def _policy(name, shape):
+    """POLICY by pattern, skipping block granularity for 1-D tensors."""
     for pattern, g in POLICY.items():
-        import fnmatch
-
         if fnmatch.fnmatchcase(name, pattern) and (g.kind != "block" or len(shape) >= 2):
             return g
     return Granularity.element()
