@@ -1,6 +1,6 @@
 """Bytes all-gathered and bytes of amax traffic per step for block-wise FP8 training.
 
-For one transformer layer (one FSDP unit) of every model in shared/models.json and the world
+For one FSDP unit of ``--layers-per-unit`` transformer layers (default 1) of every model in shared/models.json and the world
 sizes given, three ways of all-gathering a unit whose Linear weights train in 128x128-block FP8:
 
 * ``ours``: the planner places every 2-D weight at 128-row granularity (RaggedShard), so each
@@ -28,7 +28,7 @@ A CPU timing follows (medians of 5): quantizing a rank's chunk into the FP8 send
 its all-gather, on the same chunk. GPU timings (Triton kernel GB/s vs copy bandwidth, FP8 vs bf16
 Linear step time, torchao's FSDP2 + block-wise FP8 Linear) need a CUDA device and are not run here.
 
-Usage: python benchmarks/fp8.py [--models a,b] [--worlds 8,64,256]
+Usage: python benchmarks/fp8.py [--models a,b] [--worlds 8,64,256] [--layers-per-unit 4]
 """
 
 from __future__ import annotations
@@ -112,13 +112,21 @@ def fsdp2_fp8_cut(params: list[tuple[str, tuple[int, ...]]], world: int) -> tupl
     return data + world * max(scale_per_rank), 4 * cut_blocks
 
 
-def representative_layers(name: str, cfg: dict) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+def representative_layers(
+    name: str, cfg: dict, layers_per_unit: int = 1
+) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """The first ``layers_per_unit`` transformer layers as one unit (and, for DeepSeek-V3, the
+    last ones too: its first layers are dense, the rest MoE)."""
     units = fsdp_units(name, cfg, stacked_experts=True)
     layers = [u for u in units if u[0].startswith("layers.")]
-    picked = [layers[0]]
+    groups = [layers[:layers_per_unit]]
     if name.startswith("deepseek"):
-        picked.append(layers[-1])  # a MoE layer (the first ones are dense)
-    return [(f"{name}/{u}", [(n, tuple(s)) for n, s in p]) for u, p in picked]
+        groups.append(layers[-layers_per_unit:])
+    out = []
+    for g in groups:
+        label = g[0][0] if len(g) == 1 else f"{g[0][0]}-{g[-1][0].split('.')[-1]}"
+        out.append((f"{name}/{label}", [(n, tuple(s)) for _, p in g for n, s in p]))
+    return out
 
 
 def fmt_bytes(n: float) -> str:
@@ -129,20 +137,20 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError
 
 
-def byte_table(models: dict, worlds: list[int]) -> None:
-    hdr = (f"{'unit':<30}{'W':>5}  {'fsdp2_bf16':>11}  {'ours':>11} {'ratio':>6} {'amax B':>6} "
+def byte_table(models: dict, worlds: list[int], layers_per_unit: int) -> None:
+    hdr = (f"{'unit':<32}{'W':>5}  {'fsdp2_bf16':>11}  {'ours':>11} {'ratio':>6} {'amax B':>6} "
            f"{'plan pad%':>9} {'payload':>7}  {'fsdp2_fp8_cut':>13} {'ratio':>6} {'cut blk':>8} {'amax B':>9}")
     print(hdr)
     print("-" * len(hdr))
     for model, cfg in models.items():
-        for unit, params in representative_layers(model, cfg):
+        for unit, params in representative_layers(model, cfg, layers_per_unit):
             for w in worlds:
                 b = fsdp2_bf16(params, w)
                 layout, plan_pad = ours(params, w)
                 a = layout.gathered_nbytes
                 payload = layout.fp8_nbytes + layout.scale_nbytes + layout.raw_nbytes
                 c, amax_c = fsdp2_fp8_cut(params, w)
-                print(f"{unit:<30}{w:>5}  {fmt_bytes(b):>11}  {fmt_bytes(a):>11} {a / b:>6.3f} {0:>6} "
+                print(f"{unit:<32}{w:>5}  {fmt_bytes(b):>11}  {fmt_bytes(a):>11} {a / b:>6.3f} {0:>6} "
                       f"{100 * plan_pad:>9.2f} {payload / b:>7.3f}  {fmt_bytes(c):>13} {c / b:>6.3f} "
                       f"{amax_c // 4:>8,} {amax_c:>9,}")
 
@@ -181,12 +189,13 @@ def main() -> None:
     ap.add_argument("--models", default="", help="comma-separated subset of models.json")
     ap.add_argument("--worlds", default="8,64,256")
     ap.add_argument("--models-json", default=MODELS_JSON)
+    ap.add_argument("--layers-per-unit", type=int, default=1, help="transformer layers per FSDP unit")
     args = ap.parse_args()
     models = load_configs(args.models_json)
     if args.models:
         models = {k: models[k] for k in args.models.split(",")}
     worlds = [int(w) for w in args.worlds.split(",")]
-    byte_table(models, worlds)
+    byte_table(models, worlds, args.layers_per_unit)
     cpu_timing(models)
 
 
