@@ -71,12 +71,22 @@ def plan_stats(shapes: list[tuple[int, int]], ws: int, whole: bool) -> tuple[flo
 def _even_layout(shape, ws: int) -> Layout:
     rows, cols = shape
     chunk = -(-rows // ws)
-    return Layout(shape, None, 0, tuple((min(r * chunk, rows) * cols, min((r + 1) * chunk, rows) * cols) for r in range(ws)))
+    return Layout(
+        shape,
+        None,
+        0,
+        tuple((min(r * chunk, rows) * cols, min((r + 1) * chunk, rows) * cols) for r in range(ws)),
+    )
 
 
 def _one_rank_layout(shape, ws: int, owner: int) -> Layout:
     n = math.prod(shape)
-    return Layout(shape, None, 0, tuple((0, n) if r == owner else ((0, 0) if r < owner else (n, n)) for r in range(ws)))
+    return Layout(
+        shape,
+        None,
+        0,
+        tuple((0, n) if r == owner else ((0, 0) if r < owner else (n, n)) for r in range(ws)),
+    )
 
 
 class _Wire:
@@ -96,7 +106,9 @@ class _Wire:
         def a2a(out, inp, out_splits=None, in_splits=None, **kw):
             self.calls += 1
             me = dist.get_rank()
-            self.bytes += (inp.numel() - (in_splits[me] if in_splits else inp.numel() // ws)) * inp.element_size()
+            self.bytes += (
+                inp.numel() - (in_splits[me] if in_splits else inp.numel() // ws)
+            ) * inp.element_size()
             return self._orig_a2a(out, inp, out_splits, in_splits, **kw)
 
         def ag(out, inp, **kw):
@@ -113,7 +125,9 @@ class _Wire:
         def scatter(tensor, scatter_list=None, **kw):
             self.calls += 1
             if scatter_list is not None:
-                self.bytes += sum(t.numel() * t.element_size() for t in scatter_list) * (ws - 1) // ws
+                self.bytes += (
+                    sum(t.numel() * t.element_size() for t in scatter_list) * (ws - 1) // ws
+                )
             return self._orig_scatter(tensor, scatter_list, **kw)
 
         self._orig_a2a, self._orig_ag = dist.all_to_all_single, compat.all_gather_single
@@ -188,8 +202,14 @@ def _worker(rank: int, ws: int, port: int, args, shapes, out_dir: str) -> None:
             else:
                 pl = Shard(0)
                 local, glocal = full.chunk(ws)[rank].clone(), g.chunk(ws)[rank].clone()
-            p = torch.nn.Parameter(DTensor.from_local(local, mesh, [pl], shape=full.shape, stride=full.stride(), run_check=False))
-            p.grad = DTensor.from_local(glocal, mesh, [pl], shape=full.shape, stride=full.stride(), run_check=False)
+            p = torch.nn.Parameter(
+                DTensor.from_local(
+                    local, mesh, [pl], shape=full.shape, stride=full.stride(), run_check=False
+                )
+            )
+            p.grad = DTensor.from_local(
+                glocal, mesh, [pl], shape=full.shape, stride=full.stride(), run_check=False
+            )
             out.append(p)
         return out
 
@@ -200,7 +220,9 @@ def _worker(rank: int, ws: int, port: int, args, shapes, out_dir: str) -> None:
     }
     if muon_fsdp2 is not None:
         methods["muon-fsdp2"] = lambda: (
-            muon_fsdp2.Muon([dict(params=(ps := params("even")), use_muon=True, lr=0.02, rms_scale=False)]),
+            muon_fsdp2.Muon(
+                [dict(params=(ps := params("even")), use_muon=True, lr=0.02, rms_scale=False)]
+            ),
             ps,
         )
     results = {}
@@ -237,7 +259,9 @@ def _worker(rank: int, ws: int, port: int, args, shapes, out_dir: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=1, help="blocks timed (the 12-layer plan is always printed)")
+    ap.add_argument(
+        "--layers", type=int, default=1, help="blocks timed (the 12-layer plan is always printed)"
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps per method (after 1 warm-up)")
     ap.add_argument("--model", default="gpt2-124m")
     ap.add_argument("--models-json", default=os.path.join(REPO, "..", "shared", "models.json"))
@@ -249,28 +273,38 @@ def main() -> None:
     shapes = gpt_matrices(args.models_json, args.model, args.layers)
     numel = sum(math.prod(s) for s in shapes)
 
-    print(f"# owner plan, {args.model}, all {full_layers} layers, {ws} ranks (planner code, no NS run)")
+    print(
+        f"# owner plan, {args.model}, all {full_layers} layers, {ws} ranks (planner code, no NS run)"
+    )
     all_shapes = gpt_matrices(args.models_json, args.model, full_layers)
     all_numel = sum(math.prod(s) for s in all_shapes)
     for label, whole in (("Shard(0)", False), ("whole matrices", True)):
         imbalance, nbytes = plan_stats(all_shapes, ws, whole)
         naive = 4 * all_numel * (ws - 1) // ws * ws
-        print(f"{label:>16}: NS FLOPs max/mean {imbalance:.3f}, bytes/step {nbytes / 2**20:8.1f} MiB "
-              f"(naive fp32 all-gather: {naive / 2**20:.1f} MiB, ratio {nbytes / naive:.3f})")
+        print(
+            f"{label:>16}: NS FLOPs max/mean {imbalance:.3f}, bytes/step {nbytes / 2**20:8.1f} MiB "
+            f"(naive fp32 all-gather: {naive / 2**20:.1f} MiB, ratio {nbytes / naive:.3f})"
+        )
 
-    print(f"\n# timed: {args.layers} layer(s) = {len(shapes)} matrices, {numel / 1e6:.2f} M elements, "
-          f"{ws} gloo ranks x 1 thread, median of {args.steps} steps")
+    print(
+        f"\n# timed: {args.layers} layer(s) = {len(shapes)} matrices, {numel / 1e6:.2f} M elements, "
+        f"{ws} gloo ranks x 1 thread, median of {args.steps} steps"
+    )
     try:
         import muon_fsdp2  # noqa: F401
     except ImportError:
         print("note: muon-fsdp2 is not installed (pip install muon-fsdp2): its row is skipped")
     port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(ws, port, args, shapes, out_dir), nprocs=ws, start_method="spawn")
+        mp.start_processes(
+            _worker, args=(ws, port, args, shapes, out_dir), nprocs=ws, start_method="spawn"
+        )
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(ws)]
     naive = per_rank[0].get("naive")
-    print(f"{'method':>14} {'bytes/step':>12} {'vs naive':>9} {'coll/step':>10} {'FLOPs max/mean':>15} "
-          f"{'step s':>8} {'vs naive':>9}")
+    print(
+        f"{'method':>14} {'bytes/step':>12} {'vs naive':>9} {'coll/step':>10} {'FLOPs max/mean':>15} "
+        f"{'step s':>8} {'vs naive':>9}"
+    )
     for name in args.methods:
         rows = [r[name] for r in per_rank]
         if rows[0] is None:
@@ -281,9 +315,13 @@ def main() -> None:
         nbytes_naive = sum(r["bytes"] for r in (x["naive"] for x in per_rank)) if naive else None
         t_naive = max(x["naive"]["time"] for x in per_rank) if naive else None
         flops = "-" if rows[0]["flops"] is None else f"{rows[0]['flops']:.3f}"
-        print(f"{name:>14} {nbytes / 2**20:9.2f} MiB {nbytes / nbytes_naive if naive else float('nan'):9.3f} "
-              f"{rows[0]['calls']:>10} {flops:>15} {t:8.2f} {t / t_naive if naive else float('nan'):9.2f}")
-    print(f"\ntarget: ours bytes <= 2/world = {2 / ws:.2f} x naive; whole-matrix bytes 0; FLOPs max/mean <= 1.10")
+        print(
+            f"{name:>14} {nbytes / 2**20:9.2f} MiB {nbytes / nbytes_naive if naive else float('nan'):9.3f} "
+            f"{rows[0]['calls']:>10} {flops:>15} {t:8.2f} {t / t_naive if naive else float('nan'):9.2f}"
+        )
+    print(
+        f"\ntarget: ours bytes <= 2/world = {2 / ws:.2f} x naive; whole-matrix bytes 0; FLOPs max/mean <= 1.10"
+    )
 
 
 def _free_port() -> int:

@@ -8,7 +8,11 @@
 """
 
 from ragged_placement.optim.muon import Muon, MuonStepInfo, adjusted_lr
-from ragged_placement.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, newton_schulz, newton_schulz_flops
+from ragged_placement.optim.newton_schulz import (
+    DEFAULT_NS_COEFFICIENTS,
+    newton_schulz,
+    newton_schulz_flops,
+)
 from ragged_placement.optim.shampoo import Shampoo, matrix_power
 
 __all__ = [

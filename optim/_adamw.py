@@ -20,7 +20,7 @@ def adamw_update(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One ``torch.optim.AdamW`` step (no amsgrad) on ``param`` in place; ``state`` is filled lazily."""
+    """One ``torch.optim.AdamW`` step (no amsgrad) on ``param`` in place; fills ``state`` lazily."""
     if "step" not in state:
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = torch.zeros_like(param)

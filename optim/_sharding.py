@@ -121,14 +121,14 @@ def local_flat(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def check_grad_placement(param: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless ``param.grad`` is laid out like ``param`` (the local math needs it)."""
+    """Raise ``ValueError`` unless ``param.grad`` is laid out like ``param``."""
     grad = param.grad
     p_placements = param.placements if isinstance(param, DTensor) else None
     g_placements = grad.placements if isinstance(grad, DTensor) else None
     if p_placements != g_placements or grad.shape != param.shape:
         raise ValueError(
-            f"param.grad must have the parameter's shape and placements: parameter {tuple(param.shape)} "
-            f"{p_placements}, grad {tuple(grad.shape)} {g_placements}"
+            "param.grad must have the parameter's shape and placements: parameter "
+            f"{tuple(param.shape)} {p_placements}, grad {tuple(grad.shape)} {g_placements}"
         )
 
 
@@ -155,7 +155,9 @@ def _overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int] | None:
     return (lo, hi) if lo < hi else None
 
 
-def assign_owners(items: Sequence[Item], layouts: Sequence[Layout]) -> tuple[list[int], list[float]]:
+def assign_owners(
+    items: Sequence[Item], layouts: Sequence[Layout]
+) -> tuple[list[int], list[float]]:
     """Owner rank of every item (all on one group) and the resulting cost per rank.
 
     An item held entirely by one rank is owned by it (zero bytes to move). The others go, by
@@ -283,13 +285,17 @@ class Exchange:
         return _Pending(work, out)
 
     def start_gather(self, flats: Sequence[torch.Tensor | None]) -> _Pending:
-        """Send my pieces of others' items (``flats[param]``: my local elements, 1-D, wire dtype)."""
+        """Send my pieces of others' items (``flats[param]``: my local elements, 1-D)."""
         chunks = [
             flats[self.items[k].param][self._local_offset(k, lo) : self._local_offset(k, hi)]
             for pieces in self.send
             for k, lo, hi in pieces
         ]
-        send = torch.cat(chunks).to(self.dtype) if chunks else torch.empty(0, dtype=self.dtype, device=self.device)
+        send = (
+            torch.cat(chunks).to(self.dtype)
+            if chunks
+            else torch.empty(0, dtype=self.dtype, device=self.device)
+        )
         return self._all_to_all(send, self.recv_splits, self.send_splits)
 
     def assemble(
@@ -307,7 +313,9 @@ class Exchange:
         out = flat.new_empty(item.numel)
         for kk, lo, hi in self.self_pieces:
             if kk == k:
-                out[lo - item.start : hi - item.start] = flat[self._local_offset(k, lo) : self._local_offset(k, hi)]
+                out[lo - item.start : hi - item.start] = flat[
+                    self._local_offset(k, lo) : self._local_offset(k, hi)
+                ]
         offset = 0
         for pieces in self.recv:
             for kk, lo, hi in pieces:
@@ -323,11 +331,18 @@ class Exchange:
             for k, lo, hi in pieces:
                 start = self.items[k].start
                 chunks.append(results[k].reshape(-1)[lo - start : hi - start])
-        send = torch.cat(chunks).to(self.dtype) if chunks else torch.empty(0, dtype=self.dtype, device=self.device)
+        send = (
+            torch.cat(chunks).to(self.dtype)
+            if chunks
+            else torch.empty(0, dtype=self.dtype, device=self.device)
+        )
         return self._all_to_all(send, self.send_splits, self.recv_splits)
 
     def finish_scatter(
-        self, pending: _Pending, results: dict[int, torch.Tensor], outs: Sequence[torch.Tensor | None]
+        self,
+        pending: _Pending,
+        results: dict[int, torch.Tensor],
+        outs: Sequence[torch.Tensor | None],
     ) -> None:
         """Write my elements of every item's result into ``outs[param]`` (1-D, local layout).
 
@@ -337,7 +352,9 @@ class Exchange:
         for k, lo, hi in self.self_pieces:
             start = self.items[k].start
             a = self._local_offset(k, lo)
-            outs[self.items[k].param][a : a + hi - lo] = results[k].reshape(-1)[lo - start : hi - start]
+            outs[self.items[k].param][a : a + hi - lo] = results[k].reshape(-1)[
+                lo - start : hi - start
+            ]
         recv = pending.wait()
         offset = 0
         for pieces in self.send:  # the pieces I hold of items owned elsewhere

@@ -52,9 +52,16 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
                 local_shape = p._local_tensor.shape
                 pstate = {
                     k: DTensor.from_local(
-                        v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+                        v,
+                        p.device_mesh,
+                        p.placements,
+                        shape=p.shape,
+                        stride=p.stride(),
+                        run_check=False,
                     )
-                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local_shape
+                    if isinstance(v, torch.Tensor)
+                    and not isinstance(v, DTensor)
+                    and v.shape == local_shape
                     and v.ndim > 0
                     else v
                     for k, v in pstate.items()
@@ -80,8 +87,8 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
                 if isinstance(v, DTensor):
                     if not isinstance(p, DTensor) or v.placements != p.placements:
                         raise ValueError(
-                            f"state_dict state {key!r}[{k!r}] has placements {v.placements}, but the "
-                            f"parameter has {getattr(p, 'placements', None)}"
+                            f"state_dict state {key!r}[{k!r}] has placements {v.placements}, "
+                            f"but the parameter has {getattr(p, 'placements', None)}"
                         )
                     v = v._local_tensor
                 unpacked[k] = v

@@ -45,8 +45,16 @@ from ragged_placement.optim._sharding import (
     local_flat,
     local_tensor,
 )
-from ragged_placement.optim._state import ShardedStateOptimizer, check_non_negative, check_unit_interval
-from ragged_placement.optim.newton_schulz import DEFAULT_NS_COEFFICIENTS, newton_schulz, newton_schulz_flops
+from ragged_placement.optim._state import (
+    ShardedStateOptimizer,
+    check_non_negative,
+    check_unit_interval,
+)
+from ragged_placement.optim.newton_schulz import (
+    DEFAULT_NS_COEFFICIENTS,
+    newton_schulz,
+    newton_schulz_flops,
+)
 
 __all__ = ["Muon", "MuonStepInfo", "adjusted_lr"]
 
@@ -93,7 +101,9 @@ class _Plan:
     def __init__(self, layouts: list[Layout], items: list[Item], device: torch.device) -> None:
         self.owners, self.loads = assign_owners(items, layouts)
         first = layouts[0]
-        self.exchange = Exchange(items, self.owners, layouts, first.group, first.rank, torch.bfloat16, device)
+        self.exchange = Exchange(
+            items, self.owners, layouts, first.group, first.rank, torch.bfloat16, device
+        )
 
 
 class Muon(ShardedStateOptimizer):
@@ -163,10 +173,16 @@ class Muon(ShardedStateOptimizer):
             return
         check_unit_interval("momentum", group["momentum"])
         check_non_negative("eps", group["eps"])
-        if isinstance(group["ns_steps"], bool) or not isinstance(group["ns_steps"], int) or group["ns_steps"] < 1:
+        if (
+            isinstance(group["ns_steps"], bool)
+            or not isinstance(group["ns_steps"], int)
+            or group["ns_steps"] < 1
+        ):
             raise ValueError(f"ns_steps must be a positive int, got {group['ns_steps']!r}")
         if len(group["ns_coefficients"]) != 3:
-            raise ValueError(f"ns_coefficients must be three floats (a, b, c), got {group['ns_coefficients']!r}")
+            raise ValueError(
+                f"ns_coefficients must be three floats (a, b, c), got {group['ns_coefficients']!r}"
+            )
         if group["adjust_lr"] not in ADJUST_LR:
             raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {group['adjust_lr']!r}")
         for i, p in enumerate(group["params"]):
@@ -174,7 +190,8 @@ class Muon(ShardedStateOptimizer):
                 hint = (
                     "put vectors and scalars in a param group with 'algorithm': 'adamw'"
                     if p.ndim < 2
-                    else "reshape it to a matrix or a 3-D stack of matrices, or use an 'adamw' group"
+                    else "reshape it to a matrix or a 3-D stack of matrices, or use an "
+                    "'adamw' group"
                 )
                 raise ValueError(
                     f"params[{i}] has shape {tuple(p.shape)}: Muon orthogonalizes 2-D matrices and "
@@ -196,7 +213,11 @@ class Muon(ShardedStateOptimizer):
                 loss = closure()
         info = MuonStepInfo()
         entries: list[tuple[torch.Tensor, dict[str, Any]]] = [
-            (p, g) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"] if p.grad is not None
+            (p, g)
+            for g in self.param_groups
+            if g["algorithm"] == "muon"
+            for p in g["params"]
+            if p.grad is not None
         ]
         # 1. momentum, locally; U in bf16 (what NS consumes) is what travels.
         updates = [self._momentum(p, g) for p, g in entries]
@@ -225,12 +246,15 @@ class Muon(ShardedStateOptimizer):
             info.flops_per_rank = plan.loads
             exchanges.append((idx, plan.exchange, flats, pending))
 
-        # 3. while the gathers fly: NS of unsharded parameters and of matrices already on their owner.
+        # 3. while the gathers fly: NS of unsharded parameters and of matrices already on their
+        #    owner.
         unsharded_out = {
-            i: self._orthogonalize({0: updates[i].view(layouts[i].shape)}, entries[i][1])[0] for i in unsharded
+            i: self._orthogonalize({0: updates[i].view(layouts[i].shape)}, entries[i][1])[0]
+            for i in unsharded
         }
         info.flops_local = sum(
-            newton_schulz_flops(*layouts[i].shape[-2:], entries[i][1]["ns_steps"]) * math.prod(layouts[i].shape[:-2])
+            newton_schulz_flops(*layouts[i].shape[-2:], entries[i][1]["ns_steps"])
+            * math.prod(layouts[i].shape[:-2])
             for i in unsharded
         )
         results: list[dict[int, torch.Tensor]] = []
@@ -241,7 +265,9 @@ class Muon(ShardedStateOptimizer):
         returns = []
         for (idx, ex, flats, pending), res in zip(exchanges, results):
             recv = pending.wait()
-            res.update(self._orthogonalize_items(ex, sorted(ex.remote_owned), flats, recv, entries, idx))
+            res.update(
+                self._orthogonalize_items(ex, sorted(ex.remote_owned), flats, recv, entries, idx)
+            )
             back = ex.start_scatter(res)
             info.all_to_all_calls += back.work is not None
             info.bytes_sent += sum(ex.recv_splits) * 2
@@ -259,8 +285,13 @@ class Muon(ShardedStateOptimizer):
                     if p.grad is not None:
                         check_grad_placement(p)
                         adamw_update(
-                            local_tensor(p), local_tensor(p.grad), self.state[p], lr=g["lr"], betas=g["betas"],
-                            eps=g["adamw_eps"], weight_decay=g["weight_decay"],
+                            local_tensor(p),
+                            local_tensor(p.grad),
+                            self.state[p],
+                            lr=g["lr"],
+                            betas=g["betas"],
+                            eps=g["adamw_eps"],
+                            weight_decay=g["weight_decay"],
                         )
 
         # 7. land the returned pieces.
@@ -285,7 +316,9 @@ class Muon(ShardedStateOptimizer):
         return update.to(torch.bfloat16)
 
     @staticmethod
-    def _orthogonalize(mats: dict[int, torch.Tensor], group: dict[str, Any]) -> dict[int, torch.Tensor]:
+    def _orthogonalize(
+        mats: dict[int, torch.Tensor], group: dict[str, Any]
+    ) -> dict[int, torch.Tensor]:
         """NS of every matrix (or stack) in ``mats``.
 
         Small matrices of equal shape run as one batch (they are launch-bound); matrices of at
@@ -298,8 +331,14 @@ class Muon(ShardedStateOptimizer):
         for shape, keys in by_shape.items():
             chunks = [keys] if math.prod(shape) < _BATCH_MAX_NUMEL else [[k] for k in keys]
             for chunk in chunks:
-                batch = torch.stack([mats[k] for k in chunk]) if len(chunk) > 1 else mats[chunk[0]].unsqueeze(0)
-                ortho = newton_schulz(batch, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                batch = (
+                    torch.stack([mats[k] for k in chunk])
+                    if len(chunk) > 1
+                    else mats[chunk[0]].unsqueeze(0)
+                )
+                ortho = newton_schulz(
+                    batch, group["ns_steps"], group["ns_coefficients"], group["eps"]
+                )
                 out.update(zip(chunk, ortho.unbind(0)))
         return out
 

@@ -27,7 +27,9 @@ def newton_schulz(
     Leading dims are a batch: each matrix is normalized by its own Frobenius norm.
     """
     if x.ndim < 2:
-        raise ValueError(f"x must have at least 2 dims (a matrix or a batch of them), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"x must have at least 2 dims (a matrix or a batch of them), got shape {tuple(x.shape)}"
+        )
     if steps < 0:
         raise ValueError(f"steps must be non-negative, got {steps}")
     a, b, c = coefficients
@@ -49,5 +51,5 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> int:
     Per step with ``s = min(rows, cols)``, ``l = max(rows, cols)``: ``X X^T`` (``2 s^2 l``),
     ``A A`` (``2 s^3``) and ``B X`` (``2 s^2 l``).
     """
-    s, l = min(rows, cols), max(rows, cols)
-    return steps * (4 * s * s * l + 2 * s ** 3)
+    short, long = min(rows, cols), max(rows, cols)
+    return steps * (4 * short * short * long + 2 * short**3)

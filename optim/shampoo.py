@@ -48,7 +48,11 @@ from ragged_placement.optim._sharding import (
     layout_of,
     local_flat,
 )
-from ragged_placement.optim._state import ShardedStateOptimizer, check_non_negative, check_unit_interval
+from ragged_placement.optim._state import (
+    ShardedStateOptimizer,
+    check_non_negative,
+    check_unit_interval,
+)
 
 __all__ = ["Shampoo", "matrix_power"]
 
@@ -126,7 +130,9 @@ class Shampoo(ShardedStateOptimizer):
         if g["grafting"] not in GRAFTING:
             raise ValueError(f"grafting must be one of {GRAFTING}, got {g['grafting']!r}")
         if len(g["exponents"]) != 2 or any(not e < 0 for e in g["exponents"]):
-            raise ValueError(f"exponents must be two negative floats (left, right), got {g['exponents']!r}")
+            raise ValueError(
+                f"exponents must be two negative floats (left, right), got {g['exponents']!r}"
+            )
         if len(g["grafting_betas"]) != 2:
             raise ValueError(f"grafting_betas must be a pair, got {g['grafting_betas']!r}")
         check_unit_interval("grafting_betas[0]", g["grafting_betas"][0])
@@ -153,12 +159,17 @@ class Shampoo(ShardedStateOptimizer):
         """Owner of every slab of every matrix parameter on ``pg``, fixed at first use."""
         if pg not in self._owners:
             params = [
-                (p, g) for g in self.param_groups for p in g["params"] if p.ndim >= 2 and layout_of(p).group is pg
+                (p, g)
+                for g in self.param_groups
+                for p in g["params"]
+                if p.ndim >= 2 and layout_of(p).group is pg
             ]
             layouts = [layout_of(p) for p, _ in params]
             items = [it for i, (p, g) in enumerate(params) for it in self._slabs(i, layouts[i], g)]
             owners, _ = assign_owners(items, layouts)
-            self._owners[pg] = {(id(params[it.param][0]), it.start, it.numel): o for it, o in zip(items, owners)}
+            self._owners[pg] = {
+                (id(params[it.param][0]), it.start, it.numel): o for it, o in zip(items, owners)
+            }
         return self._owners[pg]
 
     # -- step ------------------------------------------------------------------------------------
@@ -204,7 +215,9 @@ class Shampoo(ShardedStateOptimizer):
         if pg is None:  # whole on every rank: every slab is computed here
             outs = [torch.empty_like(g) for g in grads]
             for it in items:
-                upd = self._slab_update(entries[it.param], it, grads[it.param][it.start : it.end].view(it.shape))
+                upd = self._slab_update(
+                    entries[it.param], it, grads[it.param][it.start : it.end].view(it.shape)
+                )
                 outs[it.param][it.start : it.end] = upd.reshape(-1)
         else:
             owner_of = self._owner_map(pg)
@@ -218,10 +231,14 @@ class Shampoo(ShardedStateOptimizer):
             pending = ex.start_gather(grads)
             results = {}
             for k in ex.local_owned:  # overlaps the gather
-                results[k] = self._slab_update(entries[items[k].param], items[k], ex.assemble(k, grads, None))
+                results[k] = self._slab_update(
+                    entries[items[k].param], items[k], ex.assemble(k, grads, None)
+                )
             recv = pending.wait()
             for k in sorted(ex.remote_owned):
-                results[k] = self._slab_update(entries[items[k].param], items[k], ex.assemble(k, grads, recv))
+                results[k] = self._slab_update(
+                    entries[items[k].param], items[k], ex.assemble(k, grads, recv)
+                )
             back = ex.start_scatter(results)
             self.last_step_all_to_all_calls += 2 if ex.traffic else 0
             outs = [torch.empty_like(g) for g in grads]
@@ -229,7 +246,9 @@ class Shampoo(ShardedStateOptimizer):
         for (p, g), out in zip(entries, outs):
             local_flat(p).add_(out, alpha=-g["lr"])
 
-    def _slab_update(self, entry: tuple[torch.Tensor, dict[str, Any]], item: Item, grad: torch.Tensor) -> torch.Tensor:
+    def _slab_update(
+        self, entry: tuple[torch.Tensor, dict[str, Any]], item: Item, grad: torch.Tensor
+    ) -> torch.Tensor:
         """Shampoo update of one row slab (owner side); creates the slab's state on first use."""
         p, g = entry
         state = self.state[p]
@@ -264,8 +283,10 @@ class Shampoo(ShardedStateOptimizer):
         return out
 
     @staticmethod
-    def _graft(grad: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int) -> torch.Tensor:
-        """The grafting method's update direction for ``grad`` (state: ``exp_avg``, ``exp_avg_sq``)."""
+    def _graft(
+        grad: torch.Tensor, state: dict[str, Any], g: dict[str, Any], step: int
+    ) -> torch.Tensor:
+        """The grafting method's update direction for ``grad`` (``exp_avg``, ``exp_avg_sq``)."""
         kind = g["grafting"]
         if kind in ("sgd", "none"):
             return grad

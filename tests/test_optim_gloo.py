@@ -24,7 +24,9 @@ from test_optim_muon import max_diff
 
 def _both(rank: int, ws: int):
     muon = {
-        kind: _dist_muon(rank, ws, kind, dict(lr=LR, weight_decay=WD, adjust_lr="match_rms_adamw"), 10)
+        kind: _dist_muon(
+            rank, ws, kind, dict(lr=LR, weight_decay=WD, adjust_lr="match_rms_adamw"), 10
+        )
         for kind in ("uneven",)
     }
     shampoo = _dist_shampoo(rank, ws, "flat", 10, OPTS)
@@ -42,7 +44,10 @@ def test_gloo_four_ranks_match_single_device():
         assert max_diff(full, reference) < REF_ATOL
         assert all(info.all_to_all_calls == 2 for r in per_rank for info in r[1])
     shampoo = [r[1] for r in results]
-    full = [torch.cat([r[0][i].reshape(-1) for r in shampoo]).view(s) for i, s in enumerate(SHAMPOO_SHAPES)]
+    full = [
+        torch.cat([r[0][i].reshape(-1) for r in shampoo]).view(s)
+        for i, s in enumerate(SHAMPOO_SHAPES)
+    ]
     assert max_diff(full, _single()) <= SHAMPOO_DIST_ATOL
     params, grads = make_problem(0)
     assert max_diff(full, reference_shampoo(params, grads, **OPTS)) < ATOL

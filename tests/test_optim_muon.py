@@ -48,7 +48,7 @@ def _one_torch_thread():
     torch.set_num_threads(n)
 
 
-# -- references -------------------------------------------------------------------------------------
+# -- references -----------------------------------------------------------------------------------
 def keller_ns(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """zeropower_via_newtonschulz5 from github.com/KellerJordan/Muon (muon.py), verbatim."""
     a, b, c = (3.4445, -4.7750, 2.0315)
@@ -76,7 +76,9 @@ def keller_muon(params, grads, lr=LR, wd=WD, beta=0.95, nesterov=True, scale="or
             u = g.lerp_(m, beta) if nesterov else m
             u = keller_ns(u)
             rows, cols = p.shape[-2:]
-            u = u * (max(1, rows / cols) ** 0.5 if scale == "original" else 0.2 * max(rows, cols) ** 0.5)
+            u = u * (
+                max(1, rows / cols) ** 0.5 if scale == "original" else 0.2 * max(rows, cols) ** 0.5
+            )
             p.mul_(1 - lr * wd)
             p.add_(u.reshape(p.shape), alpha=-lr)
     return params
@@ -103,7 +105,7 @@ def max_diff(xs, ys) -> float:
     return max((x - y).abs().max().item() for x, y in zip(xs, ys))
 
 
-# -- placements -------------------------------------------------------------------------------------
+# -- placements -----------------------------------------------------------------------------------
 def placement_for(kind: str, shape, ws: int, index: int):
     """The placement of parameter ``index`` for a test layout ``kind`` on ``ws`` ranks."""
     if kind == "even":
@@ -115,7 +117,12 @@ def placement_for(kind: str, shape, ws: int, index: int):
         return RaggedShard(dims, {1: (1,), 2: (3, 1), 4: (2, 0, 1, 1)}[ws])
     if kind == "whole":  # every matrix whole on one rank; experts spread one per rank
         if len(shape) == 3:
-            return RaggedShard((0,), tuple(1 if r < shape[0] else 0 for r in range(ws)) if ws >= shape[0] else (shape[0],) + (0,) * (ws - 1))
+            return RaggedShard(
+                (0,),
+                tuple(1 if r < shape[0] else 0 for r in range(ws))
+                if ws >= shape[0]
+                else (shape[0],) + (0,) * (ws - 1),
+            )
         return RaggedShard((0,), tuple(int(r == index % ws) for r in range(ws)))
     if kind == "flat":  # FSDP1-style element-wise cut, through rows and matrices
         return RaggedShard(tuple(range(len(shape))), (1,) * ws)
@@ -125,7 +132,9 @@ def placement_for(kind: str, shape, ws: int, index: int):
 def shard(full: torch.Tensor, placement, mesh, rank: int) -> torch.Tensor:
     if isinstance(placement, RaggedShard):
         local = placement.shard_local(full, rank).clone()
-        return DTensor.from_local(local, mesh, [placement], shape=full.shape, stride=full.stride(), run_check=False)
+        return DTensor.from_local(
+            local, mesh, [placement], shape=full.shape, stride=full.stride(), run_check=False
+        )
     return distribute_tensor(full.clone(), mesh, [placement])
 
 
@@ -148,7 +157,7 @@ def gather_results(results, shapes):
     return [torch.cat([r[0][i].reshape(-1) for r in results]).view(s) for i, s in enumerate(shapes)]
 
 
-# -- single device ----------------------------------------------------------------------------------
+# -- single device --------------------------------------------------------------------------------
 def test_single_device_matches_published_algorithm_and_torch_muon():
     """Plain tensors: ours vs Keller Jordan's reference and vs torch.optim.Muon, within REF_ATOL."""
     params, grads = make_problem(1)
@@ -157,7 +166,8 @@ def test_single_device_matches_published_algorithm_and_torch_muon():
     ours = run_single(lambda ps: Muon(ps, lr=LR, weight_decay=WD), params, grads)
     assert max_diff(ours, ref) < REF_ATOL
     torch_muon = run_single(
-        lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=WD), [params[i] for i in two_d],
+        lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=WD),
+        [params[i] for i in two_d],
         [[g[i] for i in two_d] for g in grads],
     )
     assert max_diff([ours[i] for i in two_d], torch_muon) < REF_ATOL
@@ -173,15 +183,22 @@ def test_match_rms_adamw_and_plain_momentum_match_pytorch_optimizer():
     params, grads = make_problem(2, shapes)
     for adjust, nesterov in [("original", True), ("match_rms_adamw", False)]:
         ours = run_single(
-            lambda ps: Muon(ps, lr=LR, weight_decay=WD, adjust_lr=adjust, nesterov=nesterov), params, grads
+            lambda ps: Muon(ps, lr=LR, weight_decay=WD, adjust_lr=adjust, nesterov=nesterov),
+            params,
+            grads,
         )
         ref = keller_muon(params, grads, nesterov=nesterov, scale=adjust)
         peer = run_single(
             lambda ps: pytorch_optimizer.Muon(
-                [dict(params=ps, use_muon=True)], lr=LR, weight_decay=WD, nesterov=nesterov,
-                use_adjusted_lr=adjust == "match_rms_adamw", foreach=False,
+                [dict(params=ps, use_muon=True)],
+                lr=LR,
+                weight_decay=WD,
+                nesterov=nesterov,
+                use_adjusted_lr=adjust == "match_rms_adamw",
+                foreach=False,
             ),
-            params, grads,
+            params,
+            grads,
         )
         assert max_diff(ours, ref) < REF_ATOL
         assert max_diff(ours, peer) < REF_ATOL
@@ -207,12 +224,14 @@ def test_newton_schulz_orthogonalizes():
     assert newton_schulz_flops(40, 24) == 5 * (4 * 24 * 24 * 40 + 2 * 24**3)
 
 
-# -- distributed ------------------------------------------------------------------------------------
+# -- distributed ----------------------------------------------------------------------------------
 @functools.cache
 def _single_device_results():
     """Ours and Keller Jordan's reference on plain tensors, for the problem of ``_dist_muon``."""
     params, grads = make_problem(0)
-    single = run_single(lambda ps: Muon(ps, lr=LR, weight_decay=WD, adjust_lr="match_rms_adamw"), params, grads)
+    single = run_single(
+        lambda ps: Muon(ps, lr=LR, weight_decay=WD, adjust_lr="match_rms_adamw"), params, grads
+    )
     return single, keller_muon(params, grads, scale="match_rms_adamw")
 
 
@@ -220,7 +239,9 @@ def _single_device_results():
 @pytest.mark.parametrize("kind", ["even", "uneven", "whole", "flat", "replicate"])
 def test_distributed_matches_single_device(kind, ws):
     if kind == "even" and ws == 4:
-        pytest.skip("torch's Shard(0) of 3 experts on 4 ranks leaves one rank empty: covered by uneven")
+        pytest.skip(
+            "torch's Shard(0) of 3 experts on 4 ranks leaves one rank empty: covered by uneven"
+        )
     kwargs = dict(lr=LR, weight_decay=WD, adjust_lr="match_rms_adamw")
     single, reference = _single_device_results()
     results = run_threaded(_dist_muon, ws, kind, kwargs, 10)
@@ -260,7 +281,7 @@ def test_even_shard_of_experts_leaving_a_rank_empty():
 
 
 def test_batched_path_issues_exactly_two_all_to_alls_and_nothing_else():
-    """Count c10d calls per rank: 2 all_to_all_single per step (uneven), 0 when matrices are whole."""
+    """Count c10d calls per rank: 2 all_to_all_single per step (uneven), 0 for whole matrices."""
     calls: dict[str, list[int]] = {}
     wire_bytes = [0] * 4
     lock = threading.Lock()
@@ -272,9 +293,18 @@ def test_batched_path_issues_exactly_two_all_to_alls_and_nothing_else():
                 if name == "all_to_all_single":
                     wire_bytes[dist.get_rank()] += args[1].numel() * args[1].element_size()
             return fn(*args, **kwargs)
+
         return wrapper
 
-    names = ["all_to_all_single", "all_gather", "all_gather_into_tensor", "broadcast", "all_reduce", "scatter", "gather"]
+    names = [
+        "all_to_all_single",
+        "all_gather",
+        "all_gather_into_tensor",
+        "broadcast",
+        "all_reduce",
+        "scatter",
+        "gather",
+    ]
     patches = [mock.patch.object(dist, n, counting(n, getattr(dist, n))) for n in names]
     for p in patches:
         p.start()
@@ -282,7 +312,9 @@ def test_batched_path_issues_exactly_two_all_to_alls_and_nothing_else():
         kwargs = dict(lr=LR)
         results = run_threaded(_dist_muon, 4, "uneven", kwargs, 3)
         assert set(calls) == {"all_to_all_single"}
-        assert sorted(calls["all_to_all_single"]) == sorted([r for r in range(4) for _ in range(2 * 3)])
+        assert sorted(calls["all_to_all_single"]) == sorted(
+            [r for r in range(4) for _ in range(2 * 3)]
+        )
         # MuonStepInfo.bytes_sent is what really went into the collectives
         assert wire_bytes == [sum(i.bytes_sent for i in r[1]) for r in results]
         assert sum(wire_bytes) > 0
@@ -301,22 +333,35 @@ def _adamw_groups(rank, ws, steps):
     vecs = [torch.randn(12, generator=g), torch.randn(4, generator=g)]
     grads = [[torch.randn(t.shape, generator=g) for t in mats + vecs] for _ in range(steps)]
     pl = RaggedShard((0,), (1, 0, 2, 1)[:ws] if ws == 4 else (1,) * ws)
-    dps = [torch.nn.Parameter(shard(t, pl, mesh, rank)) for t in mats + vecs[:1]] + [torch.nn.Parameter(vecs[1].clone())]
+    dps = [torch.nn.Parameter(shard(t, pl, mesh, rank)) for t in mats + vecs[:1]] + [
+        torch.nn.Parameter(vecs[1].clone())
+    ]
     opt = Muon(
-        [{"params": dps[:1]}, {"params": dps[1:], "algorithm": "adamw", "lr": 1e-2, "weight_decay": 0.05}],
-        lr=LR, betas=(0.8, 0.9), adamw_eps=1e-6,
+        [
+            {"params": dps[:1]},
+            {"params": dps[1:], "algorithm": "adamw", "lr": 1e-2, "weight_decay": 0.05},
+        ],
+        lr=LR,
+        betas=(0.8, 0.9),
+        adamw_eps=1e-6,
     )
     for step_grads in grads:
         for p, gr in zip(dps, step_grads):
             p.grad = shard(gr, pl, mesh, rank) if isinstance(p, DTensor) else gr.clone()
         opt.step()
-    return [p._local_tensor.clone() if isinstance(p, DTensor) else p.detach().clone() for p in dps], (mats, vecs, grads)
+    return [
+        p._local_tensor.clone() if isinstance(p, DTensor) else p.detach().clone() for p in dps
+    ], (mats, vecs, grads)
 
 
 def test_adamw_group_matches_torch_adamw():
     results = run_threaded(_adamw_groups, 4, 4)
     mats, vecs, grads = results[0][1]
-    ref = run_single(lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05), vecs, [g[1:] for g in grads])
+    ref = run_single(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05),
+        vecs,
+        [g[1:] for g in grads],
+    )
     got_vec0 = torch.cat([r[0][1] for r in results])
     torch.testing.assert_close(got_vec0, ref[0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(results[0][0][2], ref[1], rtol=1e-6, atol=1e-7)
@@ -331,7 +376,9 @@ def _state_dict_round_trip(rank, ws):
 
     def build(values):
         dps = [torch.nn.Parameter(shard(v, pl, mesh, rank)) for v, pl in zip(values, pls)]
-        return dps, Muon([{"params": dps[:3]}, {"params": dps[3:], "algorithm": "adamw"}], lr=LR, weight_decay=WD)
+        return dps, Muon(
+            [{"params": dps[:3]}, {"params": dps[3:], "algorithm": "adamw"}], lr=LR, weight_decay=WD
+        )
 
     def steps(dps, opt, gs):
         for step_grads in gs:
@@ -348,11 +395,22 @@ def _state_dict_round_trip(rank, ws):
     sd = opt.state_dict()
     placed = [
         (v.placements == dps[i].placements and isinstance(v, DTensor))
-        for i, s in sd["state"].items() for k, v in s.items() if k != "step"
+        for i, s in sd["state"].items()
+        for k, v in s.items()
+        if k != "step"
     ]
     snapshot = [p._local_tensor.clone() for p in dps]
-    fresh = [torch.nn.Parameter(DTensor.from_local(x.clone(), mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)) for x, p in zip(snapshot, dps)]
-    opt2 = Muon([{"params": fresh[:3]}, {"params": fresh[3:], "algorithm": "adamw"}], lr=LR, weight_decay=WD)
+    fresh = [
+        torch.nn.Parameter(
+            DTensor.from_local(
+                x.clone(), mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+            )
+        )
+        for x, p in zip(snapshot, dps)
+    ]
+    opt2 = Muon(
+        [{"params": fresh[:3]}, {"params": fresh[3:], "algorithm": "adamw"}], lr=LR, weight_decay=WD
+    )
     opt2.load_state_dict(sd)
     steps(fresh, opt2, grads[5:])
     return straight, [p._local_tensor.clone() for p in fresh], placed
@@ -367,7 +425,7 @@ def test_state_dict_round_trip_with_dtensor_state():
             assert torch.equal(a, b)
 
 
-# -- owner planning ---------------------------------------------------------------------------------
+# -- owner planning -------------------------------------------------------------------------------
 def _gpt2_shapes(layers: int = 12):
     h, f = 768, 3072
     return [s for _ in range(layers) for s in [(3 * h, h), (h, h), (f, h), (h, f)]]
@@ -380,7 +438,17 @@ def test_owner_plan_balances_gpt2_ns_flops():
     layouts = []
     for s in shapes:
         chunk = -(-s[0] // ws)
-        layouts.append(Layout(s, None, 0, tuple((min(r * chunk, s[0]) * s[1], min((r + 1) * chunk, s[0]) * s[1]) for r in range(ws))))
+        layouts.append(
+            Layout(
+                s,
+                None,
+                0,
+                tuple(
+                    (min(r * chunk, s[0]) * s[1], min((r + 1) * chunk, s[0]) * s[1])
+                    for r in range(ws)
+                ),
+            )
+        )
     items = [Item(i, 0, s, newton_schulz_flops(*s)) for i, s in enumerate(shapes)]
     _, loads = assign_owners(items, layouts)
     assert max(loads) / (sum(loads) / ws) <= 1.10
@@ -410,7 +478,7 @@ def test_exchange_plan_moves_exactly_the_off_owner_pieces(shapes, data):
             assert held[owners[k]] == it.numel
         off_owner += it.numel - held[owners[k]]
     for rank in range(ws):
-        rl = [Layout(l.shape, None, rank, l.flat_ranges) for l in layouts]
+        rl = [Layout(lay.shape, None, rank, lay.flat_ranges) for lay in layouts]
         ex = Exchange(items, owners, rl, None, rank, torch.float32, torch.device("cpu"))
         assert ex.traffic == off_owner
         for k in ex.owned:
@@ -421,7 +489,7 @@ def test_exchange_plan_moves_exactly_the_off_owner_pieces(shapes, data):
             assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
 
 
-# -- bad input --------------------------------------------------------------------------------------
+# -- bad input ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -475,7 +543,7 @@ def test_grad_placement_must_match_param():
     assert all(run_threaded(_grad_placement_mismatch, 2))
 
 
-# -- DCP --------------------------------------------------------------------------------------------
+# -- DCP ------------------------------------------------------------------------------------------
 class _Holder(torch.nn.Module):
     def __init__(self, params) -> None:
         super().__init__()
@@ -486,13 +554,18 @@ class _Holder(torch.nn.Module):
 def _dcp_run(rank, ws, values, grads, path, mode):
     """mode "save": step, then dcp.save; "load": dcp.load (other world size), then step."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     mesh = init_device_mesh("cpu", (ws,))
     pls = [placement_for("uneven", v.shape, ws, i) for i, v in enumerate(values)]
     model = _Holder([torch.nn.Parameter(shard(v, pl, mesh, rank)) for v, pl in zip(values, pls)])
     ps = list(model.parameters())
-    opt = Muon([{"params": ps[:3]}, {"params": ps[3:], "algorithm": "adamw"}], lr=LR, weight_decay=WD)
+    opt = Muon(
+        [{"params": ps[:3]}, {"params": ps[3:], "algorithm": "adamw"}], lr=LR, weight_decay=WD
+    )
     if mode == "load":
         state = {"optim": get_optimizer_state_dict(model, opt)}
         dcp.load(state, checkpoint_id=path)

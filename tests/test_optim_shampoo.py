@@ -31,7 +31,9 @@ DIST_ATOL = 1e-6
 SHAPES = [(12, 10), (8, 18), (3, 8, 12), (20, 6), (12,)]
 B = 4
 LR, WD = 1e-2, 0.05
-OPTS = dict(lr=LR, max_preconditioner_dim=B, precondition_frequency=3, epsilon=1e-6, weight_decay=WD)
+OPTS = dict(
+    lr=LR, max_preconditioner_dim=B, precondition_frequency=3, epsilon=1e-6, weight_decay=WD
+)
 
 
 @pytest.fixture(autouse=True)
@@ -51,14 +53,26 @@ def make_problem(seed: int, shapes=SHAPES, steps: int = 10):
     return params, grads
 
 
-# -- reference --------------------------------------------------------------------------------------
+# -- reference ------------------------------------------------------------------------------------
 def _root(a: torch.Tensor, e: float, eps: float) -> torch.Tensor:
     w, q = torch.linalg.eigh(a)
     return q @ torch.diag((w.clamp(min=0) + eps) ** e) @ q.T
 
 
-def reference_shampoo(params, grads, *, lr, max_preconditioner_dim, precondition_frequency, epsilon,
-                      weight_decay, grafting="adam", betas=(0.9, 0.999), graft_eps=1e-8, exponents=(-0.25, -0.25)):
+def reference_shampoo(
+    params,
+    grads,
+    *,
+    lr,
+    max_preconditioner_dim,
+    precondition_frequency,
+    epsilon,
+    weight_decay,
+    grafting="adam",
+    betas=(0.9, 0.999),
+    graft_eps=1e-8,
+    exponents=(-0.25, -0.25),
+):
     """Straight from the definition: per block L, R, roots every k steps, grafting per block."""
     params = [p.clone() for p in params]
     state = [dict() for _ in params]
@@ -70,7 +84,9 @@ def reference_shampoo(params, grads, *, lr, max_preconditioner_dim, precondition
                 s.setdefault("v", torch.zeros_like(g)).mul_(betas[1]).add_((1 - betas[1]) * g * g)
             if grafting == "adam":
                 s.setdefault("m", torch.zeros_like(g)).mul_(betas[0]).add_((1 - betas[0]) * g)
-                d = (s["m"] / (1 - betas[0] ** t)) / ((s["v"] / (1 - betas[1] ** t)).sqrt() + graft_eps)
+                d = (s["m"] / (1 - betas[0] ** t)) / (
+                    (s["v"] / (1 - betas[1] ** t)).sqrt() + graft_eps
+                )
             elif grafting == "rmsprop":
                 d = g / (s["v"].sqrt() + graft_eps)
             else:
@@ -84,7 +100,10 @@ def reference_shampoo(params, grads, *, lr, max_preconditioner_dim, precondition
             for b in range(mats_g.shape[0]):
                 for r0 in range(0, rows, max_preconditioner_dim):
                     for c0 in range(0, cols, max_preconditioner_dim):
-                        r1, c1 = min(r0 + max_preconditioner_dim, rows), min(c0 + max_preconditioner_dim, cols)
+                        r1, c1 = (
+                            min(r0 + max_preconditioner_dim, rows),
+                            min(c0 + max_preconditioner_dim, cols),
+                        )
                         G = mats_g[b, r0:r1, c0:c1]
                         key = (b, r0, c0)
                         L = s.setdefault(("L", key), torch.zeros(r1 - r0, r1 - r0))
@@ -102,7 +121,7 @@ def reference_shampoo(params, grads, *, lr, max_preconditioner_dim, precondition
     return params
 
 
-# -- single device ----------------------------------------------------------------------------------
+# -- single device --------------------------------------------------------------------------------
 @pytest.mark.parametrize("grafting", ["adam", "rmsprop", "sgd", "none"])
 def test_single_device_matches_reference(grafting):
     params, grads = make_problem(0)
@@ -131,12 +150,22 @@ def test_matches_pytorch_optimizer_shampoo_block_by_block():
     params, grads = make_problem(2, [shape])
     eps = 1e-3
     ours = run_single(
-        lambda ps: Shampoo(ps, lr=LR, max_preconditioner_dim=B, precondition_frequency=1, epsilon=eps, grafting="none"),
-        params, grads,
+        lambda ps: Shampoo(
+            ps,
+            lr=LR,
+            max_preconditioner_dim=B,
+            precondition_frequency=1,
+            epsilon=eps,
+            grafting="none",
+        ),
+        params,
+        grads,
     )
     blocks = [(r, c) for r in range(0, 8, B) for c in range(0, 12, B)]
     peer = run_single(
-        lambda ps: pytorch_optimizer.Shampoo(ps, lr=LR, momentum=0.0, preconditioning_compute_steps=1, matrix_eps=eps),
+        lambda ps: pytorch_optimizer.Shampoo(
+            ps, lr=LR, momentum=0.0, preconditioning_compute_steps=1, matrix_eps=eps
+        ),
         [params[0][r : r + B, c : c + B] for r, c in blocks],
         [[g[0][r : r + B, c : c + B] for r, c in blocks] for g in grads],
     )
@@ -147,7 +176,7 @@ def test_matches_pytorch_optimizer_shampoo_block_by_block():
     assert max_diff(ours, params) > 100 * PEER_ATOL
 
 
-# -- distributed ------------------------------------------------------------------------------------
+# -- distributed ----------------------------------------------------------------------------------
 def _spread(n: int, ws: int) -> tuple[int, ...]:
     return tuple(n // ws + (1 if r < n % ws else 0) for r in range(ws))
 
@@ -189,13 +218,21 @@ def _count_collectives():
     """Patch c10d entry points; returns (calls dict name -> ranks, stop function)."""
     calls: dict[str, list[int]] = {}
     lock = threading.Lock()
-    names = ["all_to_all_single", "all_gather", "all_gather_into_tensor", "broadcast", "all_reduce", "gather"]
+    names = [
+        "all_to_all_single",
+        "all_gather",
+        "all_gather_into_tensor",
+        "broadcast",
+        "all_reduce",
+        "gather",
+    ]
 
     def counting(name, fn):
         def wrapper(*args, **kwargs):
             with lock:
                 calls.setdefault(name, []).append(dist.get_rank())
             return fn(*args, **kwargs)
+
         return wrapper
 
     patches = [mock.patch.object(dist, n, counting(n, getattr(dist, n))) for n in names]
@@ -254,8 +291,16 @@ def _round_trip(rank, ws):
     sd = opt.state_dict()
     vector_state_is_dtensor = isinstance(sd["state"][4]["exp_avg"], DTensor)
     fresh = [
-        torch.nn.Parameter(DTensor.from_local(p._local_tensor.clone(), mesh, p.placements, shape=p.shape,
-                                              stride=p.stride(), run_check=False))
+        torch.nn.Parameter(
+            DTensor.from_local(
+                p._local_tensor.clone(),
+                mesh,
+                p.placements,
+                shape=p.shape,
+                stride=p.stride(),
+                run_check=False,
+            )
+        )
         for p in dps
     ]
     opt2 = Shampoo(fresh, **OPTS)
@@ -271,7 +316,7 @@ def test_state_dict_round_trip():
             assert torch.equal(a, b)
 
 
-# -- bad input --------------------------------------------------------------------------------------
+# -- bad input ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs, match",
     [

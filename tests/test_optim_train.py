@@ -47,7 +47,11 @@ def _train(rank: int, ws: int, algorithm: str, granularity) -> tuple[float, list
     if algorithm == "muon":
         groups = [
             {"params": [p for n, p in named if _is_muon(n, p)], "lr": 0.02},
-            {"params": [p for n, p in named if not _is_muon(n, p)], "algorithm": "adamw", "lr": 3e-3},
+            {
+                "params": [p for n, p in named if not _is_muon(n, p)],
+                "algorithm": "adamw",
+                "lr": 3e-3,
+            },
         ]
     else:
         groups = [{"params": [p for _, p in named], "algorithm": "adamw", "lr": 3e-3}]
@@ -56,7 +60,9 @@ def _train(rank: int, ws: int, algorithm: str, granularity) -> tuple[float, list
     sent = []
     for step in range(STEPS):
         x, y = CORPUS.batch(step, BATCH, SEQ)
-        model(x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]).backward()
+        model(
+            x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        ).backward()
         opt.step()
         opt.zero_grad()
         sent.append(opt.last_step_info.bytes_sent)
