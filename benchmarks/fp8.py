@@ -1,7 +1,7 @@
 """Bytes all-gathered and bytes of amax traffic per step for block-wise FP8 training.
 
-For one FSDP unit of ``--layers-per-unit`` transformer layers (default 1) of every model in shared/models.json and the world
-sizes given, three ways of all-gathering a unit whose Linear weights train in 128x128-block FP8:
+For one FSDP unit of ``--layers-per-unit`` transformer layers (default 1) of every model in
+shared/models.json and the world sizes given, three ways of all-gathering a unit whose Linear weights train in 128x128-block FP8:
 
 * ``ours``: the planner places every 2-D weight at 128-row granularity (RaggedShard), so each
   rank quantizes its own blocks with no communication; one all-gather moves the FP8 bytes, one
@@ -40,9 +40,9 @@ import statistics
 import time
 
 import torch
-
 from ragged_placement.planner import Granularity, plan
 from ragged_placement.planner.models import fsdp_units, load_configs
+
 from ragged_placement.quant import FlatParam, FP8GatherLayout
 
 MODELS_JSON = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models.json")
@@ -64,7 +64,9 @@ def as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
     when ``out % 128 == 0``, which holds for every model here; checked)."""
     if len(shape) == 3:
         if shape[1] % BLOCK:
-            raise ValueError(f"stacked experts {shape}: out={shape[1]} is not a multiple of {BLOCK}")
+            raise ValueError(
+                f"stacked experts {shape}: out={shape[1]} is not a multiple of {BLOCK}"
+            )
         return (shape[0] * shape[1], shape[2])
     return shape  # type: ignore[return-value]
 
@@ -72,8 +74,12 @@ def as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
 def ours(params: list[tuple[str, tuple[int, ...]]], world: int) -> tuple[FP8GatherLayout, float]:
     """The FP8 gather layout on the planner's 128-row-granularity plan, and the plan's padding."""
     p = plan(params, world, granularity=policy, dtype=torch.float32)
-    flat = [FlatParam(n, as_2d(s) if is_fp8(n, s) else s, p.offsets[n], is_fp8(n, s)) for n, s in params]
-    layout = FP8GatherLayout(flat, p.chunk_numel, world, block=(BLOCK, BLOCK), raw_dtype=torch.bfloat16)
+    flat = [
+        FlatParam(n, as_2d(s) if is_fp8(n, s) else s, p.offsets[n], is_fp8(n, s)) for n, s in params
+    ]
+    layout = FP8GatherLayout(
+        flat, p.chunk_numel, world, block=(BLOCK, BLOCK), raw_dtype=torch.bfloat16
+    )
     return layout, p.padding_fraction
 
 
@@ -138,8 +144,11 @@ def fmt_bytes(n: float) -> str:
 
 
 def byte_table(models: dict, worlds: list[int], layers_per_unit: int) -> None:
-    hdr = (f"{'unit':<32}{'W':>5}  {'fsdp2_bf16':>11}  {'ours':>11} {'ratio':>6} {'amax B':>6} "
-           f"{'plan pad%':>9} {'payload':>7}  {'fsdp2_fp8_cut':>13} {'ratio':>6} {'cut blk':>8} {'amax B':>9}")
+    hdr = (
+        f"{'unit':<32}{'W':>5}  {'fsdp2_bf16':>11}  {'ours':>11} {'ratio':>6} {'amax B':>6} "
+        f"{'plan pad%':>9} {'payload':>7}  {'fsdp2_fp8_cut':>13} {'ratio':>6} {'cut blk':>8} "
+        f"{'amax B':>9}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for model, cfg in models.items():
@@ -150,9 +159,12 @@ def byte_table(models: dict, worlds: list[int], layers_per_unit: int) -> None:
                 a = layout.gathered_nbytes
                 payload = layout.fp8_nbytes + layout.scale_nbytes + layout.raw_nbytes
                 c, amax_c = fsdp2_fp8_cut(params, w)
-                print(f"{unit:<32}{w:>5}  {fmt_bytes(b):>11}  {fmt_bytes(a):>11} {a / b:>6.3f} {0:>6} "
-                      f"{100 * plan_pad:>9.2f} {payload / b:>7.3f}  {fmt_bytes(c):>13} {c / b:>6.3f} "
-                      f"{amax_c // 4:>8,} {amax_c:>9,}")
+                print(
+                    f"{unit:<32}{w:>5}  {fmt_bytes(b):>11}  {fmt_bytes(a):>11} {a / b:>6.3f} "
+                    f"{0:>6} "
+                    f"{100 * plan_pad:>9.2f} {payload / b:>7.3f}  {fmt_bytes(c):>13} {c / b:>6.3f} "
+                    f"{amax_c // 4:>8,} {amax_c:>9,}"
+                )
 
 
 def cpu_timing(models: dict, world: int = 64, reps: int = 5) -> None:
@@ -174,14 +186,22 @@ def cpu_timing(models: dict, world: int = 64, reps: int = 5) -> None:
 
     t_pack = med(lambda: layout.pack(0, chunk, send, kernel="torch"))
     t_cast = med(lambda: bf16.copy_(chunk))
-    print(f"\nCPU ({torch.get_num_threads()} threads), {unit} at W={world}: rank chunk "
-          f"{layout.chunk_numel:,} fp32 elements")
-    print(f"  FP8 pack (quantize into send buffer, torch ref): {1e3 * t_pack:8.2f} ms  "
-          f"-> sends {fmt_bytes(layout.send_nbytes)}")
-    print(f"  bf16 cast (FSDP mixed-precision all-gather input): {1e3 * t_cast:6.2f} ms  "
-          f"-> sends {fmt_bytes(2 * layout.chunk_numel)}")
-    print(f"  pack / cast time: {t_pack / t_cast:.1f}x (medians of {reps}); "
-          f"send bytes ratio {layout.send_nbytes / (2 * layout.chunk_numel):.3f}")
+    print(
+        f"\nCPU ({torch.get_num_threads()} threads), {unit} at W={world}: rank chunk "
+        f"{layout.chunk_numel:,} fp32 elements"
+    )
+    print(
+        f"  FP8 pack (quantize into send buffer, torch ref): {1e3 * t_pack:8.2f} ms  "
+        f"-> sends {fmt_bytes(layout.send_nbytes)}"
+    )
+    print(
+        f"  bf16 cast (FSDP mixed-precision all-gather input): {1e3 * t_cast:6.2f} ms  "
+        f"-> sends {fmt_bytes(2 * layout.chunk_numel)}"
+    )
+    print(
+        f"  pack / cast time: {t_pack / t_cast:.1f}x (medians of {reps}); "
+        f"send bytes ratio {layout.send_nbytes / (2 * layout.chunk_numel):.3f}"
+    )
 
 
 def main() -> None:
@@ -189,7 +209,9 @@ def main() -> None:
     ap.add_argument("--models", default="", help="comma-separated subset of models.json")
     ap.add_argument("--worlds", default="8,64,256")
     ap.add_argument("--models-json", default=MODELS_JSON)
-    ap.add_argument("--layers-per-unit", type=int, default=1, help="transformer layers per FSDP unit")
+    ap.add_argument(
+        "--layers-per-unit", type=int, default=1, help="transformer layers per FSDP unit"
+    )
     args = ap.parse_args()
     models = load_configs(args.models_json)
     if args.models:

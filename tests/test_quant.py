@@ -31,10 +31,10 @@ def formula(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torc
     s = torch.empty(math.ceil(m / bm), math.ceil(n / bn))
     for i in range(0, m, bm):
         for j in range(0, n, bn):
-            blk = w[i:i + bm, j:j + bn]
+            blk = w[i : i + bm, j : j + bn]
             scale = torch.clamp_min(blk.abs().max() / torch.tensor(448.0), TINY)
             s[i // bm, j // bn] = scale
-            q[i:i + bm, j:j + bn] = torch.clamp(blk / scale, -448.0, 448.0).to(FP8)
+            q[i : i + bm, j : j + bn] = torch.clamp(blk / scale, -448.0, 448.0).to(FP8)
     return q, s
 
 
@@ -58,7 +58,10 @@ def test_quantize_matches_formula_bitwise(shape, dtype):
     q, s = quantize_blockwise(w)
     q_ref, s_ref = formula(w, (128, 128))
     assert q.shape == w.shape and q.dtype == FP8
-    assert s.shape == (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)) and s.dtype == torch.float32
+    assert (
+        s.shape == (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+        and s.dtype == torch.float32
+    )
     assert torch.equal(bits(q), bits(q_ref))
     assert torch.equal(s, s_ref)
     # w ~= q * s within e4m3's half-ulp (2**-4 relative; 2**-10 * s absolute for subnormals)
@@ -155,7 +158,7 @@ def test_tiles_match_formula(dtype):
 def test_quantize_into_strided_views():
     """The send-buffer path: a row run of a flat buffer into strided FP8 / scale views."""
     flat = torch.randn(10_000)
-    w = flat[1000:1000 + 260 * 30].view(260, 30)
+    w = flat[1000 : 1000 + 260 * 30].view(260, 30)
     q_buf = torch.zeros(270, 40, dtype=torch.uint8)
     s_buf = torch.zeros(5, 2)
     quantize_blockwise_into(w, q_buf[5:265, 3:33].view(FP8), s_buf[1:4, 1:2], (128, 128))

@@ -22,7 +22,10 @@ def deq_blocks(w: torch.Tensor, block=(128, 128)) -> torch.Tensor:
     """Independent dequantize(quantize(w)) from the per-block formula."""
     q, s = formula(w, block)
     bm, bn = block
-    return q.float() * s.repeat_interleave(bm, 0)[: w.shape[0]].repeat_interleave(bn, 1)[:, : w.shape[1]]
+    return (
+        q.float()
+        * s.repeat_interleave(bm, 0)[: w.shape[0]].repeat_interleave(bn, 1)[:, : w.shape[1]]
+    )
 
 
 def deq_tiles(x2: torch.Tensor, tile=128) -> torch.Tensor:
@@ -47,7 +50,9 @@ def test_forward_and_grads_match_the_recipe_formula(m, k, n):
     x2, dy2 = x.detach().reshape(-1, k), dy.reshape(-1, n)
     w_hat = deq_blocks(w.detach())
     # forward: 1x128 activation tiles x 128x128 weight blocks, fp32 matmul (CPU emulation)
-    torch.testing.assert_close(y.detach().reshape(-1, n), deq_tiles(x2) @ w_hat.t() + b.detach(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(
+        y.detach().reshape(-1, n), deq_tiles(x2) @ w_hat.t() + b.detach(), rtol=1e-6, atol=1e-5
+    )
     # dgrad: 1x128 tiles of dy (along n) x the same quantized weight
     torch.testing.assert_close(x.grad.reshape(-1, k), deq_tiles(dy2) @ w_hat, rtol=1e-6, atol=1e-5)
     # wgrad and bias grad in full precision: exactly the fp32 Linear's
@@ -77,14 +82,16 @@ def test_prequantized_weight_from_the_gather_is_used_and_survives_buffer_refill(
     w = torch.randn(256, 128) * 0.1
     layout = FP8GatherLayout([FlatParam("w", (256, 128), 0, True)], 256 * 128, 1)
     gathered = layout.pack(0, w.reshape(-1))
-    (q, s), = layout.unpack(gathered)
+    ((q, s),) = layout.unpack(gathered)
     weight = torch.nn.Parameter(torch.empty(256, 128))  # gradient sink; values never read
     x = torch.randn(8, 128, requires_grad=True)
     y = fp8_linear(x, weight, weight_fp8=(q, s))
     torch.testing.assert_close(y, deq_tiles(x.detach()) @ deq_blocks(w).t(), rtol=1e-6, atol=1e-5)
     gathered.copy_(layout.pack(0, w.reshape(-1)))  # the backward re-gather into the same storage
     y.sum().backward()
-    torch.testing.assert_close(x.grad, deq_tiles(torch.ones(8, 256)) @ deq_blocks(w), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(
+        x.grad, deq_tiles(torch.ones(8, 256)) @ deq_blocks(w), rtol=1e-6, atol=1e-5
+    )
     assert torch.equal(weight.grad, torch.ones(256, 8) @ x.detach())
 
 
@@ -98,15 +105,23 @@ def test_bad_weight_fp8_raises():
 
 
 def test_convert_swaps_linears_sharing_parameters():
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8, bias=False))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8, bias=False)
+    )
     weights = [model[0].weight, model[2].weight]
-    convert_to_fp8_linear(model, BlockFP8Config(block=(16, 16), activation_tile=16), filter_fn=lambda fqn, _: fqn != "2")
+    convert_to_fp8_linear(
+        model,
+        BlockFP8Config(block=(16, 16), activation_tile=16),
+        filter_fn=lambda fqn, _: fqn != "2",
+    )
     assert type(model[0]) is FP8Linear and type(model[2]) is torch.nn.Linear
     assert model[0].weight is weights[0] and model[2].weight is weights[1]
     x = torch.randn(4, 16)
     torch.testing.assert_close(
-        model[0](x), deq_blocks(x, (1, 16)) @ deq_blocks(weights[0].detach(), (16, 16)).t() + model[0].bias,
-        rtol=1e-6, atol=1e-5,
+        model[0](x),
+        deq_blocks(x, (1, 16)) @ deq_blocks(weights[0].detach(), (16, 16)).t() + model[0].bias,
+        rtol=1e-6,
+        atol=1e-5,
     )
 
 
@@ -116,7 +131,9 @@ def _train_gpt(mode: str, steps: int) -> float:
     corpus = StdlibCorpus(max_bytes=1 << 20)
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=4, n_embd=128))
-    if mode == "fp8":  # the transformer blocks' Linears; embeddings, norms and the tied head stay fp32
+    if (
+        mode == "fp8"
+    ):  # the transformer blocks' Linears; embeddings, norms and the tied head stay fp32
         convert_to_fp8_linear(model.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     for step in range(steps):
@@ -127,7 +144,9 @@ def _train_gpt(mode: str, steps: int) -> float:
         loss.backward()
         opt.step()
     with torch.no_grad():
-        return sum(model(*corpus.batch(10_000 + i, 32, 64, split="val")).item() for i in range(8)) / 8
+        return (
+            sum(model(*corpus.batch(10_000 + i, 32, 64, split="val")).item() for i in range(8)) / 8
+        )
 
 
 def test_gpt_trains_in_fp8_within_tolerance_of_bf16():

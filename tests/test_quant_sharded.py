@@ -7,10 +7,10 @@ import torch
 from dist_utils import run_gloo, run_threaded
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ragged_placement.planner import Granularity, plan
 
 from ragged_placement._compat import all_gather_single
 from ragged_placement.placement import RaggedShard
-from ragged_placement.planner import Granularity, plan
 from ragged_placement.quant import FlatParam, FP8GatherLayout, quantize_blockwise, quantize_run
 
 FP8 = torch.float8_e4m3fn
@@ -32,26 +32,33 @@ PARAMS = [
 def full_params(seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     # per-row magnitudes spanning 1e-3..1e3 so each block gets its own scale
-    return [torch.randn(p.shape, generator=g) * (torch.logspace(-3, 3, p.shape[0])[:, None] if p.quantize else 1) for p in PARAMS]
+    return [
+        torch.randn(p.shape, generator=g)
+        * (torch.logspace(-3, 3, p.shape[0])[:, None] if p.quantize else 1)
+        for p in PARAMS
+    ]
 
 
 def flat_buffer(params: list[torch.Tensor]) -> torch.Tensor:
     flat = torch.zeros(S * WORLD)
     for spec, t in zip(PARAMS, params):
-        flat[spec.offset: spec.offset + spec.numel] = t.reshape(-1)
+        flat[spec.offset : spec.offset + spec.numel] = t.reshape(-1)
     return flat
 
 
 def gather_unit(rank: int, world_size: int) -> dict:
     """One rank: quantize own blocks into the send buffer, one all-gather, unpack."""
     layout = FP8GatherLayout(PARAMS, S, world_size)
-    local = flat_buffer(full_params())[rank * S:(rank + 1) * S].clone()  # this rank's shard only
+    local = flat_buffer(full_params())[rank * S : (rank + 1) * S].clone()  # this rank's shard only
     send = layout.pack(rank, local)
     gathered = torch.empty(layout.gathered_nbytes, dtype=torch.uint8)
     all_gather_single(gathered, send)
     out = layout.unpack(gathered)
     return {
-        "out": [(o[0].view(torch.uint8).clone(), o[1].clone()) if isinstance(o, tuple) else o.clone() for o in out],
+        "out": [
+            (o[0].view(torch.uint8).clone(), o[1].clone()) if isinstance(o, tuple) else o.clone()
+            for o in out
+        ],
         "send_nbytes": send.numel(),
         "gathered_nbytes": gathered.numel(),
     }
@@ -76,7 +83,10 @@ def test_layout_byte_accounting():
     assert layout.fp8_nbytes == 384 * 256 + 200 * 256 + 384 * 128  # one byte per weight element
     assert layout.scale_nbytes == 4 * (3 * 2 + 2 * 2 + 3 * 1)  # one fp32 per 128x128 block
     assert layout.raw_nbytes == 2 * (256 + 300)
-    assert layout.gathered_nbytes == layout.fp8_nbytes + layout.scale_nbytes + layout.raw_nbytes + layout.padding_nbytes
+    assert (
+        layout.gathered_nbytes
+        == layout.fp8_nbytes + layout.scale_nbytes + layout.raw_nbytes + layout.padding_nbytes
+    )
     # ranks 0 and 1 send a full chunk of FP8 (S bytes) plus their scales, 16-byte aligned
     assert layout.rank_nbytes[0] == 16 + S and layout.send_nbytes == 16 + S
     # vs a bf16 all-gather of the same flat buffer: 2 bytes per element of every chunk
@@ -92,7 +102,9 @@ def test_gloo_fp8_all_gather_is_bitwise_single_device_quantization():
     check_gathered(run_gloo(gather_unit, WORLD))
 
 
-def quantize_ragged_runs(rank: int, world_size: int, units: tuple[int, ...], shape: tuple[int, int]) -> tuple:
+def quantize_ragged_runs(
+    rank: int, world_size: int, units: tuple[int, ...], shape: tuple[int, int]
+) -> tuple:
     """quantize_run on this rank's RaggedShard run of a weight every rank can rebuild."""
     w = torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 10
     placement = RaggedShard((0,), units)
@@ -105,7 +117,9 @@ def quantize_ragged_runs(rank: int, world_size: int, units: tuple[int, ...], sha
 def test_quantize_run_on_ragged_shard_rows_equals_full(units):
     shape = (512, 200)  # unit = 128 rows for sum(units) == 4
     results = run_threaded(quantize_ragged_runs, 4, units, shape)
-    q_ref, s_ref = quantize_blockwise(torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 10)
+    q_ref, s_ref = quantize_blockwise(
+        torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 10
+    )
     assert torch.equal(torch.cat([q for q, _ in results]), q_ref.view(torch.uint8))
     assert torch.equal(torch.cat([s for _, s in results]), s_ref)
 
@@ -118,20 +132,24 @@ def test_cut_block_raises_never_a_silent_scale():
         quantize_run(w[0:200], 0, w.shape)  # ends mid-block, not at the last row
     q, s = quantize_run(w[256:300], 256, w.shape)  # the ragged last block is whole: fine
     q_ref, s_ref = quantize_blockwise(w)
-    assert torch.equal(q.view(torch.uint8), q_ref[256:].view(torch.uint8)) and torch.equal(s, s_ref[2:])
+    assert torch.equal(q.view(torch.uint8), q_ref[256:].view(torch.uint8)) and torch.equal(
+        s, s_ref[2:]
+    )
     # FSDP2's Shard(0) on 4 ranks cuts a [300, 64] weight at row 75: the layout refuses it
     with pytest.raises(ValueError, match="rank 0's part of 'w'.*cuts a \\(128, 128\\)"):
         FP8GatherLayout([FlatParam("w", (300, 64), 0, True)], 75 * 64, 4)
     with pytest.raises(ValueError, match="inside a row"):
         FP8GatherLayout([FlatParam("w", (256, 64), 0, True)], 100, 256 * 64 // 100 + 1)
     with pytest.raises(ValueError, match="overlap"):
-        FP8GatherLayout([FlatParam("a", (128, 64), 0, True), FlatParam("b", (10,), 100, False)], 8192, 2)
+        FP8GatherLayout(
+            [FlatParam("a", (128, 64), 0, True), FlatParam("b", (10,), 100, False)], 8192, 2
+        )
 
 
 def test_unpack_single_rank_weights_are_views_of_the_gathered_buffer():
     layout = FP8GatherLayout(PARAMS, S, WORLD)
     flat = flat_buffer(full_params())
-    gathered = torch.cat([layout.pack(r, flat[r * S:(r + 1) * S]) for r in range(WORLD)])
+    gathered = torch.cat([layout.pack(r, flat[r * S : (r + 1) * S]) for r in range(WORLD)])
     w3_q, w3_s = layout.unpack(gathered)[3]
     assert w3_q.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()
     assert w3_s.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()
@@ -144,7 +162,8 @@ def test_unpack_single_rank_weights_are_views_of_the_gathered_buffer():
             st.tuples(st.integers(1, 400), st.integers(1, 48)),  # Linear weights (FP8)
             st.tuples(st.integers(1, 300)),  # norms / biases (bf16)
         ),
-        min_size=1, max_size=5,
+        min_size=1,
+        max_size=5,
     ),
     world=st.integers(1, 5),
     seed=st.integers(0, 2**16),
@@ -153,19 +172,33 @@ def test_planner_layouts_round_trip_bitwise(shapes, world, seed):
     """Any unit the planner lays out at 128-row granularity: pack on every rank, concatenate
     (what the all-gather does), unpack == single-device quantize_blockwise of each weight."""
     named = [(f"p{i}", s) for i, s in enumerate(shapes)]
-    p = plan(named, world, granularity=lambda n, s: Granularity.block(128, 128) if len(s) == 2 else Granularity.element(), dtype=torch.float32)
-    layout = FP8GatherLayout([FlatParam(n, s, p.offsets[n], len(s) == 2) for n, s in named], p.chunk_numel, world)
+    p = plan(
+        named,
+        world,
+        granularity=lambda n, s: (
+            Granularity.block(128, 128) if len(s) == 2 else Granularity.element()
+        ),
+        dtype=torch.float32,
+    )
+    layout = FP8GatherLayout(
+        [FlatParam(n, s, p.offsets[n], len(s) == 2) for n, s in named], p.chunk_numel, world
+    )
     g = torch.Generator().manual_seed(seed)
-    full = [torch.randn(s, generator=g) * 10.0 ** torch.randint(-3, 4, (), generator=g).item() for s in shapes]
+    full = [
+        torch.randn(s, generator=g) * 10.0 ** torch.randint(-3, 4, (), generator=g).item()
+        for s in shapes
+    ]
     flat = torch.zeros(p.chunk_numel * world)
     for (n, _), t in zip(named, full):
-        flat[p.offsets[n]: p.offsets[n] + t.numel()] = t.reshape(-1)
+        flat[p.offsets[n] : p.offsets[n] + t.numel()] = t.reshape(-1)
     S = p.chunk_numel
-    gathered = torch.cat([layout.pack(r, flat[r * S:(r + 1) * S].clone()) for r in range(world)])
+    gathered = torch.cat([layout.pack(r, flat[r * S : (r + 1) * S].clone()) for r in range(world)])
     assert gathered.numel() == layout.gathered_nbytes == world * layout.send_nbytes
     for t, got in zip(full, layout.unpack(gathered)):
         if t.dim() == 2:
             q_ref, s_ref = quantize_blockwise(t)
-            assert torch.equal(got[0].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(got[1], s_ref)
+            assert torch.equal(got[0].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(
+                got[1], s_ref
+            )
         else:
             assert torch.equal(got, t.bfloat16())

@@ -18,12 +18,27 @@ import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
 
-    @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+    @pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="triton is not installed"
+    )
     def test_triton_kernels_under_interpreter():
         env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning"],
-            env=env, capture_output=True, text=True, timeout=300,
+        proc = subprocess.run(  # noqa: PLW1510 - the return code is asserted below
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                __file__,
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-W",
+                "ignore::RuntimeWarning",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
         assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-4000:]
@@ -78,7 +93,10 @@ else:
         assert torch.equal(s, torch.ones(rows, 1))
         expected = x.to(FP8)
         mismatch = (bits(q) != bits(expected)).nonzero()
-        assert mismatch.numel() == 0, [(x[i, j].item(), q[i, j].float().item(), expected[i, j].float().item()) for i, j in mismatch[:10].tolist()]
+        assert mismatch.numel() == 0, [
+            (x[i, j].item(), q[i, j].float().item(), expected[i, j].float().item())
+            for i, j in mismatch[:10].tolist()
+        ]
         # the carry case called out in the issue (mantissa round-up into the next binade)
         q1, _ = quantize_blockwise(torch.tensor([[448.0, 7.78, -7.78]]), (1, 128), kernel="triton")
         assert q1.float().tolist() == [[448.0, 8.0, -8.0]]
@@ -107,7 +125,9 @@ else:
         q_t, s_t = quantize_tiles(x, kernel="triton")
         q_r, s_r = quantize_tiles(x, kernel="torch")
         assert torch.equal(bits(q_t), bits(q_r)) and torch.equal(s_t, s_r)
-        assert torch.equal(dequantize_tiles(q_t, s_t, kernel="triton"), dequantize_tiles(q_r, s_r, kernel="torch"))
+        assert torch.equal(
+            dequantize_tiles(q_t, s_t, kernel="triton"), dequantize_tiles(q_r, s_r, kernel="torch")
+        )
 
     def test_non_finite_input_raises():
         for bad in (float("nan"), float("inf")):
@@ -118,10 +138,12 @@ else:
 
     def test_strided_views_into_send_buffer():
         flat = torch.randn(50_000, generator=torch.Generator().manual_seed(5))
-        w = flat[256 * 100: 256 * 100 + 200 * 100].view(200, 100)  # a row run of a flat buffer
+        w = flat[256 * 100 : 256 * 100 + 200 * 100].view(200, 100)  # a row run of a flat buffer
         q_buf = torch.zeros(210, 120, dtype=torch.uint8)
         s_buf = torch.zeros(4, 3)
-        quantize_blockwise_into(w, q_buf[3:203, 7:107].view(FP8), s_buf[1:3, 2:3], (128, 128), kernel="triton")
+        quantize_blockwise_into(
+            w, q_buf[3:203, 7:107].view(FP8), s_buf[1:3, 2:3], (128, 128), kernel="triton"
+        )
         q_r, s_r = quantize_blockwise(w, kernel="torch")
         assert torch.equal(q_buf[3:203, 7:107], bits(q_r)) and torch.equal(s_buf[1:3, 2:3], s_r)
         assert int(q_buf.count_nonzero()) == int(bits(q_r).count_nonzero())
@@ -137,5 +159,7 @@ else:
         layout = FP8GatherLayout(params, S, world)
         flat = torch.randn(S * world, generator=torch.Generator().manual_seed(6))
         for r in range(world):
-            chunk = flat[r * S:(r + 1) * S]
-            assert torch.equal(layout.pack(r, chunk, kernel="triton"), layout.pack(r, chunk, kernel="torch"))
+            chunk = flat[r * S : (r + 1) * S]
+            assert torch.equal(
+                layout.pack(r, chunk, kernel="triton"), layout.pack(r, chunk, kernel="torch")
+            )

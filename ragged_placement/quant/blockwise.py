@@ -28,12 +28,12 @@ from .reference import (
 __all__ = [
     "BlockFP8Config",
     "Kernel",
-    "triton_available",
+    "dequantize_blockwise",
+    "dequantize_tiles",
     "quantize_blockwise",
     "quantize_blockwise_into",
-    "dequantize_blockwise",
     "quantize_tiles",
-    "dequantize_tiles",
+    "triton_available",
 ]
 
 Kernel = Literal["auto", "triton", "torch"]
@@ -84,10 +84,17 @@ def _use_triton(kernel: Kernel, x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
-def _check_out(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+def _check_out(
+    t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype, device
+) -> None:
     if t is None:
         return
-    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+    if (
+        not isinstance(t, torch.Tensor)
+        or tuple(t.shape) != shape
+        or t.dtype != dtype
+        or t.device != device
+    ):
         raise ValueError(
             f"{name} must be a {dtype} tensor of shape {shape} on {device}, got "
             f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))} "
@@ -182,12 +189,19 @@ def quantize_tiles(
 
 
 def dequantize_tiles(
-    q: torch.Tensor, s: torch.Tensor, tile: int = 128, *, dtype: torch.dtype = torch.float32, kernel: Kernel = "auto"
+    q: torch.Tensor,
+    s: torch.Tensor,
+    tile: int = 128,
+    *,
+    dtype: torch.dtype = torch.float32,
+    kernel: Kernel = "auto",
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_tiles` (up to the quantization error)."""
     tile = check_block((1, tile), "tile")[1]
     if not isinstance(q, torch.Tensor) or q.dim() == 0:
         raise ValueError(f"q must be a tensor with at least one dim, got {q!r}")
     k = q.shape[-1]
-    out = dequantize_blockwise(q.reshape(-1, k), s.reshape(-1, s.shape[-1]), (1, tile), dtype=dtype, kernel=kernel)
+    out = dequantize_blockwise(
+        q.reshape(-1, k), s.reshape(-1, s.shape[-1]), (1, tile), dtype=dtype, kernel=kernel
+    )
     return out.view(q.shape)

@@ -27,10 +27,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blockwise import BlockFP8Config, dequantize_blockwise, dequantize_tiles, quantize_blockwise, quantize_tiles
+from .blockwise import (
+    BlockFP8Config,
+    dequantize_blockwise,
+    dequantize_tiles,
+    quantize_blockwise,
+    quantize_tiles,
+)
 from .reference import FP8_DTYPE, scale_shape
 
-__all__ = ["fp8_linear", "FP8Linear", "convert_to_fp8_linear"]
+__all__ = ["FP8Linear", "convert_to_fp8_linear", "fp8_linear"]
+
+_DEFAULT_CONFIG = BlockFP8Config()
 
 
 def _scaled_mm_available() -> bool:
@@ -52,15 +60,18 @@ def _gemm(
     cfg: BlockFP8Config,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``deq(a_q) @ deq(b_q)^T`` for ``a: [M, K]`` in 1 x tile groups, ``b: [N, K]`` in ``b_block``s."""
+    """``deq(a_q) @ deq(b_q)^T``: ``a: [M, K]`` in 1 x tile groups, ``b: [N, K]`` in ``b_block``."""
     if a_q.is_cuda:
         k, n = a_q.shape[1], b_q.shape[0]
         if not _scaled_mm_available():
-            raise ValueError("FP8 Linear on CUDA needs torch.nn.functional.scaled_mm (torch >= 2.10)")
+            raise ValueError(
+                "FP8 Linear on CUDA needs torch.nn.functional.scaled_mm (torch >= 2.10)"
+            )
         if b_block != (128, 128) or cfg.activation_tile != 128 or k % 128 or n % 128:
             raise ValueError(
                 f"scaled_mm's block-wise FP8 needs block=(128, 128), activation_tile=128 and both "
-                f"dims multiples of 128; got block={b_block}, tile={cfg.activation_tile}, K={k}, N={n}"
+                f"dims multiples of 128; got block={b_block}, tile={cfg.activation_tile}, "
+                f"K={k}, N={n}"
             )
         m = a_q.shape[0]
         pad_m = -m % 4  # cuBLAS: token count of 1x128 scales a multiple of 4
@@ -84,7 +95,7 @@ def _gemm(
 
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_q, w_s, cfg):  # noqa: D102
+    def forward(ctx, x, weight, bias, w_q, w_s, cfg):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         x_q, x_s = quantize_tiles(x2, cfg.activation_tile, kernel=cfg.kernel)
@@ -99,7 +110,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         return y.view(*x.shape[:-1], w_q.shape[0])
 
     @staticmethod
-    def backward(ctx, dy):  # noqa: D102
+    def backward(ctx, dy):
         x2, w_q, w_s = ctx.saved_tensors
         cfg = ctx.cfg
         dy2 = dy.reshape(-1, dy.shape[-1]).to(x2.dtype)
@@ -122,7 +133,7 @@ def fp8_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    config: BlockFP8Config = BlockFP8Config(),
+    config: BlockFP8Config = _DEFAULT_CONFIG,
     weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x @ weight^T + bias`` in block-wise FP8 (see the module doc for the recipe).
@@ -139,12 +150,18 @@ def fp8_linear(
             never exists.
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x [..., {x.shape[-1]}] does not match weight {tuple(weight.shape)} ([N, K])")
+        raise ValueError(
+            f"x [..., {x.shape[-1]}] does not match weight {tuple(weight.shape)} ([N, K])"
+        )
     if weight_fp8 is None:
         with torch.no_grad():
             weight_fp8 = quantize_blockwise(weight.detach(), config.block, kernel=config.kernel)
     w_q, w_s = weight_fp8
-    if w_q.dtype != FP8_DTYPE or w_q.shape != weight.shape or tuple(w_s.shape) != scale_shape(weight.shape, config.block):
+    if (
+        w_q.dtype != FP8_DTYPE
+        or w_q.shape != weight.shape
+        or tuple(w_s.shape) != scale_shape(weight.shape, config.block)
+    ):
         raise ValueError(
             f"weight_fp8 must be (float8_e4m3fn {tuple(weight.shape)}, fp32 "
             f"{scale_shape(weight.shape, config.block)}), got ({w_q.dtype} {tuple(w_q.shape)}, "
@@ -160,25 +177,40 @@ class FP8Linear(nn.Linear):
     and clear it (``None``) after; otherwise the weight is quantized in each forward.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, config: BlockFP8Config = BlockFP8Config(), device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        config: BlockFP8Config = _DEFAULT_CONFIG,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.config = config
         self.weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.bias, config=self.config, weight_fp8=self.weight_fp8)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, block={self.config.block}, activation_tile={self.config.activation_tile}"
+        cfg = self.config
+        return f"{super().extra_repr()}, block={cfg.block}, activation_tile={cfg.activation_tile}"
 
 
-def convert_to_fp8_linear(module: nn.Module, config: BlockFP8Config = BlockFP8Config(), *, filter_fn=None) -> nn.Module:
-    """Swap every ``nn.Linear`` in ``module`` (in place) for an :class:`FP8Linear` sharing its parameters.
+def convert_to_fp8_linear(
+    module: nn.Module, config: BlockFP8Config = _DEFAULT_CONFIG, *, filter_fn=None
+) -> nn.Module:
+    """Swap every ``nn.Linear`` in ``module`` (in place) for an :class:`FP8Linear` sharing its
+    parameters.
 
     ``filter_fn(fqn, linear) -> bool`` selects which ones (default: all). Returns ``module``.
     """
     if type(module) is nn.Linear:
-        raise ValueError("convert_to_fp8_linear swaps children; pass the parent of a bare nn.Linear")
+        raise ValueError(
+            "convert_to_fp8_linear swaps children; pass the parent of a bare nn.Linear"
+        )
     for fqn, child in list(module.named_modules()):
         for name, sub in list(child.named_children()):
             if type(sub) is not nn.Linear:
@@ -186,7 +218,13 @@ def convert_to_fp8_linear(module: nn.Module, config: BlockFP8Config = BlockFP8Co
             full = f"{fqn}.{name}" if fqn else name
             if filter_fn is not None and not filter_fn(full, sub):
                 continue
-            new = FP8Linear(sub.in_features, sub.out_features, sub.bias is not None, config=config, device="meta")
+            new = FP8Linear(
+                sub.in_features,
+                sub.out_features,
+                sub.bias is not None,
+                config=config,
+                device="meta",
+            )
             new.weight = sub.weight
             new.bias = sub.bias
             setattr(child, name, new)

@@ -30,15 +30,15 @@ import torch
 
 __all__ = [
     "E4M3_MAX",
-    "SCALE_MIN",
     "FP8_DTYPE",
+    "SCALE_MIN",
     "check_block",
-    "check_quantizable",
-    "scale_shape",
-    "quantize_blockwise_reference",
-    "dequantize_blockwise_reference",
     "check_dequant_args",
     "check_finite_scales",
+    "check_quantizable",
+    "dequantize_blockwise_reference",
+    "quantize_blockwise_reference",
+    "scale_shape",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -52,7 +52,9 @@ def check_block(block: object, name: str = "block") -> tuple[int, int]:
     try:
         bm, bn = block  # type: ignore[misc]
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a pair of positive ints (rows, cols), got {block!r}") from None
+        raise ValueError(
+            f"{name} must be a pair of positive ints (rows, cols), got {block!r}"
+        ) from None
     for v in (bm, bn):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a pair of positive ints (rows, cols), got {block!r}")
@@ -80,7 +82,9 @@ def check_finite_scales(s: torch.Tensor, name: str) -> None:
     """Raise ``ValueError`` if a scale is not finite: its tile held an ``inf`` or ``NaN``."""
     if not bool(torch.isfinite(s).all()):
         bad = (~torch.isfinite(s)).nonzero()[0].tolist()
-        raise ValueError(f"{name} contains inf or NaN (first in scale tile {tuple(bad)}); cannot quantize")
+        raise ValueError(
+            f"{name} contains inf or NaN (first in scale tile {tuple(bad)}); cannot quantize"
+        )
 
 
 def _blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -119,7 +123,10 @@ def quantize_blockwise_reference(
 
 
 def dequantize_blockwise_reference(
-    q: torch.Tensor, s: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float32
+    q: torch.Tensor,
+    s: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``q.float() * s`` broadcast over ``block`` tiles, cast to ``dtype``."""
     block = check_block(block)
@@ -130,7 +137,9 @@ def dequantize_blockwise_reference(
     return x.reshape(mb * bm, nb * bn)[:m, :n].to(dtype)
 
 
-def check_dequant_args(q: torch.Tensor, s: torch.Tensor, expected_s: tuple[int, int] | None) -> None:
+def check_dequant_args(
+    q: torch.Tensor, s: torch.Tensor, expected_s: tuple[int, int] | None
+) -> None:
     if not isinstance(q, torch.Tensor) or q.dtype != FP8_DTYPE or q.dim() != 2:
         raise ValueError(
             f"q must be a 2-D float8_e4m3fn tensor, got "

@@ -29,6 +29,7 @@ per-rank scale regions sit between the pieces).
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import torch
 from .blockwise import Kernel, quantize_blockwise_into
 from .reference import FP8_DTYPE, check_block, scale_shape
 
-__all__ = ["FlatParam", "FP8Piece", "FP8GatherLayout", "quantize_run"]
+__all__ = ["FP8GatherLayout", "FP8Piece", "FlatParam", "quantize_run"]
 
 _ALIGN = 16
 
@@ -71,18 +72,24 @@ def quantize_run(
         raise ValueError(f"full_shape must be 2-D, got {tuple(full_shape)}")
     m, n = (int(d) for d in full_shape)
     if local.dim() != 2 or local.shape[1] != n:
-        raise ValueError(f"local must be [rows, {n}] for full_shape {(m, n)}, got {tuple(local.shape)}")
+        raise ValueError(
+            f"local must be [rows, {n}] for full_shape {(m, n)}, got {tuple(local.shape)}"
+        )
     row_end = row_start + local.shape[0]
     _check_run_aligned(row_start, row_end, m, block, what=f"the run of a {(m, n)} weight")
     if q_out is None:
         q_out = torch.empty(local.shape, dtype=FP8_DTYPE, device=local.device)
     if s_out is None:
-        s_out = torch.empty(scale_shape(local.shape, block), dtype=torch.float32, device=local.device)
+        s_out = torch.empty(
+            scale_shape(local.shape, block), dtype=torch.float32, device=local.device
+        )
     quantize_blockwise_into(local, q_out, s_out, block, kernel=kernel)
     return q_out, s_out
 
 
-def _check_run_aligned(row_start: int, row_end: int, rows: int, block: tuple[int, int], what: str) -> None:
+def _check_run_aligned(
+    row_start: int, row_end: int, rows: int, block: tuple[int, int], what: str
+) -> None:
     bm = block[0]
     if not 0 <= row_start <= row_end <= rows:
         raise ValueError(f"row range [{row_start}, {row_end}) is outside [0, {rows}) for {what}")
@@ -113,7 +120,9 @@ class FlatParam:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         if self.quantize and len(self.shape) != 2:
-            raise ValueError(f"{self.name}: only 2-D weights are block-quantized, got shape {self.shape}")
+            raise ValueError(
+                f"{self.name}: only 2-D weights are block-quantized, got shape {self.shape}"
+            )
         if self.offset < 0:
             raise ValueError(f"{self.name}: offset must be >= 0, got {self.offset}")
 
@@ -164,7 +173,9 @@ class FP8GatherLayout:
         raw_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         if chunk_numel <= 0 or world_size <= 0:
-            raise ValueError(f"chunk_numel and world_size must be positive, got {chunk_numel}, {world_size}")
+            raise ValueError(
+                f"chunk_numel and world_size must be positive, got {chunk_numel}, {world_size}"
+            )
         if raw_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"raw_dtype must be float32, bfloat16 or float16, got {raw_dtype}")
         self.params = tuple(params)
@@ -181,13 +192,20 @@ class FP8GatherLayout:
     # -- construction ------------------------------------------------------------------------
     def _check_params(self) -> None:
         total = self.chunk_numel * self.world_size
-        spans = [(p.offset, p.offset + p.numel, p.name) for p in (self.params[i] for i in self._by_offset)]
-        for (_, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+        spans = [
+            (p.offset, p.offset + p.numel, p.name)
+            for p in (self.params[i] for i in self._by_offset)
+        ]
+        for (_, e0, n0), (s1, _, n1) in itertools.pairwise(spans):
             if s1 < e0:
-                raise ValueError(f"params {n0!r} and {n1!r} overlap in the flat buffer ({s1} < {e0})")
+                raise ValueError(
+                    f"params {n0!r} and {n1!r} overlap in the flat buffer ({s1} < {e0})"
+                )
         for s, e, name in spans:
             if e > total:
-                raise ValueError(f"param {name!r} ends at element {e}, past the flat buffer ({total})")
+                raise ValueError(
+                    f"param {name!r} ends at element {e}, past the flat buffer ({total})"
+                )
 
     def _rank_pieces(self, rank: int) -> list[FP8Piece]:
         lo, hi = rank * self.chunk_numel, (rank + 1) * self.chunk_numel
@@ -195,7 +213,7 @@ class FP8GatherLayout:
         # first whose offset is >= lo (parameters do not overlap)
         first = bisect.bisect_left(self._by_offset, lo, key=lambda i: self.params[i].offset)
         held = []
-        for i in self._by_offset[max(0, first - 1):]:
+        for i in self._by_offset[max(0, first - 1) :]:
             p = self.params[i]
             if p.offset >= hi:
                 break
@@ -209,7 +227,9 @@ class FP8GatherLayout:
                         f"{p.name!r} {p.shape}: rank {rank}'s chunk cuts it inside a row (elements "
                         f"[{start}, {end})); shard it at {self.block[0]}-row granularity"
                     )
-                _check_run_aligned(start // n, end // n, m, self.block, f"rank {rank}'s part of {p.name!r}")
+                _check_run_aligned(
+                    start // n, end // n, m, self.block, f"rank {rank}'s part of {p.name!r}"
+                )
             held.append((i, start, end))
         # regions: scales, then raw, then fp8; each 16-byte aligned
         scale_off = 0
@@ -234,7 +254,14 @@ class FP8GatherLayout:
                 data_offsets[i] = fp8_off
                 fp8_off += end - start
         return [
-            FP8Piece(i, start, end, self.params[i].offset + start - lo, data_offsets[i], *pieces_scale.get(i, (0, 0)))
+            FP8Piece(
+                i,
+                start,
+                end,
+                self.params[i].offset + start - lo,
+                data_offsets[i],
+                *pieces_scale.get(i, (0, 0)),
+            )
             for i, start, end in held
         ]
 
@@ -248,7 +275,7 @@ class FP8GatherLayout:
     # -- byte accounting ---------------------------------------------------------------------
     @property
     def gathered_nbytes(self) -> int:
-        """Bytes of the gathered buffer (= bytes every rank receives): ``world_size * send_nbytes``."""
+        """Bytes of the gathered buffer (what every rank receives): ``world_size * send_nbytes``."""
         return self.world_size * self.send_nbytes
 
     @property
@@ -259,7 +286,9 @@ class FP8GatherLayout:
     @property
     def scale_nbytes(self) -> int:
         """Scale payload: 4 bytes per block of every quantized weight."""
-        return sum(4 * math.prod(scale_shape(p.shape, self.block)) for p in self.params if p.quantize)
+        return sum(
+            4 * math.prod(scale_shape(p.shape, self.block)) for p in self.params if p.quantize
+        )
 
     @property
     def raw_nbytes(self) -> int:
@@ -273,9 +302,15 @@ class FP8GatherLayout:
 
     # -- rank side ---------------------------------------------------------------------------
     def pack(
-        self, rank: int, local_chunk: torch.Tensor, send: torch.Tensor | None = None, *, kernel: Kernel = "auto"
+        self,
+        rank: int,
+        local_chunk: torch.Tensor,
+        send: torch.Tensor | None = None,
+        *,
+        kernel: Kernel = "auto",
     ) -> torch.Tensor:
-        """Quantize ``rank``'s blocks of ``local_chunk`` (its ``S`` flat fp32/bf16 elements) into ``send``.
+        """Quantize ``rank``'s blocks of ``local_chunk`` (its ``S`` flat fp32/bf16 elements) into
+        ``send``.
 
         ``send`` is a ``uint8`` tensor of ``send_nbytes`` (allocated when omitted) and is what
         the rank passes to the all-gather. Padding bytes are zeroed (deterministic buffers).
@@ -284,26 +319,45 @@ class FP8GatherLayout:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         if local_chunk.dim() != 1 or local_chunk.numel() != self.chunk_numel:
-            raise ValueError(f"local_chunk must be 1-D with {self.chunk_numel} elements, got {tuple(local_chunk.shape)}")
+            raise ValueError(
+                f"local_chunk must be 1-D with {self.chunk_numel} elements, got "
+                f"{tuple(local_chunk.shape)}"
+            )
         if send is None:
             send = torch.empty(self.send_nbytes, dtype=torch.uint8, device=local_chunk.device)
-        elif send.dtype != torch.uint8 or send.shape != (self.send_nbytes,) or not send.is_contiguous():
-            raise ValueError(f"send must be a contiguous uint8 tensor of {self.send_nbytes} bytes, got {send.dtype} {tuple(send.shape)}")
+        elif (
+            send.dtype != torch.uint8
+            or send.shape != (self.send_nbytes,)
+            or not send.is_contiguous()
+        ):
+            raise ValueError(
+                f"send must be a contiguous uint8 tensor of {self.send_nbytes} bytes, got "
+                f"{send.dtype} {tuple(send.shape)}"
+            )
         for pc in self.pieces[rank]:
             p = self.params[pc.param]
-            src = local_chunk[pc.chunk_offset: pc.chunk_offset + pc.end - pc.start]
+            src = local_chunk[pc.chunk_offset : pc.chunk_offset + pc.end - pc.start]
             if p.quantize:
                 n = p.shape[1]
                 rows = (pc.end - pc.start) // n
-                q_out = send[pc.data_offset: pc.data_offset + rows * n].view(FP8_DTYPE).view(rows, n)
-                s_out = send[pc.scale_offset: pc.scale_offset + 4 * pc.scale_numel].view(torch.float32)
+                q_out = (
+                    send[pc.data_offset : pc.data_offset + rows * n].view(FP8_DTYPE).view(rows, n)
+                )
+                s_out = send[pc.scale_offset : pc.scale_offset + 4 * pc.scale_numel].view(
+                    torch.float32
+                )
                 quantize_run(
-                    src.view(rows, n), pc.start // n, p.shape, self.block,
-                    q_out=q_out, s_out=s_out.view(-1, scale_shape((rows, n), self.block)[1]), kernel=kernel,
+                    src.view(rows, n),
+                    pc.start // n,
+                    p.shape,
+                    self.block,
+                    q_out=q_out,
+                    s_out=s_out.view(-1, scale_shape((rows, n), self.block)[1]),
+                    kernel=kernel,
                 )
             else:
                 nbytes = (pc.end - pc.start) * self.raw_dtype.itemsize
-                send[pc.data_offset: pc.data_offset + nbytes].view(self.raw_dtype).copy_(src)
+                send[pc.data_offset : pc.data_offset + nbytes].view(self.raw_dtype).copy_(src)
         self._zero_gaps(rank, send)
         return send
 
@@ -322,7 +376,9 @@ class FP8GatherLayout:
         send[pos:].zero_()
 
     # -- gathered side -----------------------------------------------------------------------
-    def unpack(self, gathered: torch.Tensor) -> list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+    def unpack(
+        self, gathered: torch.Tensor
+    ) -> list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
         """View the gathered buffer as every parameter, in ``params`` order.
 
         Quantized weights come back as ``(q, s)`` (``float8_e4m3fn`` of the weight's shape and
@@ -334,7 +390,8 @@ class FP8GatherLayout:
         """
         if gathered.dtype != torch.uint8 or gathered.shape != (self.gathered_nbytes,):
             raise ValueError(
-                f"gathered must be uint8 of {self.gathered_nbytes} bytes, got {gathered.dtype} {tuple(gathered.shape)}"
+                f"gathered must be uint8 of {self.gathered_nbytes} bytes, got {gathered.dtype} "
+                f"{tuple(gathered.shape)}"
             )
         by_param: dict[int, list[tuple[int, FP8Piece]]] = {}
         for rank, pieces in enumerate(self.pieces):
@@ -361,18 +418,29 @@ class FP8GatherLayout:
         return q, s
 
     def _view_raw(self, gathered: torch.Tensor, rank: int, pc: FP8Piece) -> torch.Tensor:
-        return _alias(gathered, rank * self.send_nbytes + pc.data_offset, self.raw_dtype, (pc.end - pc.start,))
+        return _alias(
+            gathered, rank * self.send_nbytes + pc.data_offset, self.raw_dtype, (pc.end - pc.start,)
+        )
 
 
-def _alias(buf: torch.Tensor, byte_offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _alias(
+    buf: torch.Tensor, byte_offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     """A contiguous ``dtype`` tensor over ``buf``'s storage at ``byte_offset`` with its own version
     counter: refilling ``buf`` (the next all-gather into the same storage) does not invalidate
     tensors autograd saved from it, as FSDP's free-and-refill of unsharded storage requires."""
     start = buf.storage_offset() + byte_offset  # buf is uint8: offsets are bytes
     if start % dtype.itemsize:
-        raise ValueError(f"gathered buffer offset {start} is not aligned to {dtype} ({dtype.itemsize} bytes)")
+        raise ValueError(
+            f"gathered buffer offset {start} is not aligned to {dtype} ({dtype.itemsize} bytes)"
+        )
     out = torch.empty(0, dtype=dtype, device=buf.device)
-    out.set_(buf.untyped_storage(), start // dtype.itemsize, shape, torch.empty(shape, device="meta").stride())
+    out.set_(
+        buf.untyped_storage(),
+        start // dtype.itemsize,
+        shape,
+        torch.empty(shape, device="meta").stride(),
+    )
     return out
 
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .reference import E4M3_MAX, FP8_DTYPE, SCALE_MIN
 
-__all__ = ["quantize_into", "dequantize_into"]
+__all__ = ["dequantize_into", "quantize_into"]
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _SCALE_MIN = tl.constexpr(SCALE_MIN)
@@ -72,10 +72,20 @@ def _round_to_bf16(y):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, q_ptr, s_ptr,
-    rows, cols,
-    stride_xm, stride_xn, stride_qm, stride_qn, stride_sm, stride_sn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    rows,
+    cols,
+    stride_xm,
+    stride_xn,
+    stride_qm,
+    stride_qn,
+    stride_sm,
+    stride_sn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -89,7 +99,7 @@ def _quantize_kernel(
     x = tl.load(x_ptr + row * stride_xm + col * stride_xn, mask=mask, other=0.0).to(tl.float32)
     # NaN -> inf before the max (Triton's max need not propagate NaN): any non-finite input
     # gives a non-finite scale, which the host checks once.
-    ax = tl.where(x != x, float("inf"), tl.abs(x))
+    ax = tl.where(x != x, float("inf"), tl.abs(x))  # noqa: PLR0124 - x != x is the NaN test
     amax = tl.max(tl.max(ax, axis=2), axis=1)  # [G]
     s = tl.maximum(tl.math.div_rn(amax, _E4M3_MAX), _SCALE_MIN)
     y = tl.math.div_rn(x, s[:, None, None])
@@ -102,10 +112,20 @@ def _quantize_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    q_ptr, s_ptr, out_ptr,
-    rows, cols,
-    stride_qm, stride_qn, stride_sm, stride_sn, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    rows,
+    cols,
+    stride_qm,
+    stride_qn,
+    stride_sm,
+    stride_sn,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -129,14 +149,18 @@ def _launch_shape(rows: int, cols: int, block: tuple[int, int]) -> tuple[tuple[i
     bm, bn = block
     for v, what in ((bm, "rows"), (bn, "cols")):
         if v & (v - 1):
-            raise ValueError(f"the Triton kernels need power-of-two block {what}, got block={block}")
+            raise ValueError(
+                f"the Triton kernels need power-of-two block {what}, got block={block}"
+            )
     groups = max(1, _ELEMS_PER_PROGRAM // (bm * bn))
     # no more groups than there are tiles (keeps tiny matrices to one small program)
     groups = min(groups, triton.next_power_of_2(triton.cdiv(rows, bm)))
     return (triton.cdiv(rows, bm * groups), triton.cdiv(cols, bn)), groups
 
 
-def quantize_into(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, block: tuple[int, int]) -> None:
+def quantize_into(
+    x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, block: tuple[int, int]
+) -> None:
     """Quantize 2-D ``x`` into the provided ``q_out`` (e4m3, ``x``'s shape) and ``s_out``.
 
     All three may be strided views (e.g. a row run of a flat buffer and slices of a send
@@ -147,13 +171,27 @@ def quantize_into(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, blo
         return
     grid, groups = _launch_shape(rows, cols, block)
     _quantize_kernel[grid](
-        x, q_out, s_out, rows, cols,
-        x.stride(0), x.stride(1), q_out.stride(0), q_out.stride(1), s_out.stride(0), s_out.stride(1),
-        BLOCK_M=block[0], BLOCK_N=block[1], GROUPS=groups, num_warps=8,
+        x,
+        q_out,
+        s_out,
+        rows,
+        cols,
+        x.stride(0),
+        x.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        s_out.stride(0),
+        s_out.stride(1),
+        BLOCK_M=block[0],
+        BLOCK_N=block[1],
+        GROUPS=groups,
+        num_warps=8,
     )
 
 
-def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: tuple[int, int]) -> None:
+def dequantize_into(
+    q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: tuple[int, int]
+) -> None:
     """Write ``q.float() * s`` (broadcast over ``block`` tiles) into ``out`` (its dtype)."""
     if q.dtype != FP8_DTYPE:
         raise ValueError(f"q must be float8_e4m3fn, got {q.dtype}")
@@ -162,7 +200,19 @@ def dequantize_into(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, block: 
         return
     grid, groups = _launch_shape(rows, cols, block)
     _dequantize_kernel[grid](
-        q, s, out, rows, cols,
-        q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=block[0], BLOCK_N=block[1], GROUPS=groups, num_warps=8,
+        q,
+        s,
+        out,
+        rows,
+        cols,
+        q.stride(0),
+        q.stride(1),
+        s.stride(0),
+        s.stride(1),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=block[0],
+        BLOCK_N=block[1],
+        GROUPS=groups,
+        num_warps=8,
     )
