@@ -9,8 +9,10 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   its parameter gradients are accumulated: AccumulateGrad nodes run first).
 * forward post-hook: reshard (free the unsharded buffer) unless ``reshard_after_forward`` is off
   or ``u`` is the root (whose parameters backward needs first), and hook the outputs.
-* pre-backward (a hook on ``u``'s outputs): re-gather, preset ``.grad`` views of one flat
-  gradient buffer, prefetch the all-gather of the unit whose backward runs next.
+* pre-backward (a hook on ``u``'s outputs): re-gather and prefetch the all-gather of the unit
+  whose backward runs next. The first gradient reaching one of ``u``'s unsharded parameters
+  (a hook on each) allocates the zeroed flat gradient buffer and presets every ``.grad`` to a
+  view of it, so AccumulateGrad adds into it in place.
 * post-backward: issue the reduce-scatter (async; the previous unit's is finished first, so at
   most one is in flight), reshard.
 * the root queues a callback that runs when autograd finishes: post-backward for units whose
@@ -42,6 +44,11 @@ class RootContext:
         self.pending_reduce: FSDPUnit | None = None
         self.callback_queued = False
 
+    @staticmethod
+    def prefetch(state: FSDPState | None) -> None:
+        if state is not None:
+            state.unit.unshard(async_op=True)
+
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is not None:
             self.pending_reduce.finish_reduce()
@@ -57,9 +64,9 @@ class RootContext:
         return None
 
     def next_in_backward(self, state: FSDPState) -> FSDPState | None:
+        # The root's pre-backward runs at the loss, when activations peak: prefetching there
+        # would add a unit's parameters to the peak, so the last unit gathers on its own hook.
         order = self.forward_order
-        if state.is_root:
-            return order[-1] if order else None
         if state in order:
             i = order.index(state)
             return order[i - 1] if i > 0 else None
@@ -99,6 +106,9 @@ class FSDPState:
         self._needs_post_backward = False
         self._backward_started = False
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        for slot, param in zip(unit.slots, unit.unsharded_params):
+            if slot.requires_grad:
+                param.register_hook(self._on_grad)
         module.register_forward_hook(self._post_forward, prepend=False)
 
     # -- lazy root init ----------------------------------------------------------------------
@@ -125,9 +135,7 @@ class FSDPState:
         self.unit.unshard(async_op=False)
         self.unit.wait_unshard()
         self.unit.register(sharded=False)
-        nxt = ctx.next_in_forward(self)
-        if nxt is not None:
-            nxt.unit.unshard(async_op=True)
+        ctx.prefetch(ctx.next_in_forward(self))
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _map_float_tensors(lambda t: t.to(mp.param_dtype), (args, kwargs))
@@ -174,10 +182,13 @@ class FSDPState:
             Variable._execution_engine.queue_callback(self._root_final_callback)
         self.unit.unshard(async_op=False)
         self.unit.wait_unshard()
+        ctx.prefetch(ctx.next_in_backward(self))
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        # Runs before AccumulateGrad of each unsharded parameter. The flat gradient buffer is
+        # allocated at the unit's first gradient, not at pre-backward, where it would sit on
+        # the activation peak.
         self.unit.prepare_grads()
-        nxt = ctx.next_in_backward(self)
-        if nxt is not None:
-            nxt.unit.unshard(async_op=True)
 
     def post_backward(self) -> None:
         """Reduce-scatter this unit's gradients (unless gradient sync is off) and reshard."""

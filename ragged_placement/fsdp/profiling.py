@@ -121,14 +121,17 @@ def live_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def peak_step_memory(fn: Callable[[], object]) -> int:
     """Highest net bytes of CPU tensor memory allocated while ``fn`` runs (the profiler's
-    allocation events, summed in time order); add what was alive before to get the peak."""
+    allocator events, summed in time order); add what was alive before to get the peak."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    cpu = torch._C._autograd.DeviceType.CPU
     events = sorted(
-        (e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == cpu
     )
     live = peak = 0
-    for e in events:
-        live += e.cpu_memory_usage
+    for _, nbytes in events:
+        live += nbytes
         peak = max(peak, live)
     return peak

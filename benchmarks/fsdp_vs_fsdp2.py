@@ -1,0 +1,182 @@
+"""Our zero-copy FSDP runtime vs torch FSDP2 ``fully_shard``: same GPT, same data, same ranks.
+
+Spawns ``--world`` gloo ranks on this machine (CPU). Both runtimes wrap every transformer block
+and then the root, train with ``torch.optim.AdamW(foreach=True)`` on the DTensor parameters, and
+are measured with the same instruments (:mod:`ragged_placement.fsdp.profiling`):
+
+* collectives per step and their bytes (all-gather outputs, reduce-scatter inputs);
+* layout-copy bytes per step: bytes written by FSDP2's ``all_gather_copy_in``,
+  ``split_with_sizes_copy`` and ``_chunk_cat`` (its copy-in / copy-out), the same dispatch-level
+  count on ours;
+* peak memory per rank: tensor bytes alive at step start (distinct storages of parameters,
+  gradients, optimizer state) plus the highest net allocation during a step (profiler memory
+  events), max over ranks;
+* step time: median over ``--steps`` timed steps of each of ``--runs`` alternating runs, then
+  the median over runs.
+
+Run: ``.venv/bin/python benchmarks/fsdp_vs_fsdp2.py`` (``--help`` for the knobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
+from ragged_placement.fsdp.profiling import (
+    CollectiveMeter,
+    LayoutCopyMeter,
+    live_tensor_bytes,
+    peak_step_memory,
+)
+from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
+
+
+def _shard(model: GPT, runtime: str, mesh, bf16: bool) -> None:
+    if runtime == "ours":
+        kw = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if bf16 else {}
+        wrap = fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
+        from torch.distributed.fsdp import fully_shard as wrap
+
+        kw = {"mp_policy": FSDP2Policy(torch.bfloat16, torch.float32)} if bf16 else {}
+    for block in model.layers:
+        wrap(block, mesh=mesh, **kw)
+    wrap(model, mesh=mesh, **kw)
+
+
+def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, corpus) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ws,))
+    model = GPT(cfg)
+    model.load_state_dict(init)
+    _shard(model, runtime, mesh, args.bf16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
+    per = args.batch
+
+    def step(i: int) -> None:
+        x, y = corpus.batch(i, per * ws, cfg.block_size)
+        model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(args.warmup):
+        step(i)
+    times = []
+    for i in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(args.warmup + i)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    with CollectiveMeter() as meter:
+        step(0)
+    with LayoutCopyMeter() as copies:
+        step(1)
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    baseline = live_tensor_bytes(list(model.parameters()) + state)
+    # the allocation timeline depends on when async collectives complete: take the worst of 3
+    peak = baseline + max(peak_step_memory(lambda: step(i)) for i in range(2, 5))
+    return {
+        "time": statistics.median(times),
+        "all_gathers": meter.counts["all_gather"],
+        "reduce_scatters": meter.counts["reduce_scatter"],
+        "ag_bytes": meter.all_gather_bytes,
+        "rs_bytes": meter.reduce_scatter_bytes,
+        "copy_bytes": copies.total,
+        "peak": peak,
+    }
+
+
+def _worker(rank: int, ws: int, port: int, args, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ws)
+    try:
+        cfg = GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.seq)
+        torch.manual_seed(0)
+        init = GPT(cfg).state_dict()
+        corpus = StdlibCorpus(max_bytes=1 << 20)
+        results: dict[str, list[dict]] = {"fsdp2": [], "ours": []}
+        for _ in range(args.runs):
+            for runtime in ("fsdp2", "ours"):
+                results[runtime].append(_measure(rank, ws, runtime, args, cfg, init, corpus))
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:.3f} MiB" if n else "0"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 reduction (both)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(args.world, _free_port(), args, out_dir), nprocs=args.world,
+                           start_method="spawn")
+        per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(args.world)]
+
+    def agg(runtime: str, key: str):
+        if key == "time":  # median over runs of rank 0's per-run median (steps end in a barrier)
+            return statistics.median(r[key] for r in per_rank[0][runtime])
+        if key == "peak":
+            return max(r[key] for rank in per_rank for r in rank[runtime])
+        return per_rank[0][runtime][0][key]
+
+    rows = [
+        ("all-gathers / step", "all_gathers", str),
+        ("all-gathered bytes / step", "ag_bytes", _fmt_bytes),
+        ("reduce-scatters / step", "reduce_scatters", str),
+        ("reduce-scattered bytes / step", "rs_bytes", _fmt_bytes),
+        ("copy-in/out bytes / step", "copy_bytes", _fmt_bytes),
+        ("peak memory / rank (max)", "peak", _fmt_bytes),
+        ("step time (median)", "time", lambda t: f"{t * 1e3:.1f} ms"),
+    ]
+    cfg = f"{args.layers} layers x {args.width} wide, seq {args.seq}, batch {args.batch}/rank"
+    print(f"\nFSDP runtimes on {args.world} gloo ranks (CPU), GPT {cfg}, "
+          f"{'bf16 params / fp32 reduce' if args.bf16 else 'fp32'}, torch {torch.__version__}, "
+          f"{args.runs} runs x {args.steps} steps\n")
+    print(f"{'metric':32s} {'torch FSDP2':>14s} {'ours':>14s} {'ours/FSDP2':>11s}")
+    print("-" * 74)
+    for label, key, fmt in rows:
+        a, b = agg("fsdp2", key), agg("ours", key)
+        ratio = f"{b / a:.3f}" if a else ("-" if not b else "inf")
+        print(f"{label:32s} {fmt(a):>14s} {fmt(b):>14s} {ratio:>11s}")
+    times = {rt: [f"{r['time'] * 1e3:.1f}" for r in per_rank[0][rt]] for rt in ("fsdp2", "ours")}
+    print(f"\nper-run step medians (ms): FSDP2 {times['fsdp2']}, ours {times['ours']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
