@@ -1,7 +1,8 @@
 """Bytes all-gathered and bytes of amax traffic per step for block-wise FP8 training.
 
 For one FSDP unit of ``--layers-per-unit`` transformer layers (default 1) of every model in
-shared/models.json and the world sizes given, three ways of all-gathering a unit whose Linear weights train in 128x128-block FP8:
+shared/models.json and the world sizes given, three ways of all-gathering a unit whose Linear
+weights train in 128x128-block FP8:
 
 * ``ours``: the planner places every 2-D weight at 128-row granularity (RaggedShard), so each
   rank quantizes its own blocks with no communication; one all-gather moves the FP8 bytes, one
@@ -28,7 +29,13 @@ A CPU timing follows (medians of 5): quantizing a rank's chunk into the FP8 send
 its all-gather, on the same chunk. GPU timings (Triton kernel GB/s vs copy bandwidth, FP8 vs bf16
 Linear step time, torchao's FSDP2 + block-wise FP8 Linear) need a CUDA device and are not run here.
 
+``--train-steps N`` also trains the small GPT of ``ragged_placement.models`` (2 layers, width
+128) on the stdlib byte corpus for N AdamW steps in fp32, bf16 autocast and FP8 (CPU emulation of
+the FP8 Linear), and prints the validation losses (one CPU thread; times are CPU emulation, not
+FP8 speed).
+
 Usage: python benchmarks/fp8.py [--models a,b] [--worlds 8,64,256] [--layers-per-unit 4]
+       [--train-steps 200 --lr 1e-3]
 """
 
 from __future__ import annotations
@@ -204,6 +211,47 @@ def cpu_timing(models: dict, world: int = 64, reps: int = 5) -> None:
     )
 
 
+def train_gpt(mode: str, steps: int, lr: float) -> tuple[float, float]:
+    """Validation loss and median step time of the small GPT trained ``steps`` steps in ``mode``."""
+    from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
+    from ragged_placement.quant import convert_to_fp8_linear
+
+    corpus = StdlibCorpus(max_bytes=1 << 20)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=128))
+    if mode == "fp8":
+        convert_to_fp8_linear(model.layers)  # embeddings, norms and the tied head stay fp32
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    times = []
+    for step in range(steps):
+        x, y = corpus.batch(step, 16, 64)
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16"):
+            loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    with torch.no_grad():
+        val = [model(*corpus.batch(10_000 + i, 32, 64, split="val")).item() for i in range(8)]
+    return sum(val) / len(val), statistics.median(times)
+
+
+def train_table(steps: int, lr: float) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = {mode: train_gpt(mode, steps, lr) for mode in ("fp32", "bf16", "fp8")}
+    finally:
+        torch.set_num_threads(threads)
+    print(f"\nGPT (2 layers, width 128), {steps} steps, AdamW lr {lr}, batch 16x64, 1 CPU thread")
+    for mode, (val, t) in results.items():
+        rel = (val - results["bf16"][0]) / results["bf16"][0]
+        print(
+            f"  {mode:<5} val loss {val:.4f}  ({100 * rel:+.2f}% vs bf16)  step {1e3 * t:6.1f} ms"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="", help="comma-separated subset of models.json")
@@ -212,6 +260,8 @@ def main() -> None:
     ap.add_argument(
         "--layers-per-unit", type=int, default=1, help="transformer layers per FSDP unit"
     )
+    ap.add_argument("--train-steps", type=int, default=0, help="also train the small GPT")
+    ap.add_argument("--lr", type=float, default=1e-3)
     args = ap.parse_args()
     models = load_configs(args.models_json)
     if args.models:
@@ -219,6 +269,8 @@ def main() -> None:
     worlds = [int(w) for w in args.worlds.split(",")]
     byte_table(models, worlds, args.layers_per_unit)
     cpu_timing(models)
+    if args.train_steps:
+        train_table(args.train_steps, args.lr)
 
 
 if __name__ == "__main__":
