@@ -90,6 +90,22 @@ class RaggedShard(Placement):
         object.__setattr__(self, "local_units", units_t)
         object.__setattr__(self, "split_factor", split_factor)
 
+    @classmethod
+    def _unchecked(cls, dims: tuple[int, ...], local_units: tuple[int, ...], split_factor: int = 1) -> RaggedShard:
+        """Build from values that are valid by construction (tuples of ints, a dims prefix,
+        non-negative units with a positive entry), skipping the O(ranks) argument checks.
+
+        For internal producers such as the planner, which builds one placement per parameter
+        with one unit per rank (65,536 entries at the largest scale): the checks cost more
+        than the layout itself there. User-facing code uses the constructor.
+        """
+        self = cls.__new__(cls)
+        Placement.__init__(self)
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "local_units", local_units)
+        object.__setattr__(self, "split_factor", split_factor)
+        return self
+
     # -- value semantics -------------------------------------------------------------------
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"RaggedShard is immutable (tried to set {name!r})")
