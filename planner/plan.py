@@ -34,7 +34,7 @@ def _placement(spec: CutSpec, offset: int, chunk: int, world_size: int) -> Ragge
     if numel == 0:
         units = [0] * world_size
         units[min(offset // chunk, world_size - 1)] = 1
-        return RaggedShard(dims, units)
+        return RaggedShard._unchecked(dims, tuple(units))
     first, last = offset // chunk, (offset + numel - 1) // chunk
     runs = [
         (min(offset + numel, (r + 1) * chunk) - max(offset, r * chunk)) // spec.row_numel
@@ -42,7 +42,7 @@ def _placement(spec: CutSpec, offset: int, chunk: int, world_size: int) -> Ragge
     ]
     g = functools.reduce(math.gcd, runs)
     units = [0] * first + [x // g for x in runs] + [0] * (world_size - 1 - last)
-    return RaggedShard(dims, units)
+    return RaggedShard._unchecked(dims, tuple(units))  # valid by construction: O(1) checks
 
 
 class Placements(Mapping[str, RaggedShard]):
