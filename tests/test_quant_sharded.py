@@ -202,3 +202,42 @@ def test_planner_layouts_round_trip_bitwise(shapes, world, seed):
             )
         else:
             assert torch.equal(got, t.bfloat16())
+
+
+def gather_with_nan(rank: int, world_size: int) -> str:
+    """Rank 2 holds a NaN in w2: pack must not raise (the others would hang in the
+    all-gather); unpack raises on every rank alike, naming the weight."""
+    layout = FP8GatherLayout(PARAMS, S, world_size)
+    local = flat_buffer(full_params())[rank * S : (rank + 1) * S].clone()
+    if rank == 2:
+        local[5] = float("nan")  # w2 row 128 (rank 2's part of w2 starts at its chunk start)
+    send = layout.pack(rank, local)
+    gathered = torch.empty(layout.gathered_nbytes, dtype=torch.uint8)
+    all_gather_single(gathered, send)
+    try:
+        layout.unpack(gathered)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_non_finite_weight_raises_on_every_rank_after_the_gather():
+    messages = run_threaded(gather_with_nan, WORLD)
+    assert all("inf or NaN" in m and "'w2' (rank 2)" in m for m in messages), messages
+
+
+def test_empty_parameters_round_trip():
+    params = [
+        FlatParam("w", (256, 16), 0, True),
+        FlatParam("empty_w", (0, 16), 4096, True),
+        FlatParam("empty_b", (0,), 4096, False),
+    ]
+    layout = FP8GatherLayout(params, 2048, 2)
+    w = torch.randn(256, 16)
+    gathered = torch.cat(
+        [layout.pack(r, w.reshape(-1)[r * 2048 : (r + 1) * 2048]) for r in range(2)]
+    )
+    (q, s), (eq, es), eb = layout.unpack(gathered)
+    q_ref, s_ref = quantize_blockwise(w)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    assert eq.shape == (0, 16) and es.shape == (0, 1) and eb.shape == (0,)

@@ -109,12 +109,14 @@ def quantize_blockwise_into(
     block: tuple[int, int] = (128, 128),
     *,
     kernel: Kernel = "auto",
+    check_finite: bool = True,
 ) -> None:
     """Quantize 2-D ``w`` into caller-provided (possibly strided) ``q_out`` and ``s_out``.
 
     This is the FSDP send-buffer path: ``w`` is a rank's row run (a view of its sharded fp32
     flat buffer), ``q_out`` / ``s_out`` are views of the packed send buffer. Raises
-    ``ValueError`` on inf/NaN input (after writing; the send buffer must then not be sent).
+    ``ValueError`` on inf/NaN input (after writing). ``check_finite=False`` skips that check
+    (and its host sync): the tile's scale is then non-finite, for the caller to check later.
     """
     check_quantizable(w, "w", ndim=2)
     block = check_block(block)
@@ -125,9 +127,10 @@ def quantize_blockwise_into(
         from .triton_kernels import quantize_into
 
         quantize_into(w, q_out, s_out, block)
-        check_finite_scales(s_out, "w")
+        if check_finite:
+            check_finite_scales(s_out, "w")
     else:
-        q, s = quantize_blockwise_reference(w, block)
+        q, s = quantize_blockwise_reference(w, block, check_finite=check_finite)
         q_out.copy_(q)
         s_out.copy_(s)
 

@@ -57,6 +57,7 @@ def quantize_run(
     q_out: torch.Tensor | None = None,
     s_out: torch.Tensor | None = None,
     kernel: Kernel = "auto",
+    check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a rank's row run ``local = full[row_start:row_start + len(local)]`` of a 2-D weight.
 
@@ -66,6 +67,7 @@ def quantize_run(
     ``block[0]`` or at the last row. Otherwise a block would be split between ranks and its
     scale would need a cross-rank amax: ``ValueError``. ``q_out`` / ``s_out`` may be views of a
     send buffer (written in place); they are allocated when omitted. Returns ``(q, s)``.
+    ``check_finite`` as in :func:`quantize_blockwise_into`.
     """
     block = check_block(block)
     if len(full_shape) != 2:
@@ -83,7 +85,7 @@ def quantize_run(
         s_out = torch.empty(
             scale_shape(local.shape, block), dtype=torch.float32, device=local.device
         )
-    quantize_blockwise_into(local, q_out, s_out, block, kernel=kernel)
+    quantize_blockwise_into(local, q_out, s_out, block, kernel=kernel, check_finite=check_finite)
     return q_out, s_out
 
 
@@ -314,7 +316,9 @@ class FP8GatherLayout:
 
         ``send`` is a ``uint8`` tensor of ``send_nbytes`` (allocated when omitted) and is what
         the rank passes to the all-gather. Padding bytes are zeroed (deterministic buffers).
-        Raises ``ValueError`` on inf/NaN in a quantized weight.
+        An inf/NaN in a quantized weight is not raised here (one rank raising before the
+        collective would leave the others waiting in it): it makes that block's scale
+        non-finite, which :meth:`unpack` detects on every rank alike.
         """
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
@@ -354,6 +358,7 @@ class FP8GatherLayout:
                     q_out=q_out,
                     s_out=s_out.view(-1, scale_shape((rows, n), self.block)[1]),
                     kernel=kernel,
+                    check_finite=False,
                 )
             else:
                 nbytes = (pc.end - pc.start) * self.raw_dtype.itemsize
@@ -377,7 +382,7 @@ class FP8GatherLayout:
 
     # -- gathered side -----------------------------------------------------------------------
     def unpack(
-        self, gathered: torch.Tensor
+        self, gathered: torch.Tensor, *, check_finite: bool = True
     ) -> list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
         """View the gathered buffer as every parameter, in ``params`` order.
 
@@ -387,12 +392,19 @@ class FP8GatherLayout:
         by one rank aliases ``gathered``'s storage (with its own version counter, so refilling
         the buffer does not trip autograd's saved-tensor check); one split over ranks is
         concatenated (a copy).
+
+        ``check_finite`` checks every gathered scale at once (one reduction and one host sync)
+        and raises ``ValueError`` naming the weight whose shard held an inf/NaN; all ranks see
+        the same bytes, so all raise together. A runtime that checks for non-finite values
+        elsewhere (e.g. the gradient norm) can pass ``False`` to avoid the sync.
         """
         if gathered.dtype != torch.uint8 or gathered.shape != (self.gathered_nbytes,):
             raise ValueError(
                 f"gathered must be uint8 of {self.gathered_nbytes} bytes, got {gathered.dtype} "
                 f"{tuple(gathered.shape)}"
             )
+        if check_finite:
+            self._check_finite_scales(gathered)
         by_param: dict[int, list[tuple[int, FP8Piece]]] = {}
         for rank, pieces in enumerate(self.pieces):
             for pc in pieces:
@@ -400,13 +412,41 @@ class FP8GatherLayout:
         out: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = []
         for i, p in enumerate(self.params):
             parts = sorted(by_param.get(i, []), key=lambda rp: rp[1].start)
-            if p.quantize:
+            if not parts:  # an empty parameter
+                dtype = FP8_DTYPE if p.quantize else self.raw_dtype
+                empty = torch.empty(p.shape, dtype=dtype, device=gathered.device)
+                if p.quantize:
+                    sshape = scale_shape(p.shape, self.block)
+                    empty = (empty, torch.empty(sshape, device=gathered.device))
+                out.append(empty)
+            elif p.quantize:
                 qs, ss = zip(*(self._view_quantized(gathered, r, pc, p) for r, pc in parts))
                 out.append((_cat(qs), _cat(ss)))
             else:
                 raws = [self._view_raw(gathered, r, pc) for r, pc in parts]
                 out.append(_cat(raws).view(p.shape))
         return out
+
+    def _check_finite_scales(self, gathered: torch.Tensor) -> None:
+        # each rank's scales sit at the front of its segment: one masked check over [W, max]
+        counts = [sum(pc.scale_numel for pc in pieces) for pieces in self.pieces]
+        most = max(counts)
+        if most == 0:
+            return
+        scales = gathered.view(self.world_size, self.send_nbytes)[:, : 4 * most]
+        scales = scales.view(torch.float32)
+        valid = torch.arange(most, device=gathered.device) < torch.tensor(
+            counts, device=gathered.device
+        ).unsqueeze(1)
+        if bool((torch.isfinite(scales) | ~valid).all()):
+            return
+        bad = []
+        for rank, pieces in enumerate(self.pieces):
+            for pc in pieces:
+                s = scales[rank, pc.scale_offset // 4 : pc.scale_offset // 4 + pc.scale_numel]
+                if pc.scale_numel and not bool(torch.isfinite(s).all()):
+                    bad.append(f"{self.params[pc.param].name!r} (rank {rank})")
+        raise ValueError(f"inf or NaN in the FP8 weights {', '.join(bad)}; cannot quantize")
 
     def _view_quantized(self, gathered: torch.Tensor, rank: int, pc: FP8Piece, p: FlatParam):
         base = rank * self.send_nbytes
