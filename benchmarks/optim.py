@@ -17,9 +17,11 @@ the same momentum + bf16 Newton-Schulz step four ways:
 
 Reported per method: bytes each rank put on the wire per step, summed over ranks (all-to-all:
 the input minus the self split; all-gather: input x (world - 1); gather/scatter: the non-root
-inputs / root chunks), collectives per step, NS FLOPs max / mean over ranks, and the median
-step time over ``--steps`` timed steps (after one warm-up), max over ranks. The owner plan for
-the full 12-layer model (the real planner code, no NS run) is printed too: FLOP balance and bytes.
+inputs / root chunks), collectives per step, NS FLOPs max / mean over ranks, and the step time:
+per step the slowest rank (steps start at a barrier), median over ``--steps`` timed steps (after
+one warm-up), median (min-max) over ``--runs`` runs that alternate the methods. The owner plan
+for the full 12-layer model (the real planner code, no NS run) is printed too: FLOP balance and
+bytes.
 
 Run: ``.venv/bin/python benchmarks/optim.py`` (``--help`` for the knobs).
 """
@@ -225,32 +227,31 @@ def _worker(rank: int, ws: int, port: int, args, shapes, out_dir: str) -> None:
             ),
             ps,
         )
-    results = {}
-    for name in args.methods:
-        if name not in methods:
-            results[name] = None
-            continue
-        opt, ps = methods[name]()
-        grads_local = [p.grad for p in ps]
-        times, per_step = [], []
-        for step in range(1 + args.steps):
-            for p, g in zip(ps, grads_local):
-                p.grad = g  # muon-fsdp2 overwrites .grad with its momentum update
-            wire.reset()
-            dist.barrier()
-            t0 = time.perf_counter()
-            opt.step()
-            elapsed = time.perf_counter() - t0
-            if step:
-                times.append(elapsed)
-                per_step.append((wire.bytes, wire.calls))
-        info = opt.last_step_info if isinstance(opt, Muon) else None
-        results[name] = {
-            "time": statistics.median(times),
-            "bytes": per_step[-1][0],
-            "calls": per_step[-1][1],
-            "flops": max(info.flops_per_rank) / (sum(info.flops_per_rank) / ws) if info else None,
-        }
+    results: dict = {name: None for name in args.methods}
+    for _ in range(args.runs):  # runs alternate the methods, so slow phases of the machine spread
+        for name in args.methods:
+            if name not in methods:
+                continue
+            opt, ps = methods[name]()
+            grads_local = [p.grad for p in ps]
+            times = []
+            for step in range(1 + args.steps):
+                for p, g in zip(ps, grads_local):
+                    p.grad = g  # muon-fsdp2 overwrites .grad with its momentum update
+                wire.reset()
+                dist.barrier()
+                t0 = time.perf_counter()
+                opt.step()
+                if step:
+                    times.append(time.perf_counter() - t0)
+            info = opt.last_step_info if isinstance(opt, Muon) else None
+            entry = results[name] or {"times": []}
+            entry["times"].append(times)
+            entry["bytes"], entry["calls"] = wire.bytes, wire.calls
+            entry["flops"] = (
+                max(info.flops_per_rank) / (sum(info.flops_per_rank) / ws) if info else None
+            )
+            results[name] = entry
     torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -263,6 +264,7 @@ def main() -> None:
         "--layers", type=int, default=1, help="blocks timed (the 12-layer plan is always printed)"
     )
     ap.add_argument("--steps", type=int, default=3, help="timed steps per method (after 1 warm-up)")
+    ap.add_argument("--runs", type=int, default=3, help="alternating runs of all methods")
     ap.add_argument("--model", default="gpt2-124m")
     ap.add_argument("--models-json", default=os.path.join(REPO, "..", "shared", "models.json"))
     ap.add_argument("--methods", nargs="+", default=["ours", "naive", "muon-fsdp2", "ours, whole"])
@@ -273,9 +275,7 @@ def main() -> None:
     shapes = gpt_matrices(args.models_json, args.model, args.layers)
     numel = sum(math.prod(s) for s in shapes)
 
-    print(
-        f"# owner plan, {args.model}, all {full_layers} layers, {ws} ranks (planner code, no NS run)"
-    )
+    print(f"# owner plan, {args.model}, all {full_layers} layers, {ws} ranks (planner code, no NS)")
     all_shapes = gpt_matrices(args.models_json, args.model, full_layers)
     all_numel = sum(math.prod(s) for s in all_shapes)
     for label, whole in (("Shard(0)", False), ("whole matrices", True)):
@@ -287,8 +287,8 @@ def main() -> None:
         )
 
     print(
-        f"\n# timed: {args.layers} layer(s) = {len(shapes)} matrices, {numel / 1e6:.2f} M elements, "
-        f"{ws} gloo ranks x 1 thread, median of {args.steps} steps"
+        f"\n# timed: {args.layers} layer(s) = {len(shapes)} matrices, {numel / 1e6:.2f} M elements,"
+        f" {ws} gloo ranks x 1 thread, median of {args.steps} steps x {args.runs} runs"
     )
     try:
         import muon_fsdp2  # noqa: F401
@@ -300,27 +300,44 @@ def main() -> None:
             _worker, args=(ws, port, args, shapes, out_dir), nprocs=ws, start_method="spawn"
         )
         per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(ws)]
-    naive = per_rank[0].get("naive")
+
+    def step_time(name: str) -> tuple[float, float, float]:
+        """Median over runs of the median over steps of the slowest rank; min and max over runs."""
+        runs = per_rank[0][name]["times"]
+        per_run = [
+            statistics.median(
+                max(r[name]["times"][run][step] for r in per_rank) for step in range(len(steps))
+            )
+            for run, steps in enumerate(runs)
+        ]
+        return statistics.median(per_run), min(per_run), max(per_run)
+
+    def wire_bytes(name: str) -> int:
+        return sum(r[name]["bytes"] for r in per_rank)
+
+    have_naive = per_rank[0].get("naive") is not None
     print(
-        f"{'method':>14} {'bytes/step':>12} {'vs naive':>9} {'coll/step':>10} {'FLOPs max/mean':>15} "
-        f"{'step s':>8} {'vs naive':>9}"
+        f"{'method':>14} {'bytes/step':>12} {'vs naive':>9} {'coll/step':>10} "
+        f"{'FLOPs max/mean':>15} {'step s (min-max)':>18} {'vs naive':>9}"
     )
     for name in args.methods:
-        rows = [r[name] for r in per_rank]
-        if rows[0] is None:
+        if per_rank[0][name] is None:
             print(f"{name:>14}  (skipped: not installed)")
             continue
-        nbytes = sum(r["bytes"] for r in rows)
-        t = max(r["time"] for r in rows)
-        nbytes_naive = sum(r["bytes"] for r in (x["naive"] for x in per_rank)) if naive else None
-        t_naive = max(x["naive"]["time"] for x in per_rank) if naive else None
-        flops = "-" if rows[0]["flops"] is None else f"{rows[0]['flops']:.3f}"
+        nbytes = wire_bytes(name)
+        t, t_min, t_max = step_time(name)
+        byte_ratio = nbytes / wire_bytes("naive") if have_naive else float("nan")
+        time_ratio = t / step_time("naive")[0] if have_naive else float("nan")
+        flops = per_rank[0][name]["flops"]
+        flops_s = "-" if flops is None else f"{flops:.3f}"
         print(
-            f"{name:>14} {nbytes / 2**20:9.2f} MiB {nbytes / nbytes_naive if naive else float('nan'):9.3f} "
-            f"{rows[0]['calls']:>10} {flops:>15} {t:8.2f} {t / t_naive if naive else float('nan'):9.2f}"
+            f"{name:>14} {nbytes / 2**20:9.2f} MiB {byte_ratio:9.3f} "
+            f"{per_rank[0][name]['calls']:>10} "
+            f"{flops_s:>15} {t:6.2f} ({t_min:.2f}-{t_max:.2f}) {time_ratio:9.2f}"
         )
     print(
-        f"\ntarget: ours bytes <= 2/world = {2 / ws:.2f} x naive; whole-matrix bytes 0; FLOPs max/mean <= 1.10"
+        f"\ntarget: ours bytes <= 2/world = {2 / ws:.2f} x naive; whole-matrix bytes 0; "
+        "FLOPs max/mean <= 1.10"
     )
 
 
