@@ -14,8 +14,8 @@ one (that item never moves), otherwise greedy longest-processing-time over the i
 when no item has a piece off its owner. Plans are pure functions of the layouts and the owners,
 identical on every rank, so ranks agree on split sizes without talking.
 
-Plain tensors and ``Replicate`` DTensors are "whole": every rank has the full tensor and
-computes its items itself (``Layout.group is None``).
+Plain tensors and ``Replicate`` DTensors are unsharded (``Layout.group is None``): every rank
+has the full tensor and computes its items itself.
 
 Only 1-D meshes are handled today; a 2-D mesh (e.g. HSDP or FSDP x TP) would add a second
 ``flat_ranges`` level per mesh dim and one exchange per sub-group.
@@ -50,7 +50,7 @@ class Layout:
     """Per-rank ``[start, end)`` ranges of the flattened full tensor, in rank order."""
 
     shape: tuple[int, ...]
-    group: dist.ProcessGroup | None  # None: whole on this rank (plain tensor or Replicate)
+    group: dist.ProcessGroup | None  # None: unsharded (plain tensor or Replicate)
     rank: int
     flat_ranges: tuple[tuple[int, int], ...]
 
