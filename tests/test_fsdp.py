@@ -294,3 +294,27 @@ def _bad_arguments(rank: int, ws: int):
 
 def test_bad_arguments_raise_value_errors():
     assert all(run_threaded(_bad_arguments, WORLD))
+
+
+def _mixed_precision_dtypes(rank: int, ws: int):
+    m = _model()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  output_dtype=torch.float64)
+    fully_shard(m, mesh=DeviceMesh("cpu", list(range(ws))), mp_policy=policy)
+    x, y = CORPUS.batch(0, 2, SEQ)
+    seen = []
+    handle = m.lm_head.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.dtype))
+    logits = m(x)
+    handle.remove()
+    logits.float().sum().backward()
+    unit = m.fsdp_unit
+    numel = unit.chunk_numel * ws
+    return (seen, logits.dtype, {p.dtype for p in m.parameters()}, {p.grad.dtype for p in m.parameters()},
+            unit.stats.all_gather_bytes == numel * 2, unit.stats.reduce_scatter_bytes == numel * 4)
+
+
+def test_mixed_precision_gathers_bf16_reduces_fp32_and_keeps_fp32_shards():
+    for seen, out_dtype, params, grads, ag_bf16, rs_fp32 in run_threaded(_mixed_precision_dtypes, WORLD):
+        assert seen == [torch.bfloat16] and out_dtype == torch.float64
+        assert params == {torch.float32} and grads == {torch.float32}
+        assert ag_bf16 and rs_fp32
