@@ -173,9 +173,11 @@ def main() -> None:
     for r, rank_res in enumerate(res):
         a, b = rank_res["ours"]["peak"], rank_res["fsdp2"]["peak"]
         print(f"{f'peak memory, rank {r}':28s} {a / mib:16.3f} MiB {b / mib:10.3f} MiB {a / b:7.3f}")
-    drift = max(abs(x - y) for x, y in zip(ours["losses"], theirs["losses"]))
-    print(f"\nlargest per-step loss difference ours vs FSDP2 over {args.steps} steps: {drift:.2e} "
-          f"(same model, same batches, fp32)")
+    diffs = [abs(x - y) for x, y in zip(ours["losses"], theirs["losses"])]
+    early = max(diffs[:20])
+    print(f"\nper-step loss, ours vs FSDP2 (same init, same batches, fp32): differ by <= {early:.1e} over "
+          f"the first {min(20, len(diffs))} steps, <= {max(diffs):.1e} over all {len(diffs)}; the shards "
+          f"sum gradient-norm partials in different orders, and training amplifies last-bit differences")
     print(f"loss: {ours['losses'][0]:.3f} -> {ours['losses'][-1]:.3f}; wall time {time.perf_counter() - t0:.0f} s")
 
 

@@ -279,12 +279,3 @@ class FSDPUnit:
                 p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
             else:
                 p.grad._local_tensor.add_(views[slot.fqn])
-
-    # -- introspection ---------------------------------------------------------------------------
-    def buffer_bytes(self) -> int:
-        """Bytes currently held by this unit's flat buffers (sharded, unsharded, gradients)."""
-        total = self.sharded.numel() * self.sharded.element_size() + self._storage.nbytes()
-        for t in (self.unsharded_grad, self.sharded_grad, self._rs_input, self._rs_output, self._ag_send):
-            if t is not None and t is not self.sharded:
-                total += t.numel() * t.element_size()
-        return total
