@@ -259,19 +259,25 @@ def _state_dict_roundtrip(rank: int, ws: int):
         _shard(fresh2, "ours", mesh, granularity=BLOCKS)
         fresh2.load_state_dict(sd)  # same placements: local copies
         out_dt = fresh2(x)
+        theirs = _model()
+        _shard(theirs, "fsdp2", mesh)
+        fresh3 = GPT(CFG)
+        _shard(fresh3, "ours", mesh)
+        fresh3.load_state_dict(theirs.state_dict())  # FSDP2's Shard(0) DTensors: redistributed
+        out_fsdp2 = fresh3(x)
     with pytest.raises(RuntimeError, match="unexpected keys"):
         fresh2.load_state_dict({**INIT, "bogus": torch.zeros(1)})
-    return placed, local_ok, out_full, out_dt
+    return placed, local_ok, out_full, out_dt, out_fsdp2
 
 
-def test_state_dict_is_sharded_and_loads_from_full_and_sharded_values():
+def test_state_dict_is_sharded_and_loads_from_full_sharded_and_fsdp2_values():
     x, _ = CORPUS.batch(3, 2, SEQ)
     with torch.no_grad():
         expect = _model()(x)
-    for placed, local_ok, out_full, out_dt in run_threaded(_state_dict_roundtrip, WORLD):
+    for placed, local_ok, out_full, out_dt, out_fsdp2 in run_threaded(_state_dict_roundtrip, WORLD):
         assert placed and local_ok
-        torch.testing.assert_close(out_full, expect, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(out_dt, expect, atol=1e-5, rtol=1e-5)
+        for out in (out_full, out_dt, out_fsdp2):
+            torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
 
 
 def _bad_arguments(rank: int, ws: int):
