@@ -5,11 +5,12 @@ Setup: GPT(2 layers, width 64, 2 heads, seq 32), global batch 16 from the stdlib
 blocks' matrices, AdamW (lr 3e-3) on embeddings, norms and biases; the baseline is AdamW on
 everything at lr 3e-3, the best of {1e-3, 3e-3, 1e-2} in a single-process sweep. Measured
 (single process, torch 2.13 CPU): validation loss 2.64 (Muon) vs 3.00 (AdamW 3e-3), 3.33 (AdamW
-1e-2). The test asserts a margin of 0.15.
+1e-2); with fully_shard on 2 threaded ranks: 2.642 (Muon) vs 2.998 (AdamW). The test asserts a
+margin of 0.15.
 
-A second run places every block matrix whole on one rank (planner granularity ``matrix``): the
-Muon step must then send nothing and train identically to the default placement (up to
-reduction order: same loss within 2e-2).
+A second run places every 2-D parameter whole on one rank (planner granularity ``matrix``): the
+Muon step must then send nothing and train like the default placement (measured: the same
+validation loss to the last bit; asserted within 1e-4).
 """
 
 from __future__ import annotations
@@ -91,4 +92,4 @@ def test_fsdp_muon_beats_adamw_and_whole_matrix_placement_sends_nothing():
     assert muon[0][0] < adamw[0][0] - MARGIN
     assert sum(sum(s) for _, s in muon) > 0  # default placement cuts matrices: Muon moves pieces
     assert all(b == 0 for _, s in whole for b in s)
-    assert whole[0][0] == pytest.approx(muon[0][0], abs=2e-2)
+    assert whole[0][0] == pytest.approx(muon[0][0], abs=1e-4)
