@@ -24,6 +24,7 @@ test: $(STAMP)
 	$(VPY) -m pytest -q tests
 
 bench: $(STAMP)
+	$(VPY) -m pip install -q -e '.[dev,bench]'
 	for b in benchmarks/*.py; do $(VPY) $$b || exit 1; done
 
 clean:
