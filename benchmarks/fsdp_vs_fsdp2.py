@@ -66,7 +66,7 @@ def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict,
 
     def step(i: int) -> None:
         x, y = corpus.batch(i, per * ws, cfg.block_size)
-        model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
         opt.step()
         opt.zero_grad()
 
@@ -86,7 +86,7 @@ def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict,
     state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     baseline = live_tensor_bytes(list(model.parameters()) + state)
     # the allocation timeline depends on when async collectives complete: take the worst of 3
-    peak = baseline + max(peak_step_memory(lambda: step(i)) for i in range(2, 5))
+    peak = baseline + max(peak_step_memory(lambda i=i: step(i)) for i in range(2, 5))
     return {
         "time": statistics.median(times),
         "all_gathers": meter.counts["all_gather"],
@@ -104,7 +104,9 @@ def _worker(rank: int, ws: int, port: int, args, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ws)
     try:
-        cfg = GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.seq)
+        cfg = GPTConfig(
+            n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.seq
+        )
         torch.manual_seed(0)
         init = GPT(cfg).state_dict()
         corpus = StdlibCorpus(max_bytes=1 << 20)
@@ -144,9 +146,16 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 reduction (both)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(args.world, _free_port(), args, out_dir), nprocs=args.world,
-                           start_method="spawn")
-        per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(args.world)]
+        mp.start_processes(
+            _worker,
+            args=(args.world, _free_port(), args, out_dir),
+            nprocs=args.world,
+            start_method="spawn",
+        )
+        per_rank = [
+            torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False)
+            for r in range(args.world)
+        ]
 
     def agg(runtime: str, key: str):
         if key == "time":  # median over runs of rank 0's per-run median (steps end in a barrier)
@@ -165,9 +174,11 @@ def main() -> None:
         ("step time (median)", "time", lambda t: f"{t * 1e3:.1f} ms"),
     ]
     cfg = f"{args.layers} layers x {args.width} wide, seq {args.seq}, batch {args.batch}/rank"
-    print(f"\nFSDP runtimes on {args.world} gloo ranks (CPU), GPT {cfg}, "
-          f"{'bf16 params / fp32 reduce' if args.bf16 else 'fp32'}, torch {torch.__version__}, "
-          f"{args.runs} runs x {args.steps} steps\n")
+    print(
+        f"\nFSDP runtimes on {args.world} gloo ranks (CPU), GPT {cfg}, "
+        f"{'bf16 params / fp32 reduce' if args.bf16 else 'fp32'}, torch {torch.__version__}, "
+        f"{args.runs} runs x {args.steps} steps\n"
+    )
     print(f"{'metric':32s} {'torch FSDP2':>14s} {'ours':>14s} {'ours/FSDP2':>11s}")
     print("-" * 74)
     for label, key, fmt in rows:

@@ -45,7 +45,9 @@ def _bar(done: int, total: int, width: int = 30) -> str:
     return "[" + "#" * filled + "-" * (width - filled) + "]"
 
 
-def _train(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, corpus: StdlibCorpus) -> dict:
+def _train(
+    rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, corpus: StdlibCorpus
+) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ws,))
@@ -61,7 +63,7 @@ def _train(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, c
 
     def step(i: int) -> torch.Tensor:
         x, y = corpus.batch(i, per * ws, cfg.block_size)
-        loss = model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+        loss = model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -78,8 +80,12 @@ def _train(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, c
             losses.append(loss.item() / ws)
             if rank == 0 and ((i + 1) % 10 == 0 or i + 1 == args.steps):
                 tps = tokens_per_step * (i + 1) / (time.perf_counter() - t0)
-                print(f"\r  {label} {_bar(i + 1, args.steps)} {i + 1:4d}/{args.steps}  "
-                      f"loss {losses[-1]:.3f}  {tps:8,.0f} tok/s", end="", flush=True)
+                print(
+                    f"\r  {label} {_bar(i + 1, args.steps)} {i + 1:4d}/{args.steps}  "
+                    f"loss {losses[-1]:.3f}  {tps:8,.0f} tok/s",
+                    end="",
+                    flush=True,
+                )
         elapsed = time.perf_counter() - t0
     if rank == 0:
         print()
@@ -94,7 +100,7 @@ def _train(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, c
         val = []
         for i in range(args.val_batches):
             x, y = corpus.batch(i, per * ws, cfg.block_size, split="val")
-            val.append(model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]))
+            val.append(model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]))
         val_loss = torch.stack(val).mean()
         dist.all_reduce(val_loss)
     return {
@@ -114,15 +120,21 @@ def _worker(rank: int, ws: int, port: int, args, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ws)
     try:
-        cfg = GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.seq)
+        cfg = GPTConfig(
+            n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.seq
+        )
         torch.manual_seed(0)
         init = GPT(cfg).state_dict()
         corpus = StdlibCorpus(max_bytes=4 << 20)
         if rank == 0:
-            n = sum(t.numel() for t in init.values()) - (cfg.vocab_size * cfg.n_embd if cfg.tie_weights else 0)
-            print(f"GPT: {cfg.n_layer} layers, width {cfg.n_embd}, {n:,} parameters; corpus: "
-                  f"{len(corpus.train):,} bytes of Python {sys.version.split()[0]} stdlib sources; "
-                  f"{ws} gloo ranks x {args.batch} sequences of {cfg.block_size} bytes per step")
+            n = sum(t.numel() for t in init.values()) - (
+                cfg.vocab_size * cfg.n_embd if cfg.tie_weights else 0
+            )
+            print(
+                f"GPT: {cfg.n_layer} layers, width {cfg.n_embd}, {n:,} parameters; corpus: "
+                f"{len(corpus.train):,} bytes of Python {sys.version.split()[0]} stdlib sources; "
+                f"{ws} gloo ranks x {args.batch} sequences of {cfg.block_size} bytes per step"
+            )
         results = {rt: _train(rank, ws, rt, args, cfg, init, corpus) for rt in ("ours", "fsdp2")}
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
         dist.barrier()
@@ -150,35 +162,64 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(args.world, _free_port(), args, out_dir), nprocs=args.world,
-                           start_method="spawn")
-        res = [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(args.world)]
+        mp.start_processes(
+            _worker,
+            args=(args.world, _free_port(), args, out_dir),
+            nprocs=args.world,
+            start_method="spawn",
+        )
+        res = [
+            torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False)
+            for r in range(args.world)
+        ]
     ours, theirs = res[0]["ours"], res[0]["fsdp2"]
     mib = 2.0**20
     rows = [
         ("final train loss", f"{ours['losses'][-1]:.4f}", f"{theirs['losses'][-1]:.4f}", None),
         ("validation loss", f"{ours['val_loss']:.4f}", f"{theirs['val_loss']:.4f}", None),
-        ("tokens / s", f"{ours['tokens_per_s']:,.0f}", f"{theirs['tokens_per_s']:,.0f}",
-         ours["tokens_per_s"] / theirs["tokens_per_s"]),
-        ("collectives / step", f"{ours['collectives']:.0f}", f"{theirs['collectives']:.0f}",
-         ours["collectives"] / theirs["collectives"]),
-        ("bytes communicated / step", f"{ours['comm_bytes'] / mib:.3f} MiB", f"{theirs['comm_bytes'] / mib:.3f} MiB",
-         ours["comm_bytes"] / theirs["comm_bytes"]),
-        ("copy-in/out bytes / step", f"{ours['copy_bytes'] / mib:.3f} MiB", f"{theirs['copy_bytes'] / mib:.3f} MiB",
-         ours["copy_bytes"] / theirs["copy_bytes"] if theirs["copy_bytes"] else None),
+        (
+            "tokens / s",
+            f"{ours['tokens_per_s']:,.0f}",
+            f"{theirs['tokens_per_s']:,.0f}",
+            ours["tokens_per_s"] / theirs["tokens_per_s"],
+        ),
+        (
+            "collectives / step",
+            f"{ours['collectives']:.0f}",
+            f"{theirs['collectives']:.0f}",
+            ours["collectives"] / theirs["collectives"],
+        ),
+        (
+            "bytes communicated / step",
+            f"{ours['comm_bytes'] / mib:.3f} MiB",
+            f"{theirs['comm_bytes'] / mib:.3f} MiB",
+            ours["comm_bytes"] / theirs["comm_bytes"],
+        ),
+        (
+            "copy-in/out bytes / step",
+            f"{ours['copy_bytes'] / mib:.3f} MiB",
+            f"{theirs['copy_bytes'] / mib:.3f} MiB",
+            ours["copy_bytes"] / theirs["copy_bytes"] if theirs["copy_bytes"] else None,
+        ),
     ]
     print(f"\n{'':28s} {'ours (RaggedShard)':>20s} {'torch FSDP2':>14s} {'ratio':>7s}")
     for label, a, b, r in rows:
         print(f"{label:28s} {a:>20s} {b:>14s} {'' if r is None else f'{r:7.3f}'}")
     for r, rank_res in enumerate(res):
         a, b = rank_res["ours"]["peak"], rank_res["fsdp2"]["peak"]
-        print(f"{f'peak memory, rank {r}':28s} {a / mib:16.3f} MiB {b / mib:10.3f} MiB {a / b:7.3f}")
+        print(
+            f"{f'peak memory, rank {r}':28s} {a / mib:16.3f} MiB {b / mib:10.3f} MiB {a / b:7.3f}"
+        )
     diffs = [abs(x - y) for x, y in zip(ours["losses"], theirs["losses"])]
     early = max(diffs[:20])
-    print(f"\nper-step loss, ours vs FSDP2 (same init, same batches, fp32): differ by <= {early:.1e} over "
-          f"the first {min(20, len(diffs))} steps, <= {max(diffs):.1e} over all {len(diffs)}; the shards "
-          f"sum gradient-norm partials in different orders, and training amplifies last-bit differences")
-    print(f"loss: {ours['losses'][0]:.3f} -> {ours['losses'][-1]:.3f}; wall time {time.perf_counter() - t0:.0f} s")
+    print(
+        f"\nper-step loss, ours vs FSDP2 (same init, same batches, fp32): differ by <= {early:.1e} over "
+        f"the first {min(20, len(diffs))} steps, <= {max(diffs):.1e} over all {len(diffs)}; the shards "
+        f"sum gradient-norm partials in different orders, and training amplifies last-bit differences"
+    )
+    print(
+        f"loss: {ours['losses'][0]:.3f} -> {ours['losses'][-1]:.3f}; wall time {time.perf_counter() - t0:.0f} s"
+    )
 
 
 if __name__ == "__main__":

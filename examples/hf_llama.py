@@ -32,8 +32,13 @@ BATCH = 8  # global batch, split over the ranks
 
 def _build() -> torch.nn.Module:
     cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * SEQ,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
@@ -97,8 +102,12 @@ def main() -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        mp.start_processes(_worker, args=(args.world, port, args.steps, out_dir), nprocs=args.world,
-                           start_method="spawn")
+        mp.start_processes(
+            _worker,
+            args=(args.world, port, args.steps, out_dir),
+            nprocs=args.world,
+            start_method="spawn",
+        )
         sharded = torch.load(os.path.join(out_dir, "0.pt"))
     print(f"{'step':>4s} {'fully_shard x' + str(args.world):>16s} {'one process':>12s}")
     for s, (a, b) in enumerate(zip(sharded, reference)):

@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 from dist_utils import run_threaded
+from ragged_placement.planner import Granularity
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -22,7 +23,6 @@ from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGr
 from ragged_placement import RaggedShard
 from ragged_placement.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
-from ragged_placement.planner import Granularity
 
 WORLD = 4
 BATCH = 8
@@ -83,12 +83,22 @@ def _shard(m: GPT, runtime: str, mesh, *, mp: bool = False, granularity=None, re
     else:
         kw = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mp else {}
         for block in m.layers:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, granularity=granularity, **kw)
+            fully_shard(
+                block, mesh=mesh, reshard_after_forward=reshard, granularity=granularity, **kw
+            )
         fully_shard(m, mesh=mesh, granularity=granularity, **kw)
 
 
-def _train(rank: int, ws: int, runtime: str, steps: int, accum: int = 1, mp: bool = False,
-           granularity=None, reshard: bool = True) -> list[float]:
+def _train(
+    rank: int,
+    ws: int,
+    runtime: str,
+    steps: int,
+    accum: int = 1,
+    mp: bool = False,
+    granularity=None,
+    reshard: bool = True,
+) -> list[float]:
     m = _model()
     mesh = DeviceMesh("cpu", list(range(ws)))
     _shard(m, runtime, mesh, mp=mp, granularity=granularity, reshard=reshard)
@@ -99,11 +109,14 @@ def _train(rank: int, ws: int, runtime: str, steps: int, accum: int = 1, mp: boo
     losses = []
     for s in range(steps):
         x, y = CORPUS.batch(s, BATCH, SEQ)
-        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        x, y = (
+            x[rank * per_rank : (rank + 1) * per_rank],
+            y[rank * per_rank : (rank + 1) * per_rank],
+        )
         total = torch.zeros(())
         for i in range(accum):
             m.set_requires_gradient_sync(i == accum - 1)
-            loss = m(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]) / accum
+            loss = m(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) / accum
             loss.backward()
             total += loss.detach().float()
         opt.step()
@@ -172,16 +185,25 @@ def _count_step(rank: int, ws: int, runtime: str, reshard: bool):
         for _, unit in m.fsdp_units():
             unit.stats.reset()
     m(x[:2], y[:2]).backward()
-    per_unit = {name: (u.stats.all_gathers, u.stats.reduce_scatters) for name, u in m.fsdp_units()} \
-        if runtime == "ours" else None
+    per_unit = (
+        {name: (u.stats.all_gathers, u.stats.reduce_scatters) for name, u in m.fsdp_units()}
+        if runtime == "ours"
+        else None
+    )
     return dict(_COUNTS.get(threading.get_ident(), {})), per_unit
 
 
 def test_one_all_gather_per_unit_per_pass_and_one_reduce_scatter(monkeypatch):
-    monkeypatch.setattr(ProcessLocalGroup, "all_gather_single",
-                        _counting("all_gather", ProcessLocalGroup.all_gather_single))
-    monkeypatch.setattr(ProcessLocalGroup, "reduce_scatter_single",
-                        _counting("reduce_scatter", ProcessLocalGroup.reduce_scatter_single))
+    monkeypatch.setattr(
+        ProcessLocalGroup,
+        "all_gather_single",
+        _counting("all_gather", ProcessLocalGroup.all_gather_single),
+    )
+    monkeypatch.setattr(
+        ProcessLocalGroup,
+        "reduce_scatter_single",
+        _counting("reduce_scatter", ProcessLocalGroup.reduce_scatter_single),
+    )
     n = CFG.n_layer
     for reshard, blocks_ag in ((True, 2), (False, 1)):
         ours = run_threaded(_count_step, WORLD, "ours", reshard)
@@ -213,7 +235,10 @@ def _zero_copy(rank: int, ws: int):
             local = sp._local_tensor
             if local.numel():
                 begin, _ = unit.plan.local_slice(slot.fqn, rank)
-                checks.append(local.data_ptr() == unit.sharded.data_ptr() + begin * unit.sharded.element_size())
+                checks.append(
+                    local.data_ptr()
+                    == unit.sharded.data_ptr() + begin * unit.sharded.element_size()
+                )
             assert isinstance(sp.placements[0], RaggedShard)
     m.set_requires_gradient_sync(True)
     m(x, y).backward()  # the sync step reduces the accumulated sum of both backward passes
@@ -224,7 +249,9 @@ def _zero_copy(rank: int, ws: int):
             assert isinstance(g, DTensor) and g.placements == sp.placements
             if g._local_tensor.numel():
                 begin, _ = unit.plan.local_slice(slot.fqn, rank)
-                checks.append(g._local_tensor.data_ptr() == unit.sharded_grad.data_ptr() + begin * 4)
+                checks.append(
+                    g._local_tensor.data_ptr() == unit.sharded_grad.data_ptr() + begin * 4
+                )
             expect = sp.placements[0].shard_local(2 * ref_grads[name].grad, rank)
             checks.append(torch.allclose(g._local_tensor, expect, atol=1e-6))
     unit_storage = [u._storage.nbytes() for _, u in m.fsdp_units()]
@@ -242,11 +269,16 @@ def _state_dict_roundtrip(rank: int, ws: int):
     m = _model()
     _shard(m, "ours", mesh, granularity=BLOCKS)
     sd = m.state_dict()
-    placed = all(isinstance(v, DTensor) and isinstance(v.placements[0], RaggedShard) for v in sd.values())
+    placed = all(
+        isinstance(v, DTensor) and isinstance(v.placements[0], RaggedShard) for v in sd.values()
+    )
     # the block plan really is uneven: some parameter spans ranks with different unit counts
-    placed = placed and any(len({u for u in v.placements[0].local_units if u}) > 1 for v in sd.values())
+    placed = placed and any(
+        len({u for u in v.placements[0].local_units if u}) > 1 for v in sd.values()
+    )
     local_ok = all(
-        torch.equal(v._local_tensor, v.placements[0].shard_local(INIT[k], rank)) for k, v in sd.items()
+        torch.equal(v._local_tensor, v.placements[0].shard_local(INIT[k], rank))
+        for k, v in sd.items()
     )
     torch.manual_seed(1000 + rank)
     fresh = GPT(CFG)
@@ -304,10 +336,11 @@ def test_bad_arguments_raise_value_errors():
 
 def _mixed_precision_dtypes(rank: int, ws: int):
     m = _model()
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                  output_dtype=torch.float64)
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float64
+    )
     fully_shard(m, mesh=DeviceMesh("cpu", list(range(ws))), mp_policy=policy)
-    x, y = CORPUS.batch(0, 2, SEQ)
+    x, _ = CORPUS.batch(0, 2, SEQ)
     seen = []
     handle = m.lm_head.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.dtype))
     logits = m(x)
@@ -315,12 +348,49 @@ def _mixed_precision_dtypes(rank: int, ws: int):
     logits.float().sum().backward()
     unit = m.fsdp_unit
     numel = unit.chunk_numel * ws
-    return (seen, logits.dtype, {p.dtype for p in m.parameters()}, {p.grad.dtype for p in m.parameters()},
-            unit.stats.all_gather_bytes == numel * 2, unit.stats.reduce_scatter_bytes == numel * 4)
+    return (
+        seen,
+        logits.dtype,
+        {p.dtype for p in m.parameters()},
+        {p.grad.dtype for p in m.parameters()},
+        unit.stats.all_gather_bytes == numel * 2,
+        unit.stats.reduce_scatter_bytes == numel * 4,
+    )
 
 
 def test_mixed_precision_gathers_bf16_reduces_fp32_and_keeps_fp32_shards():
-    for seen, out_dtype, params, grads, ag_bf16, rs_fp32 in run_threaded(_mixed_precision_dtypes, WORLD):
+    for seen, out_dtype, params, grads, ag_bf16, rs_fp32 in run_threaded(
+        _mixed_precision_dtypes, WORLD
+    ):
         assert seen == [torch.bfloat16] and out_dtype == torch.float64
         assert params == {torch.float32} and grads == {torch.float32}
         assert ag_bf16 and rs_fp32
+
+
+def _container_root(rank: int, ws: int):
+    gen = torch.Generator().manual_seed(7)  # a local generator: threads share the global one
+    layers = [torch.nn.Linear(8, 8) for _ in range(2)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.copy_(torch.randn(8, 8, generator=gen))
+            layer.bias.copy_(torch.randn(8, generator=gen))
+    ref = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(2)])
+    ref.load_state_dict(torch.nn.Sequential(*layers).state_dict())
+    model = torch.nn.Sequential(*layers)
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # owns no parameter itself
+    x = torch.randn(4, 8, generator=gen)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    ok = all(
+        torch.allclose(p.grad._local_tensor, p.placements[0].shard_local(q.grad, rank), atol=1e-5)
+        for p, q in zip(model.parameters(), ref.parameters())
+    )
+    return ok, model.fsdp_unit.plan is None, model.fsdp_unit.stats.all_gathers
+
+
+def test_root_without_own_parameters_issues_no_collectives():
+    for ok, no_plan, root_gathers in run_threaded(_container_root, WORLD):
+        assert ok and no_plan and root_gathers == 0

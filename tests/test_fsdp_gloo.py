@@ -7,14 +7,17 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_gloo
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from ragged_placement.planner import Granularity
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 from ragged_placement.fsdp import fully_shard
 from ragged_placement.fsdp.profiling import CollectiveMeter
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
-from ragged_placement.planner import Granularity
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,7 +38,7 @@ def _init_state() -> dict[str, torch.Tensor]:
 def _step(m, opt, corpus, step: int, rank: int, ws: int) -> float:
     per = BATCH // ws
     x, y = corpus.batch(step, BATCH, SEQ)
-    loss = m(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+    loss = m(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
     loss.backward()
     torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
     opt.step()
@@ -69,7 +72,10 @@ def _train_and_save(rank: int, ws: int, ckpt: str):
             losses.append(_step(m, opt, corpus, s, rank, ws))
         counts.append((meter.counts["all_gather"], meter.counts["reduce_scatter"]))
         if s + 1 == SAVE_AT:
-            dcp.save({"model": m.state_dict(), "optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=ckpt)
+            dcp.save(
+                {"model": m.state_dict(), "optim": get_optimizer_state_dict(m, opt)},
+                checkpoint_id=ckpt,
+            )
     return losses, counts
 
 

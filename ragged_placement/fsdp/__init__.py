@@ -10,4 +10,4 @@ work on them.
 from ragged_placement.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard
 from ragged_placement.fsdp.unit import CommStats, FSDPUnit
 
-__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "FSDPUnit", "CommStats"]
+__all__ = ["CommStats", "FSDPModule", "FSDPUnit", "MixedPrecisionPolicy", "fully_shard"]

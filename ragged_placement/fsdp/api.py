@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp.hooks import FSDPState
 from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot
 
-__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy"]
+__all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
 
 
 @dataclass(frozen=True)
@@ -65,16 +65,22 @@ class FSDPModule:
         """Free this unit's unsharded parameters and register the sharded ones."""
         self._fsdp_state.unit.reshard()
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """With ``False``, backward accumulates unsharded gradients without reduce-scatter (for
         gradient accumulation); the next backward with ``True`` reduces the accumulated sum."""
         if not isinstance(requires_gradient_sync, bool):
-            raise ValueError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
+            raise ValueError(
+                f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}"
+            )
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
                 m._fsdp_state.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool, *, recurse: bool = True
+    ) -> None:
         """Whether units free their unsharded parameters after forward (root units never do)."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
@@ -82,12 +88,16 @@ class FSDPModule:
             if isinstance(m, FSDPModule):
                 m._fsdp_state.reshard_after_forward = reshard_after_forward
 
-    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False):
+    def load_state_dict(
+        self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False
+    ):
         """Load into the sharded parameters in place. Values may be DTensors with this module's
         placements, DTensors with other placements (redistributed), or full tensors (this rank's
         RaggedShard run is taken from them). Other entries go through ``nn.Module``'s loader."""
         if assign:
-            raise ValueError("assign=True is not supported by fully_shard modules (loading is in place)")
+            raise ValueError(
+                "assign=True is not supported by fully_shard modules (loading is in place)"
+            )
         handled: set[str] = set()
         with torch.no_grad():
             for prefix, unit in self.fsdp_units():
@@ -126,14 +136,20 @@ def _load_sharded(param: nn.Parameter, value: object, key: str) -> None:
     local = param._local_tensor
     if isinstance(value, DTensor):
         if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            raise ValueError(
+                f"state_dict[{key!r}] has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+            )
         if value.device_mesh != param.device_mesh or tuple(value.placements) != (placement,):
             value = value.redistribute(param.device_mesh, [placement])
         local.copy_(value.to_local())
     elif isinstance(value, torch.Tensor):
         if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-        local.copy_(placement.shard_local(value.to(local.device), param.device_mesh.get_local_rank(0)))
+            raise ValueError(
+                f"state_dict[{key!r}] has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+            )
+        local.copy_(
+            placement.shard_local(value.to(local.device), param.device_mesh.get_local_rank(0))
+        )
     else:
         raise ValueError(f"state_dict[{key!r}] must be a tensor, got {type(value).__name__}")
 
@@ -151,7 +167,9 @@ def _fsdp_class(cls: type) -> type:
 
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
-        raise ValueError("mesh=None needs an initialized default process group (dist.init_process_group)")
+        raise ValueError(
+            "mesh=None needs an initialized default process group (dist.init_process_group)"
+        )
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
@@ -163,7 +181,9 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, handle.current_device())
 
 
-def _collect_params(module: nn.Module) -> tuple[list[ParamSlot], list[nn.Parameter], list[nn.Module]]:
+def _collect_params(
+    module: nn.Module,
+) -> tuple[list[ParamSlot], list[nn.Parameter], list[nn.Module]]:
     """Parameters of ``module`` not owned by a ``fully_shard`` module below it, deduplicated."""
     slots: dict[int, ParamSlot] = {}
     params: dict[int, nn.Parameter] = {}
@@ -176,7 +196,9 @@ def _collect_params(module: nn.Module) -> tuple[list[ParamSlot], list[nn.Paramet
             if p is None:
                 continue
             if isinstance(p, DTensor):
-                raise ValueError(f"parameter {prefix}{attr} is already a DTensor; fully_shard needs plain parameters")
+                raise ValueError(
+                    f"parameter {prefix}{attr} is already a DTensor; fully_shard needs plain parameters"
+                )
             if id(p) in slots:
                 slots[id(p)].owners.append((m, attr))
             else:

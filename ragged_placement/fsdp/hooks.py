@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -89,13 +89,17 @@ class _PostBackward(torch.autograd.Function):
 
 def _map_float_tensors(fn, tree: Any) -> Any:
     leaves, spec = tree_flatten(tree)
-    return tree_unflatten([fn(x) if torch.is_tensor(x) and x.is_floating_point() else x for x in leaves], spec)
+    return tree_unflatten(
+        [fn(x) if torch.is_tensor(x) and x.is_floating_point() else x for x in leaves], spec
+    )
 
 
 class FSDPState:
     """The hooks and flags of one ``fully_shard`` call."""
 
-    def __init__(self, module: nn.Module, unit: FSDPUnit, reshard_after_forward: bool, mp_policy) -> None:
+    def __init__(
+        self, module: nn.Module, unit: FSDPUnit, reshard_after_forward: bool, mp_policy
+    ) -> None:
         self.module = module
         self.unit = unit
         self.reshard_after_forward = reshard_after_forward
@@ -114,7 +118,8 @@ class FSDPState:
     # -- lazy root init ----------------------------------------------------------------------
     def _lazy_init(self) -> None:
         states = [self] + [
-            m._fsdp_state for m in self.module.modules()
+            m._fsdp_state
+            for m in self.module.modules()
             if m is not self.module and getattr(m, "_fsdp_state", None) is not None
         ]
         ctx = RootContext(states)

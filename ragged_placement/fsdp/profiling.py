@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ragged_placement._compat as compat
 
-__all__ = ["CollectiveMeter", "LayoutCopyMeter", "peak_step_memory", "live_tensor_bytes"]
+__all__ = ["CollectiveMeter", "LayoutCopyMeter", "live_tensor_bytes", "peak_step_memory"]
 
 _LAYOUT_COPY_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "_chunk_cat", "chunk_cat")
 
@@ -91,9 +91,7 @@ class LayoutCopyMeter(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if name in _LAYOUT_COPY_OPS:
             written = kwargs.get("out") if kwargs and "out" in kwargs else out
-            self.bytes[name] += sum(
-                t.numel() * t.element_size() for t in _tensors(written)
-            )
+            self.bytes[name] += sum(t.numel() * t.element_size() for t in _tensors(written))
         return out
 
     @property
@@ -122,7 +120,9 @@ def live_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def peak_step_memory(fn: Callable[[], object]) -> int:
     """Highest net bytes of CPU tensor memory allocated while ``fn`` runs (the profiler's
     allocator events, summed in time order); add what was alive before to get the peak."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
         fn()
     cpu = torch._C._autograd.DeviceType.CPU
     events = sorted(

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ragged_placement._compat import all_gather_single, reduce_scatter_single
 
-__all__ = ["FSDPUnit", "ParamSlot", "CommStats"]
+__all__ = ["CommStats", "FSDPUnit", "ParamSlot"]
 
 
 @dataclass
@@ -74,8 +74,13 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return torch.empty(shape, device="meta").stride()
 
 
-def _alias(storage: torch.UntypedStorage, dtype: torch.dtype, device: torch.device,
-           offset: int, shape: torch.Size) -> torch.Tensor:
+def _alias(
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    device: torch.device,
+    offset: int,
+    shape: torch.Size,
+) -> torch.Tensor:
     """A tensor over ``storage`` with its own version counter (a plain view would share the
     buffer's, and the all-gather writing the buffer would invalidate tensors autograd saved)."""
     out = torch.empty(0, dtype=dtype, device=device)
@@ -110,7 +115,9 @@ class FSDPUnit:
             raise ValueError(f"mesh must be 1-D, got a mesh of {mesh.ndim} dims: {mesh}")
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
-            raise ValueError(f"all parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}")
+            raise ValueError(
+                f"all parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}"
+            )
         self.slots = slots
         self.mesh = mesh
         self.group = mesh.get_group(0)
@@ -120,12 +127,18 @@ class FSDPUnit:
         self.orig_dtype = dtypes.pop() if dtypes else torch.float32
         self.param_dtype = param_dtype or self.orig_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        self.plan = make_plan(
-            [(s.fqn, tuple(s.shape)) for s in slots], self.world_size,
-            granularity=granularity, dtype=self.orig_dtype,
-        )
-        self.plan.check_consistent(self.group)
-        S, W = self.plan.chunk_numel, self.world_size
+        # A unit whose parameters all belong to inner units (a root container) has no plan,
+        # empty buffers, and issues no collectives.
+        self.plan = None
+        if slots:
+            self.plan = make_plan(
+                [(s.fqn, tuple(s.shape)) for s in slots],
+                self.world_size,
+                granularity=granularity,
+                dtype=self.orig_dtype,
+            )
+            self.plan.check_consistent(self.group)
+        S, W = (self.plan.chunk_numel if slots else 0), self.world_size
         self.chunk_numel = S
 
         self.sharded = torch.zeros(S, dtype=self.orig_dtype, device=self.device)
@@ -135,12 +148,12 @@ class FSDPUnit:
                 if end > begin:
                     src = self.plan.offsets[slot.fqn]
                     g0 = self.rank * S + begin - src  # first element of p in this rank's run
-                    self.sharded[begin:end].copy_(p.detach().reshape(-1)[g0:g0 + end - begin])
+                    self.sharded[begin:end].copy_(p.detach().reshape(-1)[g0 : g0 + end - begin])
         # One spec per parameter, shared by the sharded parameter and its gradient. DTensors are
         # built from it directly (as FSDP2 does): from_local would add an autograd node and
         # re-derive the global shape on every gradient landing.
         self.specs: list[DTensorSpec] = []
-        local_views = self.plan.local_views(self.sharded, self.rank)
+        local_views = self.plan.local_views(self.sharded, self.rank) if slots else {}
         self.sharded_params: list[nn.Parameter] = []
         for slot in slots:
             placement = self.plan.placements[slot.fqn]
@@ -151,9 +164,17 @@ class FSDPUnit:
                     f"plan gives {slot.fqn} a local view of shape {tuple(local.shape)}, but "
                     f"{placement!r} needs {placement.local_shape(slot.shape, self.rank)}"
                 )
-            spec = DTensorSpec(mesh, (placement,), TensorMeta(slot.shape, _contiguous_stride(slot.shape), self.orig_dtype))
+            spec = DTensorSpec(
+                mesh,
+                (placement,),
+                TensorMeta(slot.shape, _contiguous_stride(slot.shape), self.orig_dtype),
+            )
             self.specs.append(spec)
-            self.sharded_params.append(nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=slot.requires_grad))
+            self.sharded_params.append(
+                nn.Parameter(
+                    DTensor(local, spec, requires_grad=False), requires_grad=slot.requires_grad
+                )
+            )
 
         self.unsharded = torch.empty(S * W, dtype=self.param_dtype, device=self.device)
         self._storage = self.unsharded.untyped_storage()
@@ -161,7 +182,13 @@ class FSDPUnit:
         self._storage.resize_(0)
         self.unsharded_params: list[nn.Parameter] = []
         for slot in slots:
-            t = _alias(self._storage, self.param_dtype, self.device, self.plan.offsets[slot.fqn], slot.shape)
+            t = _alias(
+                self._storage,
+                self.param_dtype,
+                self.device,
+                self.plan.offsets[slot.fqn],
+                slot.shape,
+            )
             self.unsharded_params.append(nn.Parameter(t, requires_grad=slot.requires_grad))
         self.state = UnitState.SHARDED
         self._ag_work: dist.Work | None = None
@@ -185,7 +212,7 @@ class FSDPUnit:
     # -- all-gather ------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool) -> None:
         """Issue the all-gather into the unsharded buffer (no-op unless sharded)."""
-        if self.state is not UnitState.SHARDED:
+        if self.state is not UnitState.SHARDED or not self.slots:
             return
         self._storage.resize_(self._storage_nbytes)
         if self.param_dtype == self.orig_dtype:
@@ -222,12 +249,14 @@ class FSDPUnit:
         """Preset each unsharded parameter's ``.grad`` to its view of one zeroed flat buffer."""
         if self.unsharded_grad is not None:
             return  # accumulating micro-batches without reduction
-        buf = torch.zeros(self.chunk_numel * self.world_size, dtype=self.param_dtype, device=self.device)
+        buf = torch.zeros(
+            self.chunk_numel * self.world_size, dtype=self.param_dtype, device=self.device
+        )
         self.unsharded_grad = buf
         for slot, p in zip(self.slots, self.unsharded_params):
             if slot.requires_grad:
                 o = self.plan.offsets[slot.fqn]
-                p.grad = buf[o:o + slot.shape.numel()].view(slot.shape)
+                p.grad = buf[o : o + slot.shape.numel()].view(slot.shape)
 
     def reduce_grads(self) -> None:
         """Issue the reduce-scatter of the flat gradient buffer (async); :meth:`finish_reduce`
@@ -243,7 +272,9 @@ class FSDPUnit:
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += rs_in.numel() * rs_in.element_size()
         self._rs_input, self._rs_output = rs_in, out
-        self._rs_work = reduce_scatter_single(out, rs_in, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._rs_work = reduce_scatter_single(
+            out, rs_in, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, average, and land it in the sharded gradients."""

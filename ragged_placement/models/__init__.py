@@ -3,4 +3,4 @@
 from ragged_placement.models.data import StdlibCorpus
 from ragged_placement.models.gpt import GPT, Block, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "Block", "StdlibCorpus"]
+__all__ = ["GPT", "Block", "GPTConfig", "StdlibCorpus"]

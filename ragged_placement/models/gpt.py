@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "Block"]
+__all__ = ["GPT", "Block", "GPTConfig"]
 
 
 @dataclass(frozen=True)
