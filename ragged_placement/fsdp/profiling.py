@@ -16,6 +16,9 @@ They observe torch FSDP2 and this runtime through the same instruments, so the n
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -117,13 +120,32 @@ def live_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Silence file descriptor 2 while a profiler starts or stops: libkineto prints a line there
+    each time, with no switch to turn it off. Never wraps the profiled code itself."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def peak_step_memory(fn: Callable[[], object]) -> int:
     """Highest net bytes of CPU tensor memory allocated while ``fn`` runs (the profiler's
     allocator events, summed in time order); add what was alive before to get the peak."""
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_silenced():
+        prof.__enter__()
+    try:
         fn()
+    finally:
+        with _native_stderr_silenced():
+            prof.__exit__(None, None, None)
     cpu = torch._C._autograd.DeviceType.CPU
     events = sorted(
         (e.start_ns(), e.nbytes())
