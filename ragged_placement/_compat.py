@@ -36,3 +36,24 @@ try:
     from torch.distributed.tensor._ops._math_ops import _NormPartial as NormPartial
 except ImportError:  # pragma: no cover - layout of other releases
     from torch.distributed.tensor._ops.math_ops import _NormPartial as NormPartial  # type: ignore[no-redef]
+
+
+def concatenate_meshes(meshes: list):
+    """The mesh whose dims are the dims of ``meshes`` (disjoint sub-meshes of one root), in order.
+
+    ``RuntimeError`` when they do not share a root mesh or overlap."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concat = getattr(DeviceMesh, "_concatenate", None)
+    if concat is not None:
+        return concat(meshes)
+    # Older releases: index the root mesh by the concatenated dim names.
+    from torch.distributed.device_mesh import _mesh_resources
+
+    root = _mesh_resources.get_root_mesh(meshes[0])
+    if any(_mesh_resources.get_root_mesh(m) is not root for m in meshes):
+        raise RuntimeError(f"meshes {meshes} do not share a root mesh")
+    names = tuple(n for m in meshes for n in (m.mesh_dim_names or ()))
+    if len(names) != sum(m.ndim for m in meshes) or len(set(names)) != len(names):
+        raise RuntimeError(f"meshes {meshes} need distinct dim names to be concatenated")
+    return root[names]

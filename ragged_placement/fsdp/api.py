@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp.hooks import FSDPState
+from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout
 from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot
 
 __all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
@@ -102,10 +103,10 @@ class FSDPModule:
         with torch.no_grad():
             for prefix, unit in self.fsdp_units():
                 prefix = f"{prefix}." if prefix else ""
-                for slot, param in zip(unit.slots, unit.sharded_params):
+                for slot, param, layout in zip(unit.slots, unit.sharded_params, unit.layouts):
                     for key in _slot_keys(prefix, slot, self):
                         if key in state_dict:
-                            _load_sharded(param, state_dict[key], key)
+                            _load_sharded(param, layout, unit.rank, state_dict[key], key)
                             handled.add(key)
         rest = {k: v for k, v in state_dict.items() if k not in handled}
         result = nn.Module.load_state_dict(self, rest, strict=False)
@@ -131,25 +132,25 @@ def _slot_keys(prefix: str, slot: ParamSlot, root: nn.Module) -> list[str]:
     return keys
 
 
-def _load_sharded(param: nn.Parameter, value: object, key: str) -> None:
-    placement = param.placements[0]
+def _load_sharded(
+    param: nn.Parameter, layout: ParamLayout, shard_rank: int, value: object, key: str
+) -> None:
+    placements = tuple(param.placements)
     local = param._local_tensor
     if isinstance(value, DTensor):
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(
                 f"state_dict[{key!r}] has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
             )
-        if value.device_mesh != param.device_mesh or tuple(value.placements) != (placement,):
-            value = value.redistribute(param.device_mesh, [placement])
+        if value.device_mesh != param.device_mesh or tuple(value.placements) != placements:
+            value = value.redistribute(param.device_mesh, placements)
         local.copy_(value.to_local())
     elif isinstance(value, torch.Tensor):
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(
                 f"state_dict[{key!r}] has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
             )
-        local.copy_(
-            placement.shard_local(value.to(local.device), param.device_mesh.get_local_rank(0))
-        )
+        local.copy_(layout.local_from_full(value.to(local.device), shard_rank))
     else:
         raise ValueError(f"state_dict[{key!r}] must be a tensor, got {type(value).__name__}")
 
@@ -195,14 +196,12 @@ def _collect_params(
         for attr, p in m._parameters.items():
             if p is None:
                 continue
-            if isinstance(p, DTensor):
-                raise ValueError(
-                    f"parameter {prefix}{attr} is already a DTensor; fully_shard needs plain parameters"
-                )
             if id(p) in slots:
                 slots[id(p)].owners.append((m, attr))
             else:
-                slots[id(p)] = ParamSlot(f"{prefix}{attr}", [(m, attr)], p.shape, p.requires_grad)
+                # A tensor-parallel DTensor is planned on its TP-local shape.
+                shape = p._local_tensor.shape if isinstance(p, DTensor) else p.shape
+                slots[id(p)] = ParamSlot(f"{prefix}{attr}", [(m, attr)], shape, p.requires_grad)
                 params[id(p)] = p
         for name, child in reversed(list(m._modules.items())):
             if child is not None and not isinstance(child, FSDPModule):
@@ -232,7 +231,11 @@ def fully_shard(
         module: the module to shard; its class is swapped to a subclass that also derives from
             :class:`FSDPModule` (as torch FSDP2 does). Returned for convenience.
         mesh: a 1-D device mesh; ``None`` builds one over the default process group (``cuda``
-            for NCCL, else ``cpu``).
+            for NCCL, else ``cpu``). A 2-D ``(replicate, shard)`` mesh gives HSDP: the unit is
+            sharded over dim 1 and its gradients are also all-reduced over dim 0. Parameters
+            that are DTensors on a tensor-parallel mesh (``parallelize_module`` on a sibling
+            sub-mesh of the same root) are planned on their TP-local shape and become DTensors
+            on the ``(mesh..., tp)`` mesh (see :mod:`ragged_placement.fsdp.mesh`).
         reshard_after_forward: free the unsharded parameters after forward and all-gather them
             again in backward. The outermost (root) unit keeps them, as FSDP2 does.
         mp_policy: parameter / reduction dtypes, see :class:`MixedPrecisionPolicy`.
@@ -248,8 +251,7 @@ def fully_shard(
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
     mesh = mesh if mesh is not None else _default_mesh()
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        raise ValueError(f"mesh must be a 1-D DeviceMesh, got {mesh!r}")
+    DataParallelMesh.of(mesh)
     device = _mesh_device(mesh)
     slots, params, owned_modules = _collect_params(module)
     for m in owned_modules:

@@ -196,11 +196,15 @@ class FSDPState:
         self.unit.prepare_grads()
 
     def post_backward(self) -> None:
-        """Reduce-scatter this unit's gradients (unless gradient sync is off) and reshard."""
-        if not self._needs_post_backward:
+        """Reduce-scatter this unit's gradients (unless gradient sync is off) and reshard.
+
+        Runs once per backward that accumulated gradients into the unit, so schedules that run
+        several forwards before their backwards (pipeline parallel micro-batches) reduce every
+        micro-batch's gradients."""
+        unit = self.unit
+        if not self._needs_post_backward and unit.unsharded_grad is None:
             return
         self._needs_post_backward = False
-        unit = self.unit
         if unit.unsharded_grad is not None and self.requires_gradient_sync:
             self.root.finish_pending_reduce()
             unit.reduce_grads()

@@ -33,16 +33,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ragged_placement._compat import all_gather_single, reduce_scatter_single
+from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout, tp_policy, tp_spec_of, unit_tp_mesh
 
 __all__ = ["CommStats", "FSDPUnit", "ParamSlot"]
 
 
 @dataclass
 class ParamSlot:
-    """Where one managed parameter lives: every ``(module, attribute)`` that registers it."""
+    """Where one managed parameter lives: every ``(module, attribute)`` that registers it.
+    ``shape`` is the planned (for a tensor-parallel DTensor, the TP-local) shape."""
 
     fqn: str
     owners: list[tuple[nn.Module, str]]
@@ -56,12 +58,14 @@ class CommStats:
 
     all_gathers: int = 0
     reduce_scatters: int = 0
+    all_reduces: int = 0  # HSDP: over the replicate dim
     all_gather_bytes: int = 0
     reduce_scatter_bytes: int = 0
+    all_reduce_bytes: int = 0
 
     def reset(self) -> None:
-        self.all_gathers = self.reduce_scatters = 0
-        self.all_gather_bytes = self.reduce_scatter_bytes = 0
+        self.all_gathers = self.reduce_scatters = self.all_reduces = 0
+        self.all_gather_bytes = self.reduce_scatter_bytes = self.all_reduce_bytes = 0
 
 
 class UnitState(enum.Enum):
@@ -94,7 +98,9 @@ class FSDPUnit:
     Args:
         slots: the parameters this unit owns, in module order (deduplicated by identity).
         params: the original parameters, parallel to ``slots``.
-        mesh: a 1-D device mesh; the unit shards over its only dimension.
+        mesh: a 1-D device mesh (the unit shards over it) or a 2-D ``(replicate, shard)`` one
+            (HSDP). Parameters may be DTensors on a tensor-parallel sibling mesh, see
+            :mod:`ragged_placement.fsdp.mesh`.
         param_dtype: dtype of the all-gather and of the unsharded parameters.
         reduce_dtype: dtype of the gradient reduce-scatter.
         granularity: the planner's granularity policy for this unit's parameters.
@@ -111,8 +117,7 @@ class FSDPUnit:
     ) -> None:
         from ragged_placement.planner import plan as make_plan
 
-        if mesh.ndim != 1:
-            raise ValueError(f"mesh must be 1-D, got a mesh of {mesh.ndim} dims: {mesh}")
+        self.dp = DataParallelMesh.of(mesh)
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise ValueError(
@@ -120,9 +125,14 @@ class FSDPUnit:
             )
         self.slots = slots
         self.mesh = mesh
-        self.group = mesh.get_group(0)
-        self.rank = mesh.get_local_rank(0)
-        self.world_size = mesh.size(0)
+        self.group = self.dp.shard_group
+        self.rank = self.dp.shard_rank
+        self.world_size = self.dp.shard_size
+        tp_specs = [tp_spec_of(s.fqn, p, self.dp) for s, p in zip(slots, params)]
+        self.tp_mesh = unit_tp_mesh([s.fqn for s in slots], tp_specs)
+        if self.tp_mesh is not None:
+            granularity = tp_policy(granularity, {s.fqn: t for s, t in zip(slots, tp_specs)})
+        params = [p.to_local() if isinstance(p, DTensor) else p for p in params]
         self.device = params[0].device if params else torch.device(mesh.device_type)
         self.orig_dtype = dtypes.pop() if dtypes else torch.float32
         self.param_dtype = param_dtype or self.orig_dtype
@@ -152,23 +162,23 @@ class FSDPUnit:
         # One spec per parameter, shared by the sharded parameter and its gradient. DTensors are
         # built from it directly (as FSDP2 does): from_local would add an autograd node and
         # re-derive the global shape on every gradient landing.
+        self.layouts: list[ParamLayout] = []
         self.specs: list[DTensorSpec] = []
         local_views = self.plan.local_views(self.sharded, self.rank) if slots else {}
         self.sharded_params: list[nn.Parameter] = []
-        for slot in slots:
+        for slot, tp_spec in zip(slots, tp_specs):
             placement = self.plan.placements[slot.fqn]
             placement.check_mesh_size(self.world_size)
+            layout = ParamLayout(slot.fqn, placement, slot.shape, tp_spec, self.tp_mesh)
+            layout.check(self.plan.granularities[slot.fqn])
+            self.layouts.append(layout)
             local = local_views[slot.fqn]
             if tuple(local.shape) != placement.local_shape(slot.shape, self.rank):
                 raise ValueError(
                     f"plan gives {slot.fqn} a local view of shape {tuple(local.shape)}, but "
                     f"{placement!r} needs {placement.local_shape(slot.shape, self.rank)}"
                 )
-            spec = DTensorSpec(
-                mesh,
-                (placement,),
-                TensorMeta(slot.shape, _contiguous_stride(slot.shape), self.orig_dtype),
-            )
+            spec = layout.sharded_spec(self.dp, self.orig_dtype)
             self.specs.append(spec)
             self.sharded_params.append(
                 nn.Parameter(
@@ -181,7 +191,9 @@ class FSDPUnit:
         self._storage_nbytes = self._storage.nbytes()
         self._storage.resize_(0)
         self.unsharded_params: list[nn.Parameter] = []
-        for slot in slots:
+        # Tensor-parallel parameters are unsharded as DTensors on the TP mesh (TP-local views).
+        self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
+        for slot, tp in zip(slots, self.unsharded_specs):
             t = _alias(
                 self._storage,
                 self.param_dtype,
@@ -189,6 +201,8 @@ class FSDPUnit:
                 self.plan.offsets[slot.fqn],
                 slot.shape,
             )
+            if tp is not None:
+                t = DTensor(t, tp, requires_grad=False)
             self.unsharded_params.append(nn.Parameter(t, requires_grad=slot.requires_grad))
         self.state = UnitState.SHARDED
         self._ag_work: dist.Work | None = None
@@ -253,10 +267,11 @@ class FSDPUnit:
             self.chunk_numel * self.world_size, dtype=self.param_dtype, device=self.device
         )
         self.unsharded_grad = buf
-        for slot, p in zip(self.slots, self.unsharded_params):
+        for slot, p, tp in zip(self.slots, self.unsharded_params, self.unsharded_specs):
             if slot.requires_grad:
                 o = self.plan.offsets[slot.fqn]
-                p.grad = buf[o : o + slot.shape.numel()].view(slot.shape)
+                g = buf[o : o + slot.shape.numel()].view(slot.shape)
+                p.grad = g if tp is None else DTensor(g, tp, requires_grad=False)
 
     def reduce_grads(self) -> None:
         """Issue the reduce-scatter of the flat gradient buffer (async); :meth:`finish_reduce`
@@ -283,7 +298,11 @@ class FSDPUnit:
         self._rs_work.wait()
         out = self._rs_output
         self._rs_work = self._rs_input = self._rs_output = None
-        out.div_(self.world_size)
+        if self.dp.hsdp:  # HSDP: sum the replicas' reduced shards
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dp.replicate_group)
+            self.stats.all_reduces += 1
+            self.stats.all_reduce_bytes += out.numel() * out.element_size()
+        out.div_(self.world_size * self.dp.replicate_size)
         if out.dtype != self.orig_dtype:
             out = out.to(self.orig_dtype)
         if self.sharded_grad is not None and all(
