@@ -78,17 +78,28 @@ class SentBytes(TorchDispatchMode):
         return out
 
 
-def _measure(fn, runs: int) -> tuple[int, int, float]:
-    with SentBytes() as meter:
-        fn()
-    times = []
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _measure_pair(fn, peer_fn, runs: int) -> tuple[tuple[int, int, float], tuple[int, int, float]]:
+    """Counts from one metered call each, then medians of ``runs`` timed calls, ours and the
+    peer's alternating so that both see the same machine noise (after two warm-up calls each)."""
+    counts = []
+    for f in (fn, peer_fn):
+        with SentBytes() as meter:
+            f()
+        f()
+        counts.append((meter.bytes, meter.calls))
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(runs):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return meter.bytes, meter.calls, statistics.median(times) * 1e3
+        times[0].append(_timed(fn))
+        times[1].append(_timed(peer_fn))
+    return tuple((*c, statistics.median(t) * 1e3) for c, t in zip(counts, times))  # type: ignore[return-value]
 
 
 def _worker(rank: int, world: int, port: int, rows: int, cols: int, runs: int, out: dict) -> None:
@@ -128,8 +139,7 @@ def _worker(rank: int, world: int, port: int, rows: int, cols: int, runs: int, o
     ]
     rows_out = []
     for name, fn, peer_name, peer_fn in cases:
-        ours = _measure(fn, runs)
-        peer = _measure(peer_fn, runs)
+        ours, peer = _measure_pair(fn, peer_fn, runs)
         rows_out.append((name, *ours, peer_name, *peer))
     if rank == 0:
         out["rows"] = rows_out
@@ -152,7 +162,8 @@ def main() -> None:
         rows = list(out["rows"])
     mib = 1 << 20
     print(f"4 gloo ranks, fp32 [{args.rows}, {args.cols}] ({args.rows * args.cols * 4 / mib:.0f} MiB), "
-          f"RS = RaggedShard((0,), (3, 1, 2, 2)); median of {args.runs} runs")
+          f"RS = RaggedShard((0,), (3, 1, 2, 2)); median of {args.runs} alternating runs after warm-up; "
+          f"MiB/rank = bytes each rank sends")
     header = (f"{'ours':<22}{'MiB/rank':>9}{'colls':>6}{'ms':>8}   {'peer':<22}{'MiB/rank':>9}{'colls':>6}"
               f"{'ms':>8}{'bytes x':>9}{'time x':>8}")
     print(header)
