@@ -12,9 +12,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState
 from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout
 from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot
+from ragged_placement.quant import BlockFP8Config
 
 __all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
 
@@ -217,6 +219,7 @@ def fully_shard(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     granularity=None,
+    quant: BlockFP8Config | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` as one FSDP unit (call on inner modules first).
 
@@ -241,6 +244,12 @@ def fully_shard(
         mp_policy: parameter / reduction dtypes, see :class:`MixedPrecisionPolicy`.
         granularity: the planner's policy: ``None``, a callable ``(name, shape) -> Granularity``
             or a ``{fnmatch pattern: Granularity}`` dict over parameter names in ``module``.
+        quant: block-wise FP8 training (:class:`~ragged_placement.quant.BlockFP8Config`): the
+            unit's ``nn.Linear`` modules become :class:`~ragged_placement.quant.FP8Linear`, their
+            weights (unless tied to a non-Linear) are planned at ``block`` granularity, each
+            rank quantizes its own blocks, and the unit's one all-gather moves FP8 bytes and
+            block scales; master weights stay in the sharded buffer. See
+            :mod:`ragged_placement.fsdp.fp8`.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -254,13 +263,18 @@ def fully_shard(
     DataParallelMesh.of(mesh)
     device = _mesh_device(mesh)
     slots, params, owned_modules = _collect_params(module)
+    if check_quant(quant) is not None:
+        convert_unit_linears(module, slots, params, quant)
+        slots, params, owned_modules = _collect_params(module)  # owners are the FP8Linears now
     for m in owned_modules:
         for k, b in m._buffers.items():
             if b is not None and b.device != device:
                 m._buffers[k] = b.to(device)
     if params and any(p.device != device for p in params):
         params = [p.to(device) for p in params]
-    unit = FSDPUnit(slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity)
+    unit = FSDPUnit(
+        slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant
+    )
     module._fsdp_state = FSDPState(module, unit, reshard_after_forward, mp_policy)
     module.__class__ = _fsdp_class(type(module))
     return module

@@ -21,6 +21,11 @@ Buffers a unit holds (``W`` = world size, ``P`` = ``param_dtype``, ``R`` = ``red
 With mixed precision the sharded chunk is cast into a ``[S]`` send buffer in ``P`` before the
 all-gather and the gradient buffer is cast to ``R`` before the reduce-scatter: those casts are the
 only element-wise passes besides the collectives.
+
+With ``quant`` (block-wise FP8, :mod:`ragged_placement.fsdp.fp8`) a unit holding FP8 weights
+replaces the cast by quantizing its own blocks into a uint8 send buffer, and ``unsharded`` is the
+uint8 all-gather output (FP8 bytes, block scales and the other parameters in ``P``); the
+gradient buffers are unchanged.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ragged_placement._compat import all_gather_single, reduce_scatter_single
+from ragged_placement.fsdp.fp8 import FP8UnitGather, fp8_granularity, is_fp8_weight
 from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout, tp_policy, tp_spec_of, unit_tp_mesh
 
 __all__ = ["CommStats", "FSDPUnit", "ParamSlot"]
@@ -104,6 +110,8 @@ class FSDPUnit:
         param_dtype: dtype of the all-gather and of the unsharded parameters.
         reduce_dtype: dtype of the gradient reduce-scatter.
         granularity: the planner's granularity policy for this unit's parameters.
+        quant: block-wise FP8 for the weights of the unit's ``FP8Linear`` modules (planned at
+            block granularity, all-gathered as FP8 + scales); ``None`` for none.
     """
 
     def __init__(
@@ -114,6 +122,7 @@ class FSDPUnit:
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
         granularity,
+        quant=None,
     ) -> None:
         from ragged_placement.planner import plan as make_plan
 
@@ -129,6 +138,15 @@ class FSDPUnit:
         self.rank = self.dp.shard_rank
         self.world_size = self.dp.shard_size
         tp_specs = [tp_spec_of(s.fqn, p, self.dp) for s, p in zip(slots, params)]
+        quantized = [quant is not None and is_fp8_weight(s.owners, s.shape) for s in slots]
+        if any(quantized):
+            tp_names = [s.fqn for s, t in zip(slots, tp_specs) if t is not None]
+            if tp_names:
+                raise ValueError(
+                    f"quant does not compose with tensor-parallel parameters yet: {tp_names}"
+                )
+            fp8_shapes = {s.fqn: tuple(s.shape) for s, q in zip(slots, quantized) if q}
+            granularity = fp8_granularity(granularity, fp8_shapes, quant.block)
         self.tp_mesh = unit_tp_mesh([s.fqn for s in slots], tp_specs)
         if self.tp_mesh is not None:
             granularity = tp_policy(granularity, {s.fqn: t for s, t in zip(slots, tp_specs)})
@@ -186,24 +204,44 @@ class FSDPUnit:
                 )
             )
 
-        self.unsharded = torch.empty(S * W, dtype=self.param_dtype, device=self.device)
-        self._storage = self.unsharded.untyped_storage()
-        self._storage_nbytes = self._storage.nbytes()
-        self._storage.resize_(0)
-        self.unsharded_params: list[nn.Parameter] = []
-        # Tensor-parallel parameters are unsharded as DTensors on the TP mesh (TP-local views).
-        self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
-        for slot, tp in zip(slots, self.unsharded_specs):
-            t = _alias(
-                self._storage,
+        self.fp8: FP8UnitGather | None = None
+        if any(quantized):
+            self.fp8 = FP8UnitGather(
+                [s.fqn for s in slots],
+                [s.shape for s in slots],
+                [self.plan.offsets[s.fqn] for s in slots],
+                quantized,
+                [s.requires_grad for s in slots],
+                S,
+                W,
+                quant,
                 self.param_dtype,
                 self.device,
-                self.plan.offsets[slot.fqn],
-                slot.shape,
             )
-            if tp is not None:
-                t = DTensor(t, tp, requires_grad=False)
-            self.unsharded_params.append(nn.Parameter(t, requires_grad=slot.requires_grad))
+            self.unsharded = self.fp8.gathered  # its storage is the FP8 gather's
+            self._storage = self.unsharded.untyped_storage()
+            self.unsharded_params = self.fp8.params
+            self.unsharded_specs = [None] * len(slots)
+        else:
+            self.unsharded = torch.empty(S * W, dtype=self.param_dtype, device=self.device)
+            self._storage = self.unsharded.untyped_storage()
+            self._storage_nbytes = self._storage.nbytes()
+            self._storage.resize_(0)
+            self.unsharded_params: list[nn.Parameter] = []
+            # Tensor-parallel parameters are unsharded as DTensors on the TP mesh (TP-local
+            # views).
+            self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
+            for slot, tp in zip(slots, self.unsharded_specs):
+                t = _alias(
+                    self._storage,
+                    self.param_dtype,
+                    self.device,
+                    self.plan.offsets[slot.fqn],
+                    slot.shape,
+                )
+                if tp is not None:
+                    t = DTensor(t, tp, requires_grad=False)
+                self.unsharded_params.append(nn.Parameter(t, requires_grad=slot.requires_grad))
         self.state = UnitState.SHARDED
         self._ag_work: dist.Work | None = None
         self._ag_send: torch.Tensor | None = None
@@ -222,16 +260,25 @@ class FSDPUnit:
         for slot, p in zip(self.slots, params):
             for module, attr in slot.owners:
                 module._parameters[attr] = p
+        if self.fp8 is not None:  # FP8Linear reads the gathered (q, s), not the parameter
+            for slot, w in zip(self.slots, self.fp8.weights):
+                if w is not None:
+                    for module, _ in slot.owners:
+                        module.weight_fp8 = None if sharded else w
 
     # -- all-gather ------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool) -> None:
         """Issue the all-gather into the unsharded buffer (no-op unless sharded)."""
         if self.state is not UnitState.SHARDED or not self.slots:
             return
-        self._storage.resize_(self._storage_nbytes)
-        if self.param_dtype == self.orig_dtype:
+        if self.fp8 is not None:
+            self.fp8.allocate()
+            send = self.fp8.pack(self.rank, self.sharded)  # own blocks -> FP8 + scales, no comm
+        elif self.param_dtype == self.orig_dtype:
+            self._storage.resize_(self._storage_nbytes)
             send = self.sharded
         else:
+            self._storage.resize_(self._storage_nbytes)
             send = self.sharded.to(self.param_dtype)  # the mixed-precision cast: the only copy
         self._ag_send = send
         self.stats.all_gathers += 1
@@ -248,6 +295,8 @@ class FSDPUnit:
             self._ag_work.wait()
             self._ag_work = None
             self._ag_send = None
+            if self.fp8 is not None:
+                self.fp8.assemble()
             self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
@@ -255,7 +304,10 @@ class FSDPUnit:
         self.wait_unshard()
         self.register(sharded=True)
         if self.state is UnitState.UNSHARDED:
-            self._storage.resize_(0)
+            if self.fp8 is not None:
+                self.fp8.free()
+            else:
+                self._storage.resize_(0)
             self.state = UnitState.SHARDED
 
     # -- gradients -------------------------------------------------------------------------------

@@ -1,0 +1,291 @@
+"""Block-wise FP8 all-gather of an FSDP unit (``fully_shard(..., quant=BlockFP8Config(...))``).
+
+Which parameters train in FP8: the 2-D weights of ``nn.Linear`` modules (swapped for
+:class:`~ragged_placement.quant.FP8Linear` by ``fully_shard``) that every owner uses as a
+Linear weight; a weight tied to an embedding stays in high precision. They are planned at
+``Granularity.block(*block)`` (whole ``block[0]``-row bands per rank), so every rank
+quantizes its own blocks from the fp32 master shard with no communication.
+
+Per unshard (:class:`FP8UnitGather`), with ``W`` ranks and the unit's
+:class:`~ragged_placement.quant.FP8GatherLayout`:
+
+1. ``pack``: each rank quantizes its blocks and copies its other parameters (in
+   ``param_dtype``) into a ``send_nbytes`` uint8 send buffer (FP8 bytes, fp32 scales, raw).
+2. one all-gather of the send buffers into ``gathered`` (``W * send_nbytes`` bytes).
+3. the unsharded values are fixed aliases created once: a parameter held by one rank aliases
+   ``gathered`` (zero-copy); one split over ranks aliases a small ``assembled`` buffer that its
+   pieces are copied into (one byte copy per piece; scales and FP8 bytes of a split weight are
+   not adjacent in ``gathered``). Both storages are allocated on unshard and freed on reshard,
+   and because the aliases keep their storages, tensors autograd saved in forward see the
+   values re-gathered for backward (as the unit's unsharded parameters do).
+
+An FP8 weight's unsharded ``nn.Parameter`` is only a gradient sink: a zero-stride tensor of the
+weight's shape (its values read as zeros; ``FP8Linear`` reads ``weight_fp8`` instead) whose
+``.grad`` the unit presets to its view of the flat gradient buffer, so the weight gradient lands
+there in place and goes through the unit's one reduce-scatter like every other gradient.
+
+Non-finite master weights are not checked here (that would cost a host sync per unshard): they
+give a non-finite block scale, so the forward produces NaN, as a bf16 all-gather would.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ragged_placement.planner import Granularity
+from ragged_placement.planner.granularity import resolve, resolve_policy
+from ragged_placement.quant import (
+    BlockFP8Config,
+    FlatParam,
+    FP8GatherLayout,
+    FP8Linear,
+    convert_to_fp8_linear,
+)
+from ragged_placement.quant.reference import FP8_DTYPE, scale_shape
+from ragged_placement.quant.sharded import _alias as _byte_alias
+
+__all__ = [
+    "FP8UnitGather",
+    "check_quant",
+    "convert_unit_linears",
+    "fp8_granularity",
+    "is_fp8_weight",
+]
+
+_ALIGN = 16
+
+
+def check_quant(quant: object) -> BlockFP8Config | None:
+    """Validate ``fully_shard``'s ``quant`` argument."""
+    if quant is not None and not isinstance(quant, BlockFP8Config):
+        raise ValueError(f"quant must be a BlockFP8Config or None, got {quant!r}")
+    return quant
+
+
+def is_fp8_weight(owners: Sequence[tuple[nn.Module, str]], shape: Sequence[int]) -> bool:
+    """Whether a parameter trains in FP8: 2-D and the ``weight`` of Linear modules only (a
+    weight tied to an embedding or used elsewhere stays in high precision)."""
+    return len(shape) == 2 and all(
+        attr == "weight" and (type(m) is nn.Linear or isinstance(m, FP8Linear))
+        for m, attr in owners
+    )
+
+
+def convert_unit_linears(
+    module: nn.Module,
+    slots: Sequence,
+    params: Sequence[torch.Tensor],
+    quant: BlockFP8Config,
+) -> None:
+    """Swap the ``nn.Linear`` modules whose weight is one of this unit's FP8 weights (``slots``
+    with ``.fqn``, ``.owners``, ``.shape``, parallel to ``params``) for :class:`FP8Linear`
+    sharing its parameters. Linears of inner ``fully_shard`` units are left alone."""
+    if type(module) is nn.Linear:
+        raise ValueError(
+            "fully_shard(quant=...) swaps the nn.Linear children of module for FP8Linear; a bare "
+            "nn.Linear cannot swap itself: shard its parent module"
+        )
+    ids = set()
+    for slot, p in zip(slots, params):
+        if not is_fp8_weight(slot.owners, slot.shape):
+            continue
+        for m, _ in slot.owners:
+            if isinstance(m, FP8Linear) and m.config != quant:
+                raise ValueError(
+                    f"{slot.fqn} belongs to an FP8Linear with config {m.config}, but fully_shard "
+                    f"got quant={quant}"
+                )
+        ids.add(id(p))
+    convert_to_fp8_linear(module, quant, filter_fn=lambda _, linear: id(linear.weight) in ids)
+
+
+def _explicit(policy, name: str, shape: tuple[int, ...]) -> Granularity | None:
+    """The granularity ``policy`` names for ``name``, or ``None`` if it leaves it to the default."""
+    if policy is None:
+        return None
+    if isinstance(policy, Mapping) and not any(fnmatch.fnmatchcase(name, p) for p in policy):
+        return None
+    return resolve_policy(policy, name, shape)
+
+
+def _keeps_blocks(name: str, shape: tuple[int, int], gran: Granularity, bm: int) -> bool:
+    """Whether every cut ``gran`` allows in an ``[m, n]`` weight falls on a ``bm``-row boundary."""
+    spec = resolve(name, shape, gran)
+    if spec.whole:
+        return True
+    band = spec.band * spec.row_numel
+    period = spec.period * spec.row_numel
+    unit = bm * shape[1]
+    return band % unit == 0 and (period >= spec.numel or period % unit == 0)
+
+
+def fp8_granularity(policy, fp8_shapes: Mapping[str, tuple[int, int]], block: tuple[int, int]):
+    """The planner policy of an FP8 unit: FP8 weights the user's ``policy`` does not name get
+    ``Granularity.block(*block)``; one it names keeps the user's granularity if that never cuts a
+    block (e.g. ``rows(256)``, ``matrix()``), else ``ValueError`` naming the weight. Other
+    parameters follow ``policy``."""
+    bm, bn = block
+    for name, shape in fp8_shapes.items():
+        gran = _explicit(policy, name, shape)
+        if gran is not None and not _keeps_blocks(name, shape, gran, bm):
+            raise ValueError(
+                f"granularity {gran} of FP8 weight {name} {tuple(shape)} lets the planner cut "
+                f"its {block} quantization blocks, whose scales would then need a cross-rank "
+                f"amax; give it Granularity.block({bm}, {bn}) (the default under quant) or a "
+                f"coarser granularity"
+            )
+    default = Granularity.block(bm, bn)
+
+    def resolved(name: str, shape: tuple[int, ...]) -> Granularity:
+        if name in fp8_shapes:
+            return _explicit(policy, name, shape) or default
+        return resolve_policy(policy, name, shape)
+
+    return resolved
+
+
+class FP8UnitGather:
+    """The FP8 all-gather buffers of one unit and its unsharded tensors (see the module doc).
+
+    Args:
+        names, shapes, offsets: the unit's parameters (plan offsets in the flat buffer).
+        quantized: per parameter, whether it trains in FP8.
+        requires_grad: per parameter, for the unsharded ``nn.Parameter``.
+        chunk_numel, world_size: the plan's ``S`` and ``W``.
+        quant: block size and kernel choice.
+        raw_dtype: ``param_dtype``: dtype of the other parameters and of the gradient sinks.
+        device: where the buffers live.
+
+    Attributes:
+        layout: the :class:`FP8GatherLayout` (``gathered_nbytes`` is the all-gather's size).
+        gathered: the uint8 all-gather output.
+        params: the unsharded ``nn.Parameter`` per parameter (gradient sinks for FP8 weights).
+        weights: ``(q, s)`` per FP8 weight (``None`` for the others), for ``FP8Linear.weight_fp8``.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        shapes: Sequence[torch.Size],
+        offsets: Sequence[int],
+        quantized: Sequence[bool],
+        requires_grad: Sequence[bool],
+        chunk_numel: int,
+        world_size: int,
+        quant: BlockFP8Config,
+        raw_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.quant = quant
+        self.layout = FP8GatherLayout(
+            [FlatParam(n, s, o, q) for n, s, o, q in zip(names, shapes, offsets, quantized)],
+            chunk_numel,
+            world_size,
+            block=quant.block,
+            raw_dtype=raw_dtype,
+        )
+        send = self.layout.send_nbytes
+        parts: list[list[tuple[int, object]]] = [[] for _ in names]
+        for rank, pieces in enumerate(self.layout.pieces):
+            for pc in pieces:
+                parts[pc.param].append((rank * send, pc))
+        # byte regions of the split parameters in ``assembled`` and the copies that fill them
+        self._copies: list[tuple[int, int, int]] = []  # (gathered offset, assembled offset, n)
+        regions: list[dict[str, int]] = []
+        end = 0
+        for i, q in enumerate(quantized):
+            region = {}
+            if len(parts[i]) > 1:
+                numel = shapes[i].numel()
+                region["data"] = end
+                end = _align(end + numel * (1 if q else raw_dtype.itemsize))
+                if q:
+                    region["scale"] = end
+                    end = _align(end + 4 * math.prod(scale_shape(shapes[i], quant.block)))
+            regions.append(region)
+        self.gathered = torch.empty(self.layout.gathered_nbytes, dtype=torch.uint8, device=device)
+        self.assembled = torch.empty(end, dtype=torch.uint8, device=device)
+        self.params: list[nn.Parameter] = []
+        self.weights: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for i, (shape, q) in enumerate(zip(shapes, quantized)):
+            split = len(parts[i]) > 1
+            buf = self.assembled if split else self.gathered
+            if split:
+                self._plan_copies(parts[i], regions[i], shape, q, raw_dtype)
+            data, scale = self._offsets(parts[i], regions[i], split)
+            if q:
+                sink = torch.zeros((), dtype=raw_dtype, device=device).expand(shape)
+                self.params.append(nn.Parameter(sink, requires_grad=requires_grad[i]))
+                self.weights.append(
+                    (
+                        _byte_alias(buf, data, FP8_DTYPE, tuple(shape)),
+                        _byte_alias(buf, scale, torch.float32, scale_shape(shape, quant.block)),
+                    )
+                )
+            else:
+                t = _byte_alias(buf, data, raw_dtype, tuple(shape))
+                self.params.append(nn.Parameter(t, requires_grad=requires_grad[i]))
+                self.weights.append(None)
+        self._storages = [self.gathered.untyped_storage(), self.assembled.untyped_storage()]
+        self._nbytes = [s.nbytes() for s in self._storages]
+        self.free()
+
+    @staticmethod
+    def _offsets(parts, region: dict[str, int], split: bool) -> tuple[int, int]:
+        """Byte offsets of a parameter's data and scales in ``assembled`` or ``gathered``."""
+        if split:
+            return region["data"], region.get("scale", 0)
+        if not parts:  # an empty parameter: any in-bounds offset
+            return 0, 0
+        base, pc = parts[0]
+        return base + pc.data_offset, base + pc.scale_offset
+
+    def _plan_copies(self, parts, region, shape, quantized: bool, raw_dtype) -> None:
+        itemsize = 1 if quantized else raw_dtype.itemsize
+        for base, pc in parts:
+            n = (pc.end - pc.start) * itemsize
+            self._copies.append((base + pc.data_offset, region["data"] + pc.start * itemsize, n))
+            if quantized:
+                cols = shape[1]
+                first_block_row = pc.start // cols // self.quant.block[0]
+                nb = scale_shape(shape, self.quant.block)[1]
+                self._copies.append(
+                    (
+                        base + pc.scale_offset,
+                        region["scale"] + 4 * first_block_row * nb,
+                        4 * pc.scale_numel,
+                    )
+                )
+
+    @property
+    def assembled_nbytes(self) -> int:
+        """Bytes of the buffer that split parameters are assembled in (0 if none is split)."""
+        return self._nbytes[1]
+
+    def allocate(self) -> None:
+        """Give ``gathered`` and ``assembled`` their storage (before the all-gather)."""
+        for storage, nbytes in zip(self._storages, self._nbytes):
+            storage.resize_(nbytes)
+
+    def free(self) -> None:
+        """Release both storages (the aliases stay, pointing at empty storage)."""
+        for storage in self._storages:
+            storage.resize_(0)
+
+    def pack(self, rank: int, sharded: torch.Tensor) -> torch.Tensor:
+        """Quantize ``rank``'s blocks of its flat master chunk into a new send buffer."""
+        return self.layout.pack(rank, sharded, kernel=self.quant.kernel)
+
+    def assemble(self) -> None:
+        """After the all-gather: copy the pieces of split parameters into ``assembled``."""
+        for src, dst, n in self._copies:
+            self.assembled[dst : dst + n].copy_(self.gathered[src : src + n])
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
