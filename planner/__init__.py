@@ -8,6 +8,10 @@ boundaries induce. See :mod:`.packing` for the algorithm and its lower bound.
 
 from ragged_placement.planner.granularity import CutSpec, Granularity, GranularityPolicy
 from ragged_placement.planner.packing import chunk_lower_bound
-from ragged_placement.planner.plan import Plan, plan, plan_units
+from ragged_placement.planner.plan import Plan, Segment, plan, plan_units
+from ragged_placement.planner.segments import SegmentedPlan, plan_segmented
 
-__all__ = ["plan", "plan_units", "Plan", "Granularity", "GranularityPolicy", "CutSpec", "chunk_lower_bound"]
+__all__ = [
+    "plan", "plan_units", "plan_segmented", "Plan", "SegmentedPlan", "Segment", "Granularity",
+    "GranularityPolicy", "CutSpec", "chunk_lower_bound",
+]

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from ragged_placement.planner.granularity import (
 )
 from ragged_placement.planner.packing import Layout, pack
 
-__all__ = ["Plan", "Placements", "plan", "plan_units"]
+__all__ = ["Plan", "Placements", "Segment", "plan", "plan_units"]
 
 NamedShapes = Mapping[str, Sequence[int]] | Sequence[tuple[str, Sequence[int]]]
 
@@ -164,6 +165,17 @@ def _normalize(named_shapes: NamedShapes) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Where one flat layout sits in a unit: its chunk starts at ``chunk_offset`` inside every
+    rank's chunk, its ``world_size * chunk_numel`` elements at ``buffer_offset`` in the unsharded
+    buffer. A :class:`Plan` is one segment; a ``SegmentedPlan`` has several."""
+
+    chunk_offset: int
+    buffer_offset: int
+    chunk_numel: int
+
+
 class Plan:
     """The flat layout of one FSDP unit over ``world_size`` ranks and its RaggedShard placements.
 
@@ -201,6 +213,11 @@ class Plan:
         self.rank_offset: int = rank_offset
 
     # -- geometry ---------------------------------------------------------------------------
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """One segment: rank ``r``'s chunk is ``[r * S, (r + 1) * S)`` of the unsharded buffer."""
+        return (Segment(0, 0, self.chunk_numel),)
+
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")

@@ -1,0 +1,192 @@
+"""Segmented plans: one FSDP unit as several flat layouts gathered by one coalesced collective.
+
+A single flat layout has a hard limit (:mod:`.packing`): a parameter longer than two chunks holds
+two chunk boundaries exactly ``S`` apart, so ``S`` must be a multiple of its band, and with two
+such parameters of different widths, of the lcm of their bands. Llama-3.1-8B's layer at 8 ranks,
+with 128-row bands of 4096 and 14336 columns, pays 6.3% padding for it.
+
+A :class:`SegmentedPlan` splits the unit into segments, each an independent :class:`Plan` with its
+own chunk ``S_k`` (parameters grouped by band, so no lcm arises). Rank ``r``'s chunk is the
+concatenation of its segment chunks, and the unsharded buffer the concatenation of the segments'
+``W * S_k`` buffers, so every parameter is still contiguous in the unsharded buffer (zero-copy
+views) and every local run contiguous in its rank's chunk. The runtime gathers the segments with
+one coalesced collective (``segments`` gives the offsets). One segment per parameter reproduces
+per-parameter ``Shard(0)`` padding exactly, so :func:`plan_segmented`, which keeps the candidate
+with the least padding, never pads more than the block-respecting ``Shard(0)`` baseline when that
+candidate fits in ``max_segments``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ragged_placement.placement import RaggedShard
+from ragged_placement.planner.granularity import GranularityPolicy
+from ragged_placement.planner.plan import NamedShapes, Plan, Segment, _check_args, _resolve_unit, plan
+
+__all__ = ["SegmentedPlan", "plan_segmented"]
+
+
+class _MergedPlacements(Mapping[str, RaggedShard]):
+    def __init__(self, parts: Sequence[Plan], part_of: dict[str, int]) -> None:
+        self._parts, self._part_of = parts, part_of
+
+    def __getitem__(self, name: str) -> RaggedShard:
+        return self._parts[self._part_of[name]].placements[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._part_of)
+
+    def __len__(self) -> int:
+        return len(self._part_of)
+
+
+class SegmentedPlan:
+    """A unit laid out as several :class:`Plan` segments; the same API as :class:`Plan`.
+
+    ``offsets`` are offsets in the unsharded buffer (``sum(W * S_k)`` elements),
+    ``chunk_numel`` is ``sum(S_k)``, and :meth:`local_slice` / :meth:`local_views` address a
+    rank's whole chunk. A parameter's placement is the one its segment induces.
+    """
+
+    def __init__(self, parts: Sequence[Plan], names: Sequence[str]) -> None:
+        if not parts:
+            raise ValueError("a segmented plan needs at least one segment")
+        self.parts: tuple[Plan, ...] = tuple(parts)
+        self.world_size: int = parts[0].world_size
+        segments, c, u = [], 0, 0
+        for p in parts:
+            segments.append(Segment(c, u, p.chunk_numel))
+            c += p.chunk_numel
+            u += p.chunk_numel * self.world_size
+        self.segments: tuple[Segment, ...] = tuple(segments)
+        self.chunk_numel: int = c
+        self._part_of = {n: k for k, p in enumerate(parts) for n in p.names}
+        self.names: tuple[str, ...] = tuple(names)
+        self.order: tuple[str, ...] = tuple(n for p in parts for n in p.order)
+        self.shapes = {n: parts[self._part_of[n]].shapes[n] for n in names}
+        self.granularities = {n: parts[self._part_of[n]].granularities[n] for n in names}
+        self.specs = {n: parts[self._part_of[n]].specs[n] for n in names}
+        self.offsets = {n: segments[self._part_of[n]].buffer_offset + parts[self._part_of[n]].offsets[n]
+                        for n in names}
+        self.placements = _MergedPlacements(self.parts, self._part_of)
+        self.numel: int = sum(p.numel for p in parts)
+        self.padding_numel: int = self.chunk_numel * self.world_size - self.numel
+        self.chunk_lower_bound: int = sum(p.chunk_lower_bound for p in parts)
+        self.dtype: torch.dtype = parts[0].dtype
+
+    def local_slice(self, name: str, rank: int) -> tuple[int, int]:
+        """``[begin, end)`` of ``name``'s local run inside ``rank``'s whole chunk."""
+        if name not in self._part_of:
+            raise ValueError(f"no parameter named {name!r} in this plan")
+        k = self._part_of[name]
+        begin, end = self.parts[k].local_slice(name, rank)
+        base = self.segments[k].chunk_offset
+        return base + begin, base + end
+
+    def local_views(self, chunk: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
+        """Views into ``rank``'s flat chunk (``chunk_numel`` elements), one per parameter."""
+        if chunk.dim() != 1 or chunk.numel() != self.chunk_numel:
+            raise ValueError(f"chunk must be 1-D with {self.chunk_numel} elements, got shape {tuple(chunk.shape)}")
+        out: dict[str, torch.Tensor] = {}
+        for seg, p in zip(self.segments, self.parts):
+            out.update(p.local_views(chunk[seg.chunk_offset:seg.chunk_offset + seg.chunk_numel], rank))
+        return {n: out[n] for n in self.names}
+
+    def rank_work(self) -> np.ndarray:
+        return sum(p.rank_work() for p in self.parts)
+
+    @property
+    def padding_fraction(self) -> float:
+        return self.padding_numel / (self.chunk_numel * self.world_size)
+
+    def digest(self) -> str:
+        payload = [[s.chunk_offset, s.buffer_offset, s.chunk_numel] for s in self.segments]
+        payload.append([p.digest() for p in self.parts])
+        return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()
+
+    def check_consistent(self, group: dist.ProcessGroup | None = None) -> None:
+        """Raise ``ValueError`` unless every rank of ``group`` holds the same plan."""
+        Plan.check_consistent(self, group)  # same protocol: all-gather the digests
+
+    def summary(self) -> str:
+        head = (f"SegmentedPlan: {len(self.parts)} segments, chunk S={self.chunk_numel:,} "
+                f"(= {' + '.join(f'{s.chunk_numel:,}' for s in self.segments)}), padding "
+                f"{self.padding_numel:,} ({100 * self.padding_fraction:.3f}%)")
+        return "\n".join([head] + [f"segment {k}: {p.summary()}" for k, p in enumerate(self.parts)])
+
+    def ascii_map(self, width: int = 64, max_ranks: int = 32) -> str:
+        return "\n".join(f"segment {k}:\n{p.ascii_map(width, max_ranks)}" for k, p in enumerate(self.parts))
+
+    def __repr__(self) -> str:
+        return (f"SegmentedPlan(segments={len(self.parts)}, world_size={self.world_size}, "
+                f"chunk_numel={self.chunk_numel}, padding={self.padding_numel})")
+
+
+def plan_segmented(
+    named_shapes: NamedShapes,
+    world_size: int,
+    granularity: GranularityPolicy = None,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    max_segments: int = 16,
+    align_bytes: int | None = None,
+) -> Plan | SegmentedPlan:
+    """Plan one FSDP unit as one or several segments, whichever pads least.
+
+    Candidates: one segment (:func:`plan`); one segment per band size (parameters whose cuts fall
+    on the same quantum share a segment, so no lcm of bands arises); one segment per
+    parameter (per-parameter ``Shard(0)`` padding). Parameters that are never cut (whole or
+    smaller than one band) join the largest segment. Candidates with more than ``max_segments``
+    segments are skipped; ties go to fewer segments. Returns a :class:`Plan` when one segment
+    wins, so callers that ask for segments pay nothing when they do not help.
+    """
+    if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 1:
+        raise ValueError(f"max_segments must be a positive int, got {max_segments!r}")
+    _check_args(world_size, dtype, align_bytes)
+    names, grans, specs = _resolve_unit(named_shapes, granularity)
+    by_name = dict(zip(names, grans))
+    spec_of = dict(zip(names, specs))
+    shapes = {n: s.shape for n, s in spec_of.items()}
+    policy = lambda name, shape: by_name[name]  # noqa: E731 - the resolved granularities
+
+    def build(groups: list[list[str]]) -> Plan | SegmentedPlan:
+        parts = [plan({n: shapes[n] for n in g}, world_size, policy, dtype, align_bytes=align_bytes)
+                 for g in groups]
+        return parts[0] if len(parts) == 1 else SegmentedPlan(parts, names)
+
+    cut = [n for n, s in zip(names, specs) if not s.whole and s.numel > s.band_numel]
+    fill = [n for n in names if n not in cut]
+
+    def with_fillers(groups: list[list[str]]) -> list[list[str]]:
+        if not groups:
+            return [list(names)]
+        largest = max(range(len(groups)), key=lambda k: sum(spec_of[n].numel for n in groups[k]))
+        return [g + fill if k == largest else g for k, g in enumerate(groups)]
+
+    classes: dict[tuple[int, int], list[str]] = {}
+    for n in cut:
+        classes.setdefault((spec_of[n].band_numel, spec_of[n].period_numel), []).append(n)
+    candidates = [[list(names)], with_fillers([classes[k] for k in sorted(classes)]),
+                  with_fillers([[n] for n in cut])]
+    best: Plan | SegmentedPlan | None = None
+    seen: set[tuple[tuple[str, ...], ...]] = set()
+    for groups in candidates:
+        key = tuple(tuple(g) for g in groups)
+        if len(groups) > max_segments or key in seen:
+            continue
+        seen.add(key)
+        p = build(groups)
+        n_seg = len(p.parts) if isinstance(p, SegmentedPlan) else 1
+        best_seg = (len(best.parts) if isinstance(best, SegmentedPlan) else 1) if best is not None else 0
+        if best is None or p.padding_numel < best.padding_numel or (
+                p.padding_numel == best.padding_numel and n_seg < best_seg):
+            best = p
+    assert best is not None
+    return best

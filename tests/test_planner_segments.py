@@ -1,0 +1,106 @@
+"""Segmented plans: invariants, a simulated all-gather round trip, and the padding guarantees."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ragged_placement.planner import Granularity, Plan, SegmentedPlan, plan, plan_segmented
+from test_planner import _resolvable, check_plan, units
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def block_shard0_padding(shapes: dict[str, tuple[int, ...]], grans: dict[str, Granularity], world: int) -> int:
+    """Per-parameter Shard(0) that keeps blocks whole: dim 0 padded to a multiple of
+    ``world * band_rows`` (band rows 1 for element and row granularities)."""
+    pad = 0
+    for name, s in shapes.items():
+        g = grans[name]
+        band = g.band_rows if g.kind in ("rows", "block") else 1
+        step = world * band
+        pad += (-(-s[0] // step) * step - s[0]) * math.prod(s[1:])
+    return pad
+
+
+def check_segmented(p: Plan | SegmentedPlan, shapes, grans) -> None:
+    """Each segment is a valid plan; the unit's offsets, slices and views are the segments'."""
+    parts = p.parts if isinstance(p, SegmentedPlan) else (p,)
+    assert sum(s.chunk_numel for s in p.segments) == p.chunk_numel
+    covered = set()
+    for seg, part in zip(p.segments, parts):
+        check_plan(part, {n: shapes[n] for n in part.names}, {n: grans[n] for n in part.names})
+        for n in part.names:
+            assert p.offsets[n] == seg.buffer_offset + part.offsets[n]
+            for r in range(p.world_size):
+                b, e = part.local_slice(n, r)
+                assert p.local_slice(n, r) == (seg.chunk_offset + b, seg.chunk_offset + e)
+            covered.add(n)
+    assert covered == set(shapes)
+    assert p.padding_numel == p.chunk_numel * p.world_size - sum(math.prod(s) for s in shapes.values())
+
+
+def gather_round_trip(p: Plan | SegmentedPlan, shapes) -> None:
+    """Fill every rank's chunk from the full tensors through ``local_views``, all-gather each
+    segment into its place in the unsharded buffer, and read every parameter back as a view."""
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    w = p.world_size
+    chunks = []
+    for r in range(w):
+        chunk = torch.full((p.chunk_numel,), float("nan"))
+        for n, view in p.local_views(chunk, r).items():
+            view.copy_(p.placements[n].shard_local(full[n], r).reshape(view.shape))
+        chunks.append(chunk)
+    unsharded = torch.full((p.chunk_numel * w,), float("nan"))
+    for seg in p.segments:
+        for r in range(w):
+            dst = seg.buffer_offset + r * seg.chunk_numel
+            unsharded[dst:dst + seg.chunk_numel] = chunks[r][seg.chunk_offset:seg.chunk_offset + seg.chunk_numel]
+    for n, s in shapes.items():
+        o = p.offsets[n]
+        assert torch.equal(unsharded[o:o + math.prod(s)].view(s), full[n]), n
+
+
+@SETTINGS
+@given(unit=units(), world=st.integers(1, 9))
+def test_segmented_plan_invariants_round_trip_and_padding(unit, world):
+    shapes, grans = unit
+    if not _resolvable(shapes, grans):
+        return
+    policy = lambda name, shape: grans[name]  # noqa: E731
+    p = plan_segmented(shapes, world, policy, torch.float32)
+    check_segmented(p, shapes, grans)
+    gather_round_trip(p, shapes)
+    # never worse than the single layout, and never worse than per-parameter block Shard(0)
+    assert p.padding_numel <= plan(shapes, world, policy, torch.float32).padding_numel
+    per_param_fits = sum(1 for n in shapes) <= 16
+    if per_param_fits and all(g.kind in ("element", "row", "rows", "block") for g in grans.values()):
+        assert p.padding_numel <= block_shard0_padding(shapes, grans, world)
+
+
+def test_llama_layer_at_8_ranks_needs_no_padding_with_segments():
+    h, i = 4096, 14336
+    layer = {"q": (4096, h), "k": (1024, h), "v": (1024, h), "o": (h, 4096), "gate": (i, h), "up": (i, h),
+             "down": (h, i), "norm1": (h,), "norm2": (h,)}
+    policy = lambda name, shape: Granularity.block(128, 128) if len(shape) == 2 else Granularity.element()  # noqa: E731
+    single = plan(layer, 8, policy)
+    seg = plan_segmented(layer, 8, policy)
+    # one flat layout: S must be a multiple of lcm(128*4096, 128*14336) = 3,670,016 elements
+    assert single.chunk_numel % 3_670_016 == 0 and single.padding_fraction > 0.07
+    assert isinstance(seg, SegmentedPlan) and seg.padding_numel == 0
+    check_segmented(seg, layer, {n: policy(n, s) for n, s in layer.items()})
+
+
+def test_one_segment_wins_returns_a_plain_plan_and_bad_arguments():
+    # same band size: one layout pads nothing, so the tie goes to one segment
+    p = plan_segmented({"w": (64, 8), "v": (32, 8)}, 4)
+    assert isinstance(p, Plan) and p.padding_numel == 0 and p.segments[0].chunk_numel == p.chunk_numel
+    with pytest.raises(ValueError, match="max_segments"):
+        plan_segmented({"w": (8, 8)}, 2, max_segments=0)
+    with pytest.raises(ValueError, match="world_size"):
+        plan_segmented({"w": (8, 8)}, 0)
