@@ -315,6 +315,10 @@ class FSDPUnit:
         """Preset each unsharded parameter's ``.grad`` to its view of one zeroed flat buffer."""
         if self.unsharded_grad is not None:
             return  # accumulating micro-batches without reduction
+        if self.sharded_grad is not None and all(
+            p.grad is None or not p.requires_grad for p in self.sharded_params
+        ):
+            self.sharded_grad = None  # the optimizer dropped the gradients: free them before backward
         buf = torch.zeros(
             self.chunk_numel * self.world_size, dtype=self.param_dtype, device=self.device
         )
