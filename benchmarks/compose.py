@@ -1,0 +1,205 @@
+"""FSDP x TP on a (dp, tp) mesh: our ``fully_shard`` vs torch FSDP2's, after the same TP plan.
+
+Spawns ``dp * tp`` gloo ranks on this machine (CPU). Both runs build the same Llama-like model
+(:mod:`ragged_placement.models.llama`), apply torchtitan's tensor-parallel plan on ``mesh["tp"]``
+(``parallelize_llama``), then ``fully_shard`` every block and the root on ``mesh["dp"]``: ours or
+torch's. Training: AdamW(foreach) on the DTensor parameters. No ``clip_grad_norm_``: under
+FSDP2 the parameters TP leaves plain (the RMSNorm weights) are DTensors on the 1-D dp mesh, the
+others on the (dp, tp) mesh, and torch's ``clip_grad_norm_`` cannot stack norms across meshes
+(ours puts them on the (dp, tp) mesh with ``Replicate()`` on tp; tests/test_compose.py clips).
+The instruments are :mod:`ragged_placement.fsdp.profiling`, the same for both:
+
+* FSDP collectives per step and their bytes (all-gather outputs, reduce-scatter inputs); the
+  tensor-parallel collectives are the same in both runs and are not counted;
+* layout-copy bytes per step (FSDP2's copy-in / copy-out ops, the same count on ours);
+* peak memory per rank: bytes alive at step start (parameters, gradients, optimizer state) plus
+  the highest net allocation during a step, max over ranks;
+* step time: median over ``--steps`` steps of each of ``--runs`` alternating runs, then the
+  median over runs; and the losses of both runs side by side (they must agree).
+
+Run: ``.venv/bin/python benchmarks/compose.py`` (``--help`` for the knobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from ragged_placement.fsdp import fully_shard
+from ragged_placement.fsdp.profiling import (
+    CollectiveMeter,
+    LayoutCopyMeter,
+    live_tensor_bytes,
+    peak_step_memory,
+)
+from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
+
+
+def _build(runtime: str, mesh, cfg: LlamaConfig, init: dict) -> Llama:
+    model = Llama(cfg)
+    model.load_state_dict(init)
+    parallelize_llama(model, mesh["tp"])
+    if runtime == "ours":
+        wrap = fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard as wrap
+    for block in model.layers.values():
+        wrap(block, mesh=mesh["dp"])
+    wrap(model, mesh=mesh["dp"])
+    return model
+
+
+def _measure(runtime: str, mesh, args, cfg: LlamaConfig, init: dict) -> dict:
+    model = _build(runtime, mesh, cfg, init)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    params = list(model.parameters())
+    d, per = mesh["dp"].get_local_rank(), args.batch
+    gen = torch.Generator().manual_seed(0)
+    data = [
+        torch.randint(0, cfg.vocab_size, (per * args.dp, args.seq + 1), generator=gen)
+        for _ in range(8)
+    ]
+    losses: list[float] = []
+
+    def step(i: int) -> None:
+        b = data[i % len(data)][d * per : (d + 1) * per]
+        loss = F.cross_entropy(model(b[:, :-1]).reshape(-1, cfg.vocab_size), b[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+
+    for i in range(args.warmup):
+        step(i)
+    times = []
+    for i in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(args.warmup + i)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    trained = losses[:]
+    with CollectiveMeter() as meter:
+        step(0)
+    with LayoutCopyMeter() as copies:
+        step(1)
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    baseline = live_tensor_bytes(params + state)
+    peak = baseline + max(peak_step_memory(lambda i=i: step(i)) for i in range(2, 5))
+    return {
+        "time": statistics.median(times),
+        "all_gathers": meter.counts["all_gather"],
+        "reduce_scatters": meter.counts["reduce_scatter"],
+        "ag_bytes": meter.all_gather_bytes,
+        "rs_bytes": meter.reduce_scatter_bytes,
+        "copy_bytes": copies.total,
+        "peak": peak,
+        "losses": trained,
+    }
+
+
+def _worker(rank: int, ws: int, port: int, args, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ws)
+    try:
+        mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+        cfg = LlamaConfig(
+            vocab_size=args.vocab, dim=args.width, n_layers=args.layers, n_heads=args.heads,
+            hidden_dim=args.hidden,
+        )
+        torch.manual_seed(0)
+        init = Llama(cfg).state_dict()
+        results: dict[str, list[dict]] = {"fsdp2": [], "ours": []}
+        for _ in range(args.runs):
+            for runtime in ("fsdp2", "ours"):
+                results[runtime].append(_measure(runtime, mesh, args, cfg, init))
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:.3f} MiB" if n else "0"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=688)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per dp rank per step")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    ws = args.dp * args.tp
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _worker, args=(ws, _free_port(), args, out_dir), nprocs=ws, start_method="spawn"
+        )
+        per_rank = [
+            torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(ws)
+        ]
+
+    def agg(runtime: str, key: str):
+        if key == "time":
+            return statistics.median(r[key] for r in per_rank[0][runtime])
+        if key == "peak":
+            return max(r[key] for rank in per_rank for r in rank[runtime])
+        return per_rank[0][runtime][0][key]
+
+    rows = [
+        ("FSDP all-gathers / step", "all_gathers", str),
+        ("all-gathered bytes / step", "ag_bytes", _fmt_bytes),
+        ("FSDP reduce-scatters / step", "reduce_scatters", str),
+        ("reduce-scattered bytes / step", "rs_bytes", _fmt_bytes),
+        ("copy-in/out bytes / step", "copy_bytes", _fmt_bytes),
+        ("peak memory / rank (max)", "peak", _fmt_bytes),
+        ("step time (median)", "time", lambda t: f"{t * 1e3:.1f} ms"),
+    ]
+    model = (f"Llama {args.layers} layers x {args.width} wide (SwiGLU {args.hidden}, vocab "
+             f"{args.vocab}), seq {args.seq}, batch {args.batch}/dp rank")
+    print(f"\nFSDP x TP on a (dp={args.dp}, tp={args.tp}) gloo mesh (CPU), {model}, fp32, "
+          f"torch {torch.__version__}, {args.runs} runs x {args.steps} steps\n")
+    print(f"{'metric':32s} {'FSDP2 + TP':>14s} {'ours + TP':>14s} {'ours/FSDP2':>11s}")
+    print("-" * 74)
+    for label, key, fmt in rows:
+        a, b = agg("fsdp2", key), agg("ours", key)
+        ratio = f"{b / a:.3f}" if a else ("-" if not b else "inf")
+        print(f"{label:32s} {fmt(a):>14s} {fmt(b):>14s} {ratio:>11s}")
+    times = {rt: [f"{r['time'] * 1e3:.1f}" for r in per_rank[0][rt]] for rt in ("fsdp2", "ours")}
+    print(f"\nper-run step medians (ms): FSDP2 {times['fsdp2']}, ours {times['ours']}")
+    la, lb = per_rank[0]["fsdp2"][0]["losses"], per_rank[0]["ours"][0]["losses"]
+    print(f"rank-0 losses, max |ours - FSDP2| over {len(la)} steps: "
+          f"{max(abs(x - y) for x, y in zip(la, lb)):.2e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
