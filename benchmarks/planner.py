@@ -41,7 +41,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from ragged_placement.planner import Granularity, plan, plan_units  # noqa: E402
+from ragged_placement.planner import Granularity, plan, plan_segmented, plan_units  # noqa: E402
 from ragged_placement.planner.models import fsdp_units, load_configs  # noqa: E402
 from ragged_placement.planner.plan import _planned, _rotated  # noqa: E402
 
@@ -109,8 +109,8 @@ def pct(pad: int, total: int) -> float:
 def run(models, worlds, separate: bool, policies) -> None:
     configs = load_configs(MODELS_JSON)
     header = (
-        f"{'model':<22}{'world':>6} {'gran':<9}{'ours%':>9}{'LB%':>9}{'blkS0%':>9}"
-        f"{'FSDP2%':>9}{'FSDP1%':>9}{'ours/S0':>9}{'load':>9}{'unit':>9}{'plan ms':>9}"
+        f"{'model':<22}{'world':>6} {'gran':<9}{'ours%':>9}{'seg%':>9}{'LB%':>9}{'blkS0%':>9}"
+        f"{'FSDP2%':>9}{'FSDP1%':>9}{'ours/S0':>9}{'seg/S0':>9}{'load':>9}{'unit':>9}{'plan ms':>9}"
         f"{'pl ms':>9}"
     )
     print(header)
@@ -154,17 +154,24 @@ def run(models, worlds, separate: bool, policies) -> None:
                         for n in p.names:
                             p.placements[n]
                     pl_ms = 1e3 * (time.perf_counter() - t0)
+                    # segmented units (plan_segmented): one coalesced collective per unit
+                    seg = sum(plan_segmented(params, world, granularity=policy).padding_numel
+                              for _, params in units)
                     bs0_txt = f"{pct(bs0, total):9.3f}" if gname == "block128" else f"{'-':>9}"
                     base = {"block128": bs0, "row": f2, "element": f2}.get(gname)
-                    if base is None:
-                        ratio = f"{'-':>9}"
-                    elif base:
-                        ratio = f"{ours / base:9.3f}"
-                    else:
-                        ratio = f"{'=':>9}" if not ours else f"{'inf':>9}"
+
+                    def ratio_of(x: int) -> str:
+                        if base is None:
+                            return f"{'-':>9}"
+                        if base:
+                            return f"{x / base:9.3f}"
+                        return f"{'=':>9}" if not x else f"{'inf':>9}"
+
+                    ratio, seg_ratio = ratio_of(ours), ratio_of(seg)
                     print(
-                        f"{label:<22}{world:>6} {gname:<9}{pct(ours, total):9.3f}{pct(lb, total):9.3f}"
-                        f"{bs0_txt}{pct(f2, total):9.3f}{pct(f1, total):9.3f}{ratio}"
+                        f"{label:<22}{world:>6} {gname:<9}{pct(ours, total):9.3f}{pct(seg, total):9.3f}"
+                        f"{pct(lb, total):9.3f}"
+                        f"{bs0_txt}{pct(f2, total):9.3f}{pct(f1, total):9.3f}{ratio}{seg_ratio}"
                         f"{work.max() / work.mean():9.1f}{uw.max() / uw.mean():9.1f}"
                         f"{1e3 * statistics.median(times):9.1f}{pl_ms:9.0f}",
                         flush=True,

@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_single", "reduce_scatter_single", "TORCH_VERSION", "SUPPORTED_TORCH"]
+__all__ = [
+    "all_gather_single", "reduce_scatter_single", "all_gather_segments", "reduce_scatter_segments",
+    "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH",
+]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
 SUPPORTED_TORCH = ((2, 11), (2, 13))
@@ -57,3 +60,45 @@ def concatenate_meshes(meshes: list):
     if len(names) != sum(m.ndim for m in meshes) or len(set(names)) != len(names):
         raise RuntimeError(f"meshes {meshes} need distinct dim names to be concatenated")
     return root[names]
+
+
+def _coalesced(calls, group, async_op: bool):
+    """Run ``calls`` (thunks issuing collectives) as one coalesced collective (one NCCL group /
+    one gloo ``*_coalesced`` op); a single call runs as itself."""
+    if len(calls) == 1:
+        return calls[0](async_op)
+    with dist._coalescing_manager(group=group, async_ops=True) as cm:
+        for call in calls:
+            call(True)
+    if async_op:
+        return cm
+    cm.wait()
+    return None
+
+
+def all_gather_segments(output: torch.Tensor, input: torch.Tensor, segments, world_size: int,
+                        group=None, async_op: bool = False):
+    """All-gather each segment of ``input`` (a rank's chunk: segment ``k`` at
+    ``[chunk_offset, chunk_offset + chunk_numel)``) into its place in ``output`` (segment ``k`` at
+    ``[buffer_offset, buffer_offset + world_size * chunk_numel)``), as one coalesced collective."""
+    calls = [
+        (lambda a, s=s: all_gather_single(
+            output[s.buffer_offset:s.buffer_offset + world_size * s.chunk_numel],
+            input[s.chunk_offset:s.chunk_offset + s.chunk_numel], group=group, async_op=a))
+        for s in segments
+    ]
+    return _coalesced(calls, group, async_op)
+
+
+def reduce_scatter_segments(output: torch.Tensor, input: torch.Tensor, segments, world_size: int,
+                            op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """The inverse of :func:`all_gather_segments`: reduce each segment of the unsharded ``input``
+    and keep this rank's chunk of it in ``output``, as one coalesced collective."""
+    calls = [
+        (lambda a, s=s: reduce_scatter_single(
+            output[s.chunk_offset:s.chunk_offset + s.chunk_numel],
+            input[s.buffer_offset:s.buffer_offset + world_size * s.chunk_numel], op=op, group=group,
+            async_op=a))
+        for s in segments
+    ]
+    return _coalesced(calls, group, async_op)

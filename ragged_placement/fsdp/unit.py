@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from ragged_placement._compat import all_gather_single, reduce_scatter_single
+from ragged_placement._compat import all_gather_segments, all_gather_single, reduce_scatter_segments
 from ragged_placement.fsdp.fp8 import FP8UnitGather, fp8_granularity, is_fp8_weight
 from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout, tp_policy, tp_spec_of, unit_tp_mesh
 
@@ -124,7 +124,7 @@ class FSDPUnit:
         granularity,
         quant=None,
     ) -> None:
-        from ragged_placement.planner import plan as make_plan
+        from ragged_placement.planner import plan, plan_segmented
 
         self.dp = DataParallelMesh.of(mesh)
         dtypes = {p.dtype for p in params}
@@ -159,6 +159,9 @@ class FSDPUnit:
         # empty buffers, and issues no collectives.
         self.plan = None
         if slots:
+            # Segments (several flat layouts, one coalesced collective) when they pad less; the
+            # FP8 gather packs one layout.
+            make_plan = plan if any(quantized) else plan_segmented
             self.plan = make_plan(
                 [(s.fqn, tuple(s.shape)) for s in slots],
                 self.world_size,
@@ -174,9 +177,8 @@ class FSDPUnit:
             for slot, p in zip(slots, params):
                 begin, end = self.plan.local_slice(slot.fqn, self.rank)
                 if end > begin:
-                    src = self.plan.offsets[slot.fqn]
-                    g0 = self.rank * S + begin - src  # first element of p in this rank's run
-                    self.sharded[begin:end].copy_(p.detach().reshape(-1)[g0 : g0 + end - begin])
+                    run = self.plan.placements[slot.fqn].shard_local(p.detach(), self.rank)
+                    self.sharded[begin:end].copy_(run.reshape(-1))
         # One spec per parameter, shared by the sharded parameter and its gradient. DTensors are
         # built from it directly (as FSDP2 does): from_local would add an autograd node and
         # re-derive the global shape on every gradient landing.
@@ -283,7 +285,12 @@ class FSDPUnit:
         self._ag_send = send
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += self.unsharded.numel() * self.unsharded.element_size()
-        self._ag_work = all_gather_single(self.unsharded, send, group=self.group, async_op=True)
+        if self.fp8 is not None:
+            self._ag_work = all_gather_single(self.unsharded, send, group=self.group, async_op=True)
+        else:
+            self._ag_work = all_gather_segments(
+                self.unsharded, send, self.plan.segments, self.world_size, group=self.group, async_op=True
+            )
         self.state = UnitState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -343,8 +350,9 @@ class FSDPUnit:
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += rs_in.numel() * rs_in.element_size()
         self._rs_input, self._rs_output = rs_in, out
-        self._rs_work = reduce_scatter_single(
-            out, rs_in, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        self._rs_work = reduce_scatter_segments(
+            out, rs_in, self.plan.segments, self.world_size, op=dist.ReduceOp.SUM, group=self.group,
+            async_op=True,
         )
 
     def finish_reduce(self) -> None:
