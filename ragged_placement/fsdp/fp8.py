@@ -1,8 +1,9 @@
 """Block-wise FP8 all-gather of an FSDP unit (``fully_shard(..., quant=BlockFP8Config(...))``).
 
-Which parameters train in FP8: the 2-D weights of ``nn.Linear`` modules (swapped for
-:class:`~ragged_placement.quant.FP8Linear` by ``fully_shard``) that every owner uses as a
-Linear weight; a weight tied to an embedding stays in high precision. They are planned at
+Which parameters train in FP8: the 2-D weights of ``nn.Linear`` modules (exactly
+``nn.Linear``, swapped for :class:`~ragged_placement.quant.FP8Linear` by ``fully_shard``;
+subclasses with their own forward are left alone) that every owner uses as a Linear weight; a
+weight tied to an embedding stays in high precision. They are planned at
 ``Granularity.block(*block)`` (whole ``block[0]``-row bands per rank), so every rank
 quantizes its own blocks from the fp32 master shard with no communication.
 
