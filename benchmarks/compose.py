@@ -117,7 +117,10 @@ def _worker(rank: int, ws: int, port: int, args, out_dir: str) -> None:
     try:
         mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
         cfg = LlamaConfig(
-            vocab_size=args.vocab, dim=args.width, n_layers=args.layers, n_heads=args.heads,
+            vocab_size=args.vocab,
+            dim=args.width,
+            n_layers=args.layers,
+            n_heads=args.heads,
             hidden_dim=args.hidden,
         )
         torch.manual_seed(0)
@@ -184,10 +187,14 @@ def main() -> None:
         ("peak memory / rank (max)", "peak", _fmt_bytes),
         ("step time (median)", "time", lambda t: f"{t * 1e3:.1f} ms"),
     ]
-    model = (f"Llama {args.layers} layers x {args.width} wide (SwiGLU {args.hidden}, vocab "
-             f"{args.vocab}), seq {args.seq}, batch {args.batch}/dp rank")
-    print(f"\nFSDP x TP on a (dp={args.dp}, tp={args.tp}) gloo mesh (CPU), {model}, fp32, "
-          f"torch {torch.__version__}, {args.runs} runs x {args.steps} steps\n")
+    model = (
+        f"Llama {args.layers} layers x {args.width} wide (SwiGLU {args.hidden}, vocab "
+        f"{args.vocab}), seq {args.seq}, batch {args.batch}/dp rank"
+    )
+    print(
+        f"\nFSDP x TP on a (dp={args.dp}, tp={args.tp}) gloo mesh (CPU), {model}, fp32, "
+        f"torch {torch.__version__}, {args.runs} runs x {args.steps} steps\n"
+    )
     print(f"{'metric':32s} {'FSDP2 + TP':>14s} {'ours + TP':>14s} {'ours/FSDP2':>11s}")
     print("-" * 74)
     for label, key, fmt in rows:
@@ -197,8 +204,10 @@ def main() -> None:
     times = {rt: [f"{r['time'] * 1e3:.1f}" for r in per_rank[0][rt]] for rt in ("fsdp2", "ours")}
     print(f"\nper-run step medians (ms): FSDP2 {times['fsdp2']}, ours {times['ours']}")
     la, lb = per_rank[0]["fsdp2"][0]["losses"], per_rank[0]["ours"][0]["losses"]
-    print(f"rank-0 losses, max |ours - FSDP2| over {len(la)} steps: "
-          f"{max(abs(x - y) for x, y in zip(la, lb)):.2e}")
+    print(
+        f"rank-0 losses, max |ours - FSDP2| over {len(la)} steps: "
+        f"{max(abs(x - y) for x, y in zip(la, lb)):.2e}"
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from dist_utils import run_gloo
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import Shard
 
 from ragged_placement.fsdp import fully_shard
 from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama, pipeline_stage
@@ -66,7 +67,10 @@ def _mean_over(losses: list[float], group=None) -> list[float]:
 
 
 def _full(model) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    return {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for k, v in model.state_dict().items()
+    }
 
 
 def _tp(rank: int, state, ckpt: str) -> dict:
@@ -82,13 +86,20 @@ def _tp(rank: int, state, ckpt: str) -> dict:
     # The sharded locals are views of the unit's flat buffer; .grad are root-mesh DTensors.
     unit = model.layers["0"].fsdp_unit
     wq = model.layers["0"].attention.wq.weight
-    out["view"] = wq._local_tensor.untyped_storage().data_ptr() == unit.sharded.untyped_storage().data_ptr()
+    out["view"] = (
+        wq._local_tensor.untyped_storage().data_ptr() == unit.sharded.untyped_storage().data_ptr()
+    )
     out["mesh"] = wq.device_mesh.mesh_dim_names
-    out["losses"] = _mean_over(_train(model, [b[d * half : (d + 1) * half] for b in _batches()], clip=True))
+    out["losses"] = _mean_over(
+        _train(model, [b[d * half : (d + 1) * half] for b in _batches()], clip=True)
+    )
     b = _batches()[0][d * half : (d + 1) * half]
     _loss(model(b[:, :-1]), b[:, 1:]).backward()
     out["grad_placements"] = tuple(wq.grad.placements)
-    out["grad_view"] = wq.grad._local_tensor.untyped_storage().data_ptr() == unit.sharded_grad.untyped_storage().data_ptr()
+    out["grad_view"] = (
+        wq.grad._local_tensor.untyped_storage().data_ptr()
+        == unit.sharded_grad.untyped_storage().data_ptr()
+    )
     model.zero_grad()
     out["full"] = _full(model)
     dcp.save(model.state_dict(), checkpoint_id=ckpt)
@@ -121,7 +132,12 @@ def _pp(rank: int, state, schedule_cls) -> list[float]:
     )
     y_example = torch.zeros(mb, SEQ, CFG.dim if s == 0 else CFG.vocab_size, requires_grad=True)
     stage = PipelineStage(
-        part, s, 2, torch.device("cpu"), input_args=(x_example,), output_args=(y_example,),
+        part,
+        s,
+        2,
+        torch.device("cpu"),
+        input_args=(x_example,),
+        output_args=(y_example,),
         group=mesh["pp"].get_group(),
     )
     schedule = schedule_cls(stage, n_micro, loss_fn=_loss)
@@ -181,9 +197,12 @@ def _close(a: list[float], b: list[float], tol: float = 1e-5) -> None:
 def test_fsdp_tp_layout_and_losses(results):
     tp = results["ranks"][0]["tp"]
     pl = tp["placements"]
-    assert pl["layers.0.attention.wq.weight"] == (RaggedShard((0,), (0, 1), split_factor=2), _shard(0))
-    assert pl["layers.0.attention.wo.weight"][1] == _shard(1)
-    assert not pl["layers.0.attention.wo.weight"][0].split_factor > 1
+    assert pl["layers.0.attention.wq.weight"] == (
+        RaggedShard((0,), (0, 1), split_factor=2),
+        Shard(0),
+    )
+    assert pl["layers.0.attention.wo.weight"][1] == Shard(1)
+    assert pl["layers.0.attention.wo.weight"][0].split_factor == 1
     assert pl["layers.0.attention_norm.weight"][1].is_replicate()
     assert tp["view"] and tp["mesh"] == ("dp", "tp")
     assert tp["grad_placements"] == pl["layers.0.attention.wq.weight"] and tp["grad_view"]
@@ -192,12 +211,6 @@ def test_fsdp_tp_layout_and_losses(results):
     # Adam's normalized update turns summation-order noise in near-zero gradients into ~lr*1e-3.
     for k, v in results["ref"]["final"].items():
         torch.testing.assert_close(tp["full"][k], v, atol=1e-4, rtol=0)
-
-
-def _shard(d: int):
-    from torch.distributed.tensor import Shard
-
-    return Shard(d)
 
 
 def test_hsdp_losses(results):

@@ -32,7 +32,12 @@ def _pp_dp_tp(rank: int, state) -> list[float]:
     )
     y_example = torch.zeros(mb, SEQ, CFG.dim if s == 0 else CFG.vocab_size, requires_grad=True)
     stage = PipelineStage(
-        part, s, 2, torch.device("cpu"), input_args=(x_example,), output_args=(y_example,),
+        part,
+        s,
+        2,
+        torch.device("cpu"),
+        input_args=(x_example,),
+        output_args=(y_example,),
         group=mesh["pp"].get_group(),
     )
     schedule = ScheduleGPipe(stage, n_micro, loss_fn=_loss)
@@ -88,4 +93,7 @@ def test_pp_dp_tp_and_hsdp_tp_equal_one_process():
         assert h["mesh"] == ("replicate", "shard", "tp")
         assert h["placements"][0] == Replicate() and h["placements"][2] == Shard(0)
         assert isinstance(h["placements"][1], RaggedShard) and h["placements"][1].split_factor == 2
-        assert max(abs(a - b) for a, b in zip(h["losses"], ref_clip)) < 1e-5, (h["losses"], ref_clip)
+        assert max(abs(a - b) for a, b in zip(h["losses"], ref_clip)) < 1e-5, (
+            h["losses"],
+            ref_clip,
+        )

@@ -111,9 +111,7 @@ def tp_spec_of(fqn: str, param: torch.Tensor, dp: DataParallelMesh) -> DTensorSp
                 f"parameter {fqn} has {p!r} on mesh dim {i} ({_dim_name(mesh, i)}) of its mesh "
                 f"{mesh}: fully_shard plans RaggedShard only on the dim of its mesh argument"
             )
-        if isinstance(p, _StridedShard) or not (
-            type(p) is Shard or isinstance(p, Replicate)
-        ):
+        if isinstance(p, _StridedShard) or not (type(p) is Shard or isinstance(p, Replicate)):
             raise ValueError(
                 f"parameter {fqn} has placement {p!r} on mesh dim {i}: fully_shard composes "
                 f"with Shard(d) and Replicate() tensor-parallel placements only"
@@ -127,11 +125,14 @@ def tp_spec_of(fqn: str, param: torch.Tensor, dp: DataParallelMesh) -> DTensorSp
                     f"tensor-parallel shards"
                 )
     if mesh.ndim != 1:
-        raise ValueError(f"parameter {fqn} lives on a {mesh.ndim}-D mesh {mesh}: fully_shard "
-                         f"composes with a 1-D tensor-parallel mesh")
+        raise ValueError(
+            f"parameter {fqn} lives on a {mesh.ndim}-D mesh {mesh}: fully_shard "
+            f"composes with a 1-D tensor-parallel mesh"
+        )
     if mesh.device_type != dp.mesh.device_type:
-        raise ValueError(f"parameter {fqn} is on a {mesh.device_type} mesh but mesh is on "
-                         f"{dp.mesh.device_type}")
+        raise ValueError(
+            f"parameter {fqn} is on a {mesh.device_type} mesh but mesh is on {dp.mesh.device_type}"
+        )
     try:
         concatenate_meshes([dp.mesh, mesh])
     except (RuntimeError, ValueError) as exc:
