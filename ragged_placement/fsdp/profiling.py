@@ -42,6 +42,7 @@ class CollectiveMeter:
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
         self._saved: list[tuple[object, str, object]] = []
+        self._coalesced_kinds: set[str] | None = None  # set while a coalesced group is issued
 
     @property
     def all_gather_bytes(self) -> int:
@@ -53,10 +54,30 @@ class CollectiveMeter:
 
     def _wrap(self, kind: str, fn):
         def counted(output, input, *args, **kwargs):
-            self.counts[kind] += 1
+            if self._coalesced_kinds is None:
+                self.counts[kind] += 1
+            else:  # part of one coalesced collective, counted once when the group is issued
+                self._coalesced_kinds.add(kind)
             big = output if kind == "all_gather" else input
             self.counts[f"{kind}_bytes"] += big.numel() * big.element_size()
             return fn(output, input, *args, **kwargs)
+
+        return counted
+
+    def _wrap_coalesced(self, fn):
+        """A coalesced group (a segmented unit's collectives) is one collective: one NCCL group,
+        one gloo ``*_coalesced`` op."""
+
+        def counted(calls, *args, **kwargs):
+            if len(calls) == 1:
+                return fn(calls, *args, **kwargs)
+            self._coalesced_kinds = set()
+            try:
+                return fn(calls, *args, **kwargs)
+            finally:
+                for kind in self._coalesced_kinds:
+                    self.counts[kind] += 1
+                self._coalesced_kinds = None
 
         return counted
 
@@ -74,6 +95,8 @@ class CollectiveMeter:
             if fn is not None:
                 self._saved.append((obj, name, fn))
                 setattr(obj, name, self._wrap(kind, fn))
+        self._saved.append((compat, "_coalesced", compat._coalesced))
+        compat._coalesced = self._wrap_coalesced(compat._coalesced)
         return self
 
     def __exit__(self, *exc) -> None:
