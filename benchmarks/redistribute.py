@@ -11,20 +11,18 @@ RaggedShard <-> RaggedShard / Shard the route through a full replica that veScal
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ragged_placement import RaggedShard
+from ragged_placement.launch import run_gloo
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -102,10 +100,7 @@ def _measure_pair(fn, peer_fn, runs: int) -> tuple[tuple[int, int, float], tuple
     return tuple((*c, statistics.median(t) * 1e3) for c, t in zip(counts, times))  # type: ignore[return-value]
 
 
-def _worker(rank: int, world: int, port: int, rows: int, cols: int, runs: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, rows: int, cols: int, runs: int) -> list[tuple]:
     mesh = init_device_mesh("cpu", (world,))
     t = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
     uneven = RaggedShard((0,), (3, 1, 2, 2))
@@ -141,10 +136,7 @@ def _worker(rank: int, world: int, port: int, rows: int, cols: int, runs: int, o
     for name, fn, peer_name, peer_fn in cases:
         ours, peer = _measure_pair(fn, peer_fn, runs)
         rows_out.append((name, *ours, peer_name, *peer))
-    if rank == 0:
-        out["rows"] = rows_out
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows_out
 
 
 def main() -> None:
@@ -153,13 +145,7 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=512)
     ap.add_argument("--runs", type=int, default=7)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(4, port, args.rows, args.cols, args.runs, out), nprocs=4)
-        rows = list(out["rows"])
+    rows = run_gloo(_worker, 4, args.rows, args.cols, args.runs)[0]
     mib = 1 << 20
     print(f"4 gloo ranks, fp32 [{args.rows}, {args.cols}] ({args.rows * args.cols * 4 / mib:.0f} MiB), "
           f"RS = RaggedShard((0,), (3, 1, 2, 2)); median of {args.runs} alternating runs after warm-up; "

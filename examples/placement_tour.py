@@ -9,17 +9,15 @@ checking ``full_tensor()`` against the original after each hop.
 
 from __future__ import annotations
 
-import os
-import socket
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 from ragged_placement import RaggedShard
+from ragged_placement.launch import run_gloo
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -33,9 +31,7 @@ def _rows_held(local: torch.Tensor, full: torch.Tensor) -> str:
     return f"elements {first}..{last} (rows {first // cols}..{last // cols})"
 
 
-def _tour(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _tour(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(32.0).reshape(8, 4)
     placements = {
@@ -78,15 +74,10 @@ def _tour(rank: int, world: int, port: int) -> None:
     if rank == 0:
         print(f"  sum {stats[0]:.1f} (torch {ref[0]:.1f}), mean {stats[1]:.3f} (torch {ref[1]:.3f}), "
               f"norm {stats[2]:.3f} (torch {ref[2]:.3f})")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tour, args=(4, port), nprocs=4)
+    run_gloo(_tour, 4)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 * :func:`run_threaded` simulates ``world_size`` ranks in one process, one thread per rank, over
   torch's in-process "threaded" process group. Collectives really move data, so our code runs
   unmodified on every rank. Fast enough for hypothesis property tests.
-* :func:`run_gloo` spawns ``world_size`` real processes over gloo (integration tests).
+* :func:`run_gloo` spawns ``world_size`` real processes over gloo (integration tests), through
+  :func:`ragged_placement.launch.run_gloo`.
 
 Both call ``fn(rank, world_size, *args)`` on every rank and return the per-rank results in rank
 order; an exception on any rank is re-raised in the caller. Process groups are always destroyed.
@@ -13,9 +14,7 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import sys
-import tempfile
 import threading
 import traceback
 from collections.abc import Callable
@@ -23,9 +22,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-__all__ = ["run_threaded", "run_gloo", "free_port"]
+from ragged_placement import launch
+
+__all__ = ["run_threaded", "run_gloo"]
 
 _THREADED_LOCK = threading.Lock()
 
@@ -74,47 +74,10 @@ def run_threaded(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
         return results
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_worker(rank: int, fn, world_size: int, port: int, args: tuple, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
-
-    ``fn`` must be importable (a module-level function); results must be ``torch.save``-able.
-    """
+    """:func:`ragged_placement.launch.run_gloo` with tests/ importable in the spawned ranks (``fn``
+    is a module-level function of a test module)."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     if tests_dir not in sys.path:
         sys.path.insert(0, tests_dir)
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
-            _gloo_worker,
-            args=(fn, world_size, free_port(), args, out_dir),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        import time
-
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"gloo run of {fn.__name__} exceeded {timeout}s")
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+    return launch.run_gloo(fn, world_size, *args, timeout=timeout)
