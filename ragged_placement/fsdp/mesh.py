@@ -26,7 +26,6 @@ tensor parallel's module hooks and DTensor ops run unchanged.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -41,7 +40,14 @@ from ragged_placement.placement import RaggedShard
 from ragged_placement.planner import Granularity
 from ragged_placement.planner.granularity import resolve_policy
 
-__all__ = ["DataParallelMesh", "ParamLayout", "tp_policy", "tp_spec_of", "unit_tp_mesh"]
+__all__ = [
+    "DataParallelMesh",
+    "ParamLayout",
+    "spmd_mesh",
+    "tp_policy",
+    "tp_spec_of",
+    "unit_tp_mesh",
+]
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -189,9 +195,9 @@ def tp_policy(policy, tp_specs: dict[str, DTensorSpec | None]):
     return resolved
 
 
-@functools.lru_cache(maxsize=64)
-def _spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> DeviceMesh:
-    return dp_mesh if tp_mesh is None else concatenate_meshes([dp_mesh, tp_mesh])
+def spmd_mesh(dp: DataParallelMesh, tp_mesh: DeviceMesh | None) -> DeviceMesh:
+    """The mesh of a unit's sharded parameters: ``dp.mesh``, then ``tp_mesh``'s dim if any."""
+    return dp.mesh if tp_mesh is None else concatenate_meshes([dp.mesh, tp_mesh])
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,7 @@ class ParamLayout:
         local_shape: the TP-local shape (the planned one).
         tp_spec: the parameter's tensor-parallel spec, ``None`` for a plain parameter.
         tp_mesh: the unit's tensor-parallel mesh (``None`` if the unit has no TP parameter).
+        mesh: the unit's :func:`spmd_mesh`, the mesh of the sharded parameter.
     """
 
     fqn: str
@@ -211,6 +218,7 @@ class ParamLayout:
     local_shape: torch.Size
     tp_spec: DTensorSpec | None
     tp_mesh: DeviceMesh | None
+    mesh: DeviceMesh
 
     @property
     def global_shape(self) -> torch.Size:
@@ -250,7 +258,7 @@ class ParamLayout:
                 )
         shape = self.global_shape
         return DTensorSpec(
-            _spmd_mesh(dp.mesh, self.tp_mesh),
+            self.mesh,
             (*dp.placements(fsdp), *tp_placements),
             TensorMeta(shape, _contiguous_stride(shape), dtype),
         )

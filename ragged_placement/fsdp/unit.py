@@ -42,7 +42,14 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ragged_placement._compat import all_gather_segments, all_gather_single, reduce_scatter_segments
 from ragged_placement.fsdp.fp8 import FP8UnitGather, fp8_granularity, is_fp8_weight
-from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout, tp_policy, tp_spec_of, unit_tp_mesh
+from ragged_placement.fsdp.mesh import (
+    DataParallelMesh,
+    ParamLayout,
+    spmd_mesh,
+    tp_policy,
+    tp_spec_of,
+    unit_tp_mesh,
+)
 
 __all__ = ["CommStats", "FSDPUnit", "ParamSlot"]
 
@@ -124,7 +131,7 @@ class FSDPUnit:
         granularity,
         quant=None,
     ) -> None:
-        from ragged_placement.planner import plan, plan_segmented
+        from ragged_placement.planner import plan_segmented
 
         self.dp = DataParallelMesh.of(mesh)
         dtypes = {p.dtype for p in params}
@@ -160,9 +167,8 @@ class FSDPUnit:
         self.plan = None
         if slots:
             # Segments (several flat layouts, one coalesced collective) when they pad less; the
-            # FP8 gather packs one layout.
-            make_plan = plan if any(quantized) else plan_segmented
-            self.plan = make_plan(
+            # FP8 gather packs every segment into one send buffer (one all-gather).
+            self.plan = plan_segmented(
                 [(s.fqn, tuple(s.shape)) for s in slots],
                 self.world_size,
                 granularity=granularity,
@@ -184,12 +190,15 @@ class FSDPUnit:
         # re-derive the global shape on every gradient landing.
         self.layouts: list[ParamLayout] = []
         self.specs: list[DTensorSpec] = []
+        self.spmd_mesh = spmd_mesh(self.dp, self.tp_mesh)  # the mesh of the sharded parameters
         local_views = self.plan.local_views(self.sharded, self.rank) if slots else {}
         self.sharded_params: list[nn.Parameter] = []
         for slot, tp_spec in zip(slots, tp_specs):
             placement = self.plan.placements[slot.fqn]
             placement.check_mesh_size(self.world_size)
-            layout = ParamLayout(slot.fqn, placement, slot.shape, tp_spec, self.tp_mesh)
+            layout = ParamLayout(
+                slot.fqn, placement, slot.shape, tp_spec, self.tp_mesh, self.spmd_mesh
+            )
             layout.check(self.plan.granularities[slot.fqn])
             self.layouts.append(layout)
             local = local_views[slot.fqn]
@@ -209,13 +218,11 @@ class FSDPUnit:
         self.fp8: FP8UnitGather | None = None
         if any(quantized):
             self.fp8 = FP8UnitGather(
+                self.plan,
                 [s.fqn for s in slots],
                 [s.shape for s in slots],
-                [self.plan.offsets[s.fqn] for s in slots],
                 quantized,
                 [s.requires_grad for s in slots],
-                S,
-                W,
                 quant,
                 self.param_dtype,
                 self.device,
