@@ -100,31 +100,47 @@ PAD_BOUND = 0.5
 GATHER_CFG = GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=SEQ, tie_weights=False)
 
 
+def _segmented_mlp() -> nn.Sequential:
+    """Two weights with different band sizes, each longer than two chunks at 4 ranks: one flat
+    layout would pad to the lcm of their bands, so the planner makes three segments."""
+    return nn.Sequential(nn.Linear(200, 256), nn.LayerNorm(256), nn.Linear(256, 384))
+
+
 def _ragged_init() -> dict[str, torch.Tensor]:
     torch.manual_seed(1)
     return RaggedMLP().state_dict()
 
 
+def _segmented_init() -> dict[str, torch.Tensor]:
+    torch.manual_seed(2)
+    return _segmented_mlp().state_dict()
+
+
 def _expected_gather_nbytes(unit, ws: int) -> int:
-    """The gathered size from the plan alone: per rank ``[scales | raw (bf16) | fp8]``, regions
-    16-byte aligned, every rank padded to the largest (FP8GatherLayout's documented format)."""
+    """The gathered size from the plan alone: each plan segment sends per rank
+    ``[scales | raw (bf16) | fp8]``, regions 16-byte aligned, every rank padded to the largest
+    (FP8GatherLayout's documented format); a rank sends its segments back to back."""
 
     def a16(n: int) -> int:
         return -(-n // 16) * 16
 
-    per_rank = []
-    for r in range(ws):
-        scales = raw = fp8 = 0
-        for slot, w in zip(unit.slots, unit.fp8.weights):
-            begin, end = unit.plan.local_slice(slot.fqn, r)
-            if w is None:
-                raw += 2 * (end - begin)
-            else:
-                n = slot.shape[1]
-                fp8 += end - begin
-                scales += 4 * math.ceil((end - begin) // n / 128) * math.ceil(n / 128)
-        per_rank.append(a16(a16(scales) + raw) + fp8)
-    return ws * a16(max(per_rank))
+    fp8 = {s.fqn for s, w in zip(unit.slots, unit.fp8.weights) if w is not None}
+    total = 0
+    for part in getattr(unit.plan, "parts", (unit.plan,)):
+        per_rank = []
+        for r in range(ws):
+            scales = raw = q = 0
+            for name in part.names:
+                begin, end = part.local_slice(name, r)
+                if name in fp8:
+                    n = part.shapes[name][1]
+                    q += end - begin
+                    scales += 4 * math.ceil((end - begin) // n / 128) * math.ceil(n / 128)
+                else:
+                    raw += 2 * (end - begin)
+            per_rank.append(a16(a16(scales) + raw) + q)
+        total += ws * a16(max(per_rank))
+    return total
 
 
 def _gather_rank(rank: int, ws: int):
@@ -135,6 +151,9 @@ def _gather_rank(rank: int, ws: int):
     mlp = RaggedMLP()
     mlp.load_state_dict(_ragged_init())
     fully_shard(mlp, mesh=mesh, quant=QUANT, mp_policy=BF16)
+    seg = _segmented_mlp()
+    seg.load_state_dict(_segmented_init())
+    fully_shard(seg, mesh=mesh, quant=QUANT, mp_policy=BF16)
     seen: dict[str, object] = {}  # what each module's forward gets, first forward only
 
     def capture(module: nn.Module, _args, name: str) -> None:
@@ -147,7 +166,7 @@ def _gather_rank(rank: int, ws: int):
                 value = p.detach().clone()
             seen.setdefault(f"{name}.{attr}", value)
 
-    for prefix, root in (("gpt", gpt), ("mlp", mlp)):
+    for prefix, root in (("gpt", gpt), ("mlp", mlp), ("seg", seg)):
         for name, mod in root.named_modules():
             full = f"{prefix}.{name}" if name else prefix
             mod.register_forward_pre_hook(lambda m, a, n=full: capture(m, a, n))
@@ -157,21 +176,23 @@ def _gather_rank(rank: int, ws: int):
     with CollectiveMeter() as meter:
         gpt(x, y).backward()
         mlp(z).float().square().mean().backward()
-    units = {f"gpt.{n}" if n else "gpt": u for n, u in gpt.fsdp_units()} | {"mlp": mlp.fsdp_unit}
+        seg(z).float().square().mean().backward()
+    units = {f"gpt.{n}" if n else "gpt": u for n, u in gpt.fsdp_units()}
+    units |= {"mlp": mlp.fsdp_unit, "seg": seg.fsdp_unit}
     per_unit = {
         name: (
             u.stats.all_gathers,
             u.stats.all_gather_bytes,
             u.stats.reduce_scatters,
-            u.fp8.layout.gathered_nbytes,
+            u.fp8.gathered_nbytes,
             _expected_gather_nbytes(u, ws),
-            u.fp8.layout.padding_nbytes,
+            u.fp8.padding_nbytes,
             u.fp8.assembled_nbytes,
             u._storage.nbytes() + u.fp8.assembled.untyped_storage().nbytes(),
         )
         for name, u in units.items()
     }
-    return seen, dict(meter.counts), per_unit
+    return seen, dict(meter.counts), per_unit, type(seg.fsdp_unit.plan).__name__
 
 
 @pytest.mark.multiprocess
@@ -179,12 +200,15 @@ def test_fp8_all_gather_is_bitwise_single_device_quantization_and_counted_bytes(
     results = run_gloo(_gather_rank, WORLD)
     init = {f"gpt.{k}": v for k, v in _init(GATHER_CFG).items()}
     init |= {f"mlp.{k}": v for k, v in _ragged_init().items()}
+    init |= {f"seg.{k}": v for k, v in _segmented_init().items()}
     fp8_names = [
         k for k, v in init.items() if k.endswith(".weight") and v.dim() == 2 and ".wte" not in k
     ]
     fp8_names.remove("gpt.wpe.weight")
-    assert len(fp8_names) == 2 * 4 + 1 + 2  # 4 Linears per block, the untied head, RaggedMLP
-    for seen, counts, per_unit in results:
+    # 4 Linears per block, the untied head, RaggedMLP's and the segmented MLP's two each
+    assert len(fp8_names) == 2 * 4 + 1 + 2 + 2
+    for seen, counts, per_unit, seg_plan in results:
+        assert seg_plan == "SegmentedPlan"  # gathered by the same single all-gather
         assert set(seen) == set(init)
         for name, full in init.items():
             if name in fp8_names:
@@ -195,7 +219,7 @@ def test_fp8_all_gather_is_bitwise_single_device_quantization_and_counted_bytes(
             else:  # the other parameters are gathered in param_dtype, unchanged
                 assert torch.equal(seen[name], full.to(torch.bfloat16)), name
         # root and blocks: the root keeps its parameters for backward; the blocks re-gather
-        passes = {"gpt": 1, "gpt.layers.0": 2, "gpt.layers.1": 2, "mlp": 1}
+        passes = {"gpt": 1, "gpt.layers.0": 2, "gpt.layers.1": 2, "mlp": 1, "seg": 1}
         total = 0
         for name, (ags, ag_bytes, rss, gathered, expected, pad, asm, live) in per_unit.items():
             assert ags == passes[name] and rss == 1, name
@@ -219,7 +243,7 @@ def test_fp8_all_gather_is_bitwise_single_device_quantization_and_counted_bytes(
             raw = sum(2 * v.numel() for k, v in own.items() if k not in fp8_names)
             assert gathered == fp8 + scales + raw + pad, name
             assert 0 <= pad < PAD_BOUND * gathered, (name, pad / gathered)
-        assert per_unit["mlp"][6] > 0  # its weights span ranks: the assembly path ran
+        assert per_unit["mlp"][6] > 0 and per_unit["seg"][6] > 0  # weights span ranks: assembled
         assert counts["all_gather"] == sum(passes.values())
         assert counts["all_gather_bytes"] == total
         assert counts["reduce_scatter"] == len(passes)

@@ -32,6 +32,7 @@ give a non-finite block scale, so the forward produces NaN, as a bf16 all-gather
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -56,6 +57,7 @@ __all__ = [
     "convert_unit_linears",
     "fp8_granularity",
     "is_fp8_weight",
+    "segment_layouts",
 ]
 
 _ALIGN = 16
@@ -153,48 +155,54 @@ def fp8_granularity(policy, fp8_shapes: Mapping[str, tuple[int, int]], block: tu
 class FP8UnitGather:
     """The FP8 all-gather buffers of one unit and its unsharded tensors (see the module doc).
 
+    A segmented plan (several flat layouts, :func:`~ragged_placement.planner.plan_segmented`)
+    gets one :class:`FP8GatherLayout` per segment; a rank sends the concatenation of its
+    per-segment send buffers, so the unit still issues one all-gather.
+
     Args:
-        names, shapes, offsets: the unit's parameters (plan offsets in the flat buffer).
+        plan: the unit's ``Plan`` or ``SegmentedPlan``.
+        names, shapes: the unit's parameters (names as in ``plan``).
         quantized: per parameter, whether it trains in FP8.
         requires_grad: per parameter, for the unsharded ``nn.Parameter``.
-        chunk_numel, world_size: the plan's ``S`` and ``W``.
         quant: block size and kernel choice.
         raw_dtype: ``param_dtype``: dtype of the other parameters and of the gradient sinks.
         device: where the buffers live.
 
     Attributes:
-        layout: the :class:`FP8GatherLayout` (``gathered_nbytes`` is the all-gather's size).
-        gathered: the uint8 all-gather output.
+        layouts: one :class:`FP8GatherLayout` per plan segment.
+        send_nbytes: bytes each rank sends (the sum over segments).
+        gathered: the uint8 all-gather output, ``world_size * send_nbytes`` bytes.
         params: the unsharded ``nn.Parameter`` per parameter (gradient sinks for FP8 weights).
         weights: ``(q, s)`` per FP8 weight (``None`` for the others), for ``FP8Linear.weight_fp8``.
     """
 
     def __init__(
         self,
+        plan,
         names: Sequence[str],
         shapes: Sequence[torch.Size],
-        offsets: Sequence[int],
         quantized: Sequence[bool],
         requires_grad: Sequence[bool],
-        chunk_numel: int,
-        world_size: int,
         quant: BlockFP8Config,
         raw_dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.quant = quant
-        self.layout = FP8GatherLayout(
-            [FlatParam(n, s, o, q) for n, s, o, q in zip(names, shapes, offsets, quantized)],
-            chunk_numel,
-            world_size,
-            block=quant.block,
-            raw_dtype=raw_dtype,
+        self.world_size = plan.world_size
+        self.segments = plan.segments
+        self.layouts = segment_layouts(plan, dict(zip(names, quantized)), quant.block, raw_dtype)
+        self._send_offsets = list(
+            itertools.accumulate([lay.send_nbytes for lay in self.layouts], initial=0)
         )
-        send = self.layout.send_nbytes
+        self.send_nbytes = self._send_offsets[-1]
+        index = {n: i for i, n in enumerate(names)}
+        # per parameter: (byte offset of the holding rank's segment send buffer, its piece)
         parts: list[list[tuple[int, object]]] = [[] for _ in names]
-        for rank, pieces in enumerate(self.layout.pieces):
-            for pc in pieces:
-                parts[pc.param].append((rank * send, pc))
+        for k, layout in enumerate(self.layouts):
+            for rank, pieces in enumerate(layout.pieces):
+                base = rank * self.send_nbytes + self._send_offsets[k]
+                for pc in pieces:
+                    parts[index[layout.params[pc.param].name]].append((base, pc))
         # byte regions of the split parameters in ``assembled`` and the copies that fill them
         self._copies: list[tuple[int, int, int]] = []  # (gathered offset, assembled offset, n)
         regions: list[dict[str, int]] = []
@@ -209,7 +217,7 @@ class FP8UnitGather:
                     region["scale"] = end
                     end = _align(end + 4 * math.prod(scale_shape(shapes[i], quant.block)))
             regions.append(region)
-        self.gathered = torch.empty(self.layout.gathered_nbytes, dtype=torch.uint8, device=device)
+        self.gathered = torch.empty(self.gathered_nbytes, dtype=torch.uint8, device=device)
         self.assembled = torch.empty(end, dtype=torch.uint8, device=device)
         self.params: list[nn.Parameter] = []
         self.weights: list[tuple[torch.Tensor, torch.Tensor] | None] = []
@@ -264,6 +272,18 @@ class FP8UnitGather:
                 )
 
     @property
+    def gathered_nbytes(self) -> int:
+        """Bytes of the unit's all-gather (what every rank receives)."""
+        return self.world_size * self.send_nbytes
+
+    @property
+    def padding_nbytes(self) -> int:
+        """Gathered bytes that carry no payload (planner padding, alignment, equal sizes)."""
+        return self.gathered_nbytes - sum(
+            lay.fp8_nbytes + lay.scale_nbytes + lay.raw_nbytes for lay in self.layouts
+        )
+
+    @property
     def assembled_nbytes(self) -> int:
         """Bytes of the buffer that split parameters are assembled in (0 if none is split)."""
         return self._nbytes[1]
@@ -279,13 +299,38 @@ class FP8UnitGather:
             storage.resize_(0)
 
     def pack(self, rank: int, sharded: torch.Tensor) -> torch.Tensor:
-        """Quantize ``rank``'s blocks of its flat master chunk into a new send buffer."""
-        return self.layout.pack(rank, sharded, kernel=self.quant.kernel)
+        """Quantize ``rank``'s blocks of its flat master chunk (all segments) into a new send
+        buffer of ``send_nbytes``."""
+        send = torch.empty(self.send_nbytes, dtype=torch.uint8, device=sharded.device)
+        for seg, layout, lo, hi in zip(
+            self.segments, self.layouts, self._send_offsets, self._send_offsets[1:]
+        ):
+            chunk = sharded[seg.chunk_offset : seg.chunk_offset + seg.chunk_numel]
+            layout.pack(rank, chunk, send[lo:hi], kernel=self.quant.kernel)
+        return send
 
     def assemble(self) -> None:
         """After the all-gather: copy the pieces of split parameters into ``assembled``."""
         for src, dst, n in self._copies:
             self.assembled[dst : dst + n].copy_(self.gathered[src : src + n])
+
+
+def segment_layouts(
+    plan, quantized: Mapping[str, bool], block: tuple[int, int], raw_dtype: torch.dtype
+) -> list[FP8GatherLayout]:
+    """One :class:`FP8GatherLayout` per segment of ``plan`` (a ``Plan`` is one segment), with
+    ``quantized[name]`` telling which parameters train in FP8."""
+    parts = getattr(plan, "parts", (plan,))
+    return [
+        FP8GatherLayout(
+            [FlatParam(n, part.shapes[n], part.offsets[n], quantized[n]) for n in part.names],
+            part.chunk_numel,
+            part.world_size,
+            block=block,
+            raw_dtype=raw_dtype,
+        )
+        for part in parts
+    ]
 
 
 def _align(n: int) -> int:
