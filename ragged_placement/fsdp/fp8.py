@@ -7,11 +7,12 @@ weight tied to an embedding stays in high precision. They are planned at
 ``Granularity.block(*block)`` (whole ``block[0]``-row bands per rank), so every rank
 quantizes its own blocks from the fp32 master shard with no communication.
 
-Per unshard (:class:`FP8UnitGather`), with ``W`` ranks and the unit's
-:class:`~ragged_placement.quant.FP8GatherLayout`:
+Per unshard (:class:`FP8UnitGather`), with ``W`` ranks and one
+:class:`~ragged_placement.quant.FP8GatherLayout` per segment of the unit's plan:
 
 1. ``pack``: each rank quantizes its blocks and copies its other parameters (in
-   ``param_dtype``) into a ``send_nbytes`` uint8 send buffer (FP8 bytes, fp32 scales, raw).
+   ``param_dtype``) into a ``send_nbytes`` uint8 send buffer (per segment: fp32 scales, raw
+   parameters, FP8 bytes, padding; segments back to back).
 2. one all-gather of the send buffers into ``gathered`` (``W * send_nbytes`` bytes).
 3. the unsharded values are fixed aliases created once: a parameter held by one rank aliases
    ``gathered`` (zero-copy); one split over ranks aliases a small ``assembled`` buffer that its
