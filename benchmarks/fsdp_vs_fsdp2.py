@@ -20,15 +20,12 @@ Run: ``.venv/bin/python benchmarks/fsdp_vs_fsdp2.py`` (``--help`` for the knobs)
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
 from ragged_placement.fsdp.profiling import (
@@ -37,6 +34,7 @@ from ragged_placement.fsdp.profiling import (
     live_tensor_bytes,
     peak_step_memory,
 )
+from ragged_placement.launch import run_gloo
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 
 
@@ -98,34 +96,18 @@ def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict,
     }
 
 
-def _worker(rank: int, ws: int, port: int, args, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ws)
-    try:
-        cfg = GPTConfig(
-            n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.seq
-        )
-        torch.manual_seed(0)
-        init = GPT(cfg).state_dict()
-        corpus = StdlibCorpus(max_bytes=1 << 20)
-        results: dict[str, list[dict]] = {"fsdp2": [], "ours": []}
-        for _ in range(args.runs):
-            for runtime in ("fsdp2", "ours"):
-                results[runtime].append(_measure(rank, ws, runtime, args, cfg, init, corpus))
-        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, ws: int, args) -> dict:
+    cfg = GPTConfig(
+        n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.seq
+    )
+    torch.manual_seed(0)
+    init = GPT(cfg).state_dict()
+    corpus = StdlibCorpus(max_bytes=1 << 20)
+    results: dict[str, list[dict]] = {"fsdp2": [], "ours": []}
+    for _ in range(args.runs):
+        for runtime in ("fsdp2", "ours"):
+            results[runtime].append(_measure(rank, ws, runtime, args, cfg, init, corpus))
+    return results
 
 
 def _fmt_bytes(n: float) -> str:
@@ -145,17 +127,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 reduction (both)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _worker,
-            args=(args.world, _free_port(), args, out_dir),
-            nprocs=args.world,
-            start_method="spawn",
-        )
-        per_rank = [
-            torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False)
-            for r in range(args.world)
-        ]
+    per_rank = run_gloo(_worker, args.world, args)
 
     def agg(runtime: str, key: str):
         if key == "time":  # median over runs of rank 0's per-run median (steps end in a barrier)
