@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ragged_placement.optim._adamw import adamw_update
+from ragged_placement.optim._mesh_nd import assign_nd_owners, gather_to_owner, is_nd, owner_placements, scatter_from_owner
 from ragged_placement.optim._sharding import (
     Exchange,
     Item,
@@ -79,11 +80,13 @@ class MuonStepInfo:
     ``bytes_sent``: bytes this rank put on the wire in its all-to-alls (both directions).
     ``all_to_all_calls``: collectives this rank issued. ``flops_per_rank``: NS FLOPs assigned to
     each rank of the (last) process group by the owner plan; ``flops_local``: NS FLOPs of
-    unsharded (plain / Replicate) matrices, which every rank computes itself.
+    unsharded (plain / Replicate) matrices, which every rank computes itself. ``nd_matrices``:
+    matrices on N-D meshes, moved by DTensor redistribution (not counted in the fields above).
     """
 
     bytes_sent: int = 0
     all_to_all_calls: int = 0
+    nd_matrices: int = 0
     flops_per_rank: list[float] = field(default_factory=list)
     flops_local: float = 0.0
 
@@ -224,11 +227,14 @@ class Muon(ShardedStateOptimizer):
 
         # 2. split parameters into unsharded ones (plain / Replicate: every rank computes them)
         #    and one exchange per process group.
+        #    Parameters on N-D meshes (FSDP x TP, HSDP) go through DTensor redistribution instead.
         by_group: dict[Any, list[int]] = {}
         unsharded: list[int] = []
-        layouts = [layout_of(p) for p, _ in entries]
+        nd = [i for i, (p, _) in enumerate(entries) if is_nd(p)]
+        layouts = [None if is_nd(p) else layout_of(p) for p, _ in entries]
         for i, layout in enumerate(layouts):
-            (unsharded if layout.group is None else by_group.setdefault(layout.group, [])).append(i)
+            if layout is not None:
+                (unsharded if layout.group is None else by_group.setdefault(layout.group, [])).append(i)
         exchanges = []
         for idx in by_group.values():
             sub_layouts = [layouts[i] for i in idx]
@@ -257,6 +263,8 @@ class Muon(ShardedStateOptimizer):
             * math.prod(layouts[i].shape[:-2])
             for i in unsharded
         )
+        nd_out = self._step_nd(entries, updates, nd)
+        info.nd_matrices = len(nd)
         results: list[dict[int, torch.Tensor]] = []
         for idx, ex, flats, _ in exchanges:
             results.append(self._orthogonalize_items(ex, ex.local_owned, flats, None, entries, idx))
@@ -279,6 +287,8 @@ class Muon(ShardedStateOptimizer):
                 local_flat(p).mul_(1 - g["lr"] * g["weight_decay"])
         for i in unsharded:
             self._apply(entries[i], unsharded_out[i])
+        for i, out in nd_out.items():
+            self._apply(entries[i], out)
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 for p in g["params"]:
@@ -302,6 +312,27 @@ class Muon(ShardedStateOptimizer):
                 self._apply(entries[i], outs[j])
         self.last_step_info = info
         return loss
+
+    def _step_nd(
+        self, entries: list[tuple[torch.Tensor, dict[str, Any]]], updates: list[torch.Tensor], nd: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """Newton-Schulz of parameters on N-D meshes: each matrix is gathered to an owner by
+        DTensor redistribution, orthogonalized there and returned in its own placements."""
+        if not nd:
+            return {}
+        params = [entries[i][0] for i in nd]
+        costs = [
+            newton_schulz_flops(*p.shape[-2:], entries[i][1]["ns_steps"]) * math.prod(p.shape[:-2])
+            for i, p in zip(nd, params)
+        ]
+        out = {}
+        for i, p, owner in zip(nd, params, assign_nd_owners(params, costs)):
+            placements = owner_placements(p, owner)
+            full = gather_to_owner(updates[i], p, placements)
+            if full.numel():  # this rank owns the matrix
+                full = self._orthogonalize({0: full.view(p.shape)}, entries[i][1])[0].to(torch.bfloat16)
+            out[i] = scatter_from_owner(full, p, placements)
+        return out
 
     def _momentum(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         check_grad_placement(p)

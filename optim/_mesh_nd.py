@@ -1,0 +1,103 @@
+"""Matrix-wise optimizer math for parameters on N-D meshes (FSDP x TP, HSDP).
+
+On a 1-D mesh every rank holds contiguous runs of the flattened matrix, and
+:class:`~ragged_placement.optim._sharding.Exchange` batches all matrices into one all-to-all each
+way. On an N-D mesh a rank may hold a 2-D block (row-wise tensor parallel: ``Shard(1)`` under a
+RaggedShard), so here each matrix travels through DTensor redistribution instead:
+
+* to its owner: every sharded mesh dim is redistributed to a RaggedShard with all units on the
+  owner's coordinate (``Replicate`` dims stay replicated: with HSDP every replica group computes
+  its own copy, as it does for the gradients);
+* back: from that placement to the parameter's own placements.
+
+Each direction costs one collective per sharded mesh dim per matrix (not batched). Owners are
+chosen greedily (largest Newton-Schulz cost first, least-loaded coordinate) over the coordinates
+of the sharded mesh dims.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+
+from ragged_placement.placement import RaggedShard
+
+__all__ = ["is_nd", "assign_nd_owners", "owner_placements", "gather_to_owner", "scatter_from_owner"]
+
+
+def is_nd(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor on a mesh of more than one dim."""
+    return isinstance(tensor, DTensor) and tensor.device_mesh.ndim > 1
+
+
+def _sharded_dims(p: DTensor) -> list[int]:
+    dims = []
+    for m, pl in enumerate(p.placements):
+        if isinstance(pl, Partial):
+            raise ValueError(f"parameter placements must not be Partial, got {p.placements}")
+        if not isinstance(pl, Replicate):
+            dims.append(m)
+    return dims
+
+
+def assign_nd_owners(params: Sequence[DTensor], costs: Sequence[float]) -> list[tuple[int, ...]]:
+    """An owner mesh coordinate for every parameter (all on one mesh), balancing ``costs``.
+
+    A replicated mesh dim computes on every coordinate, so a parameter's cost lands on all of
+    them; the owner coordinate of such a dim is reported as 0 and ignored.
+    """
+    if not params:
+        return []
+    shape = tuple(params[0].device_mesh.shape)
+    loads: dict[tuple[int, ...], float] = {c: 0.0 for c in itertools.product(*(range(s) for s in shape))}
+    owners: list[tuple[int, ...] | None] = [None] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: (-costs[i], i)):
+        sharded = _sharded_dims(params[i])
+        best, best_load = None, math.inf
+        for choice in itertools.product(*(range(shape[m]) for m in sharded)):
+            fixed = dict(zip(sharded, choice))
+            hit = [c for c in loads if all(c[m] == v for m, v in fixed.items())]
+            load = max(loads[c] for c in hit)
+            if load < best_load:
+                best, best_load = (choice, hit), load
+        choice, hit = best
+        for c in hit:
+            loads[c] += costs[i]
+        owner = [0] * len(shape)
+        for m, v in zip(sharded, choice):
+            owner[m] = v
+        owners[i] = tuple(owner)
+    return owners  # type: ignore[return-value]
+
+
+def owner_placements(p: DTensor, owner: tuple[int, ...]) -> list[Placement]:
+    """Placements that put the whole of ``p`` on ``owner`` (on every replica of replicated dims)."""
+    mesh = p.device_mesh
+    sharded = set(_sharded_dims(p))
+    return [
+        RaggedShard((0,), tuple(int(r == owner[m]) for r in range(mesh.size(m)))) if m in sharded else Replicate()
+        for m in range(mesh.ndim)
+    ]
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(torch.empty(tuple(shape), device="meta").stride())
+
+
+def gather_to_owner(local: torch.Tensor, p: DTensor, placements: Sequence[Placement]) -> torch.Tensor:
+    """The full matrix on the owner (an empty tensor elsewhere) from this rank's ``local`` part,
+    laid out like ``p``'s local tensor."""
+    dt = DTensor.from_local(local.view(p._local_tensor.shape), p.device_mesh, p.placements,
+                            shape=p.shape, stride=_contiguous_stride(p.shape), run_check=False)
+    return dt.redistribute(p.device_mesh, placements).to_local()
+
+
+def scatter_from_owner(full: torch.Tensor, p: DTensor, placements: Sequence[Placement]) -> torch.Tensor:
+    """The inverse of :func:`gather_to_owner`: this rank's part of the owner's result."""
+    dt = DTensor.from_local(full, p.device_mesh, placements, shape=p.shape,
+                            stride=_contiguous_stride(p.shape), run_check=False)
+    return dt.redistribute(p.device_mesh, p.placements).to_local()
