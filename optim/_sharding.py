@@ -17,8 +17,8 @@ identical on every rank, so ranks agree on split sizes without talking.
 Plain tensors and ``Replicate`` DTensors are unsharded (``Layout.group is None``): every rank
 has the full tensor and computes its items itself.
 
-Only 1-D meshes are handled today; a 2-D mesh (e.g. HSDP or FSDP x TP) would add a second
-``flat_ranges`` level per mesh dim and one exchange per sub-group.
+This batched path handles 1-D meshes; parameters on N-D meshes (HSDP, FSDP x TP) take the
+per-matrix DTensor-redistribution path in :mod:`._mesh_nd`.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def layout_of(tensor: torch.Tensor) -> Layout:
     mesh = tensor.device_mesh
     if mesh.ndim != 1:
         raise ValueError(
-            f"parameters on a {mesh.ndim}-D device mesh are not supported yet (1-D meshes only), "
+            f"layout_of handles 1-D meshes; a {mesh.ndim}-D mesh goes through optim._mesh_nd, "
             f"got placements {tensor.placements}"
         )
     (placement,) = tensor.placements

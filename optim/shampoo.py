@@ -39,12 +39,14 @@ from typing import Any
 
 import torch
 
+from ragged_placement.optim._mesh_nd import assign_nd_owners, gather_to_owner, is_nd, owner_placements, scatter_from_owner
 from ragged_placement.optim._sharding import (
     Exchange,
     Item,
     Layout,
     assign_owners,
     check_grad_placement,
+    _whole,
     layout_of,
     local_flat,
 )
@@ -199,6 +201,8 @@ class Shampoo(ShardedStateOptimizer):
                     update = self._graft(grad, state, g, int(state["step"].item()))
                     local_flat(p).add_(update, alpha=-g["lr"])
 
+        self._step_nd([m for m in matrices if is_nd(m[0])])
+        matrices = [m for m in matrices if not is_nd(m[0])]
         by_group: dict[Any, list[int]] = {}
         layouts = [layout_of(p) for p, _ in matrices]
         for i, layout in enumerate(layouts):
@@ -206,6 +210,23 @@ class Shampoo(ShardedStateOptimizer):
         for pg, idx in by_group.items():
             self._step_matrices(pg, [matrices[i] for i in idx], [layouts[i] for i in idx])
         return loss
+
+    def _step_nd(self, entries: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        """Matrices on N-D meshes: the gradient goes whole to a balanced owner by DTensor
+        redistribution, the owner runs every slab (and keeps their statistics), the update comes
+        back in the parameter's placements."""
+        params = [p for p, _ in entries]
+        for (p, g), owner in zip(entries, assign_nd_owners(params, [p.numel() for p in params])):
+            placements = owner_placements(p, owner)
+            full = gather_to_owner(local_flat(p.grad).float(), p, placements)
+            if full.numel():  # this rank owns the matrix
+                flat = full.reshape(-1)
+                out = torch.empty_like(flat)
+                for it in self._slabs(0, _whole(tuple(p.shape)), g):
+                    out[it.start:it.end] = self._slab_update((p, g), it, flat[it.start:it.end].view(it.shape)).reshape(-1)
+                full = out.view(full.shape)
+            update = scatter_from_owner(full, p, placements)
+            local_flat(p).add_(update.reshape(-1), alpha=-g["lr"])
 
     def _step_matrices(
         self, pg: Any, entries: list[tuple[torch.Tensor, dict[str, Any]]], layouts: list[Layout]

@@ -1,4 +1,4 @@
-"""Muon on parameters of 2-D meshes (FSDP x TP, HSDP) equals single-device Muon."""
+"""Muon and Shampoo on parameters of 2-D meshes (FSDP x TP, HSDP) equal their single-device runs."""
 
 from __future__ import annotations
 
@@ -52,3 +52,31 @@ def test_muon_on_2d_meshes_matches_single_device():
         for got, want in zip(rank_result, ref):
             # the same bf16 Newton-Schulz on the same full matrix: equal up to fp32 update order
             torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+
+
+def _train_shampoo(rank: int, world_size: int, steps: int):
+    from ragged_placement.optim import Shampoo
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    params = [torch.nn.Parameter(distribute_tensor(f, mesh, pl)) for f, pl in zip(_fulls(0), LAYOUTS)]
+    opt = Shampoo(params, lr=1e-2, max_preconditioner_dim=4, precondition_frequency=2, grafting="adam")
+    for step in range(steps):
+        for p, g in zip(params, _fulls(100 + step)):
+            p.grad = distribute_tensor(g, mesh, p.placements)
+        opt.step()
+    return [p.full_tensor() for p in params]
+
+
+def test_shampoo_on_2d_meshes_matches_single_device():
+    from ragged_placement.optim import Shampoo
+
+    results = run_threaded(_train_shampoo, 4, 4)
+    ref = [torch.nn.Parameter(f.clone()) for f in _fulls(0)]
+    opt = Shampoo(ref, lr=1e-2, max_preconditioner_dim=4, precondition_frequency=2, grafting="adam")
+    for step in range(4):
+        for p, g in zip(ref, _fulls(100 + step)):
+            p.grad = g
+        opt.step()
+    for rank_result in results:
+        for got, want in zip(rank_result, ref):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
