@@ -45,9 +45,17 @@ class RootContext:
         self.callback_queued = False
 
     @staticmethod
-    def prefetch(state: FSDPState | None) -> None:
+    def prefetch(state: FSDPState | None, *, backward: bool = False) -> None:
+        """Issue ``state``'s all-gather ahead of its use.
+
+        Asynchronous, except in backward on CPU: gloo runs an asynchronous all-gather through an
+        extra output-sized staging buffer that lives until ``wait()``, which would sit on top of
+        the gradient buffer at the backward peak. FSDP2 gathers synchronously on CPU too; NCCL
+        has no staging buffer, so GPUs overlap in both passes.
+        """
         if state is not None:
-            state.unit.unshard(async_op=True)
+            unit = state.unit
+            unit.unshard(async_op=not (backward and unit.device.type == "cpu"))
 
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is not None:
@@ -187,7 +195,7 @@ class FSDPState:
             Variable._execution_engine.queue_callback(self._root_final_callback)
         self.unit.unshard(async_op=False)
         self.unit.wait_unshard()
-        ctx.prefetch(ctx.next_in_backward(self))
+        ctx.prefetch(ctx.next_in_backward(self), backward=True)
 
     def _on_grad(self, grad: torch.Tensor) -> None:
         # Runs before AccumulateGrad of each unsharded parameter. The flat gradient buffer is
