@@ -23,15 +23,12 @@ Run: ``.venv/bin/python benchmarks/compose.py`` (``--help`` for the knobs).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ragged_placement.fsdp import fully_shard
@@ -41,6 +38,7 @@ from ragged_placement.fsdp.profiling import (
     live_tensor_bytes,
     peak_step_memory,
 )
+from ragged_placement.launch import run_gloo
 from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
 
 
@@ -107,40 +105,24 @@ def _measure(runtime: str, mesh, args, cfg: LlamaConfig, init: dict) -> dict:
     }
 
 
-def _worker(rank: int, ws: int, port: int, args, out_dir: str) -> None:
+def _worker(rank: int, ws: int, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ws)
-    try:
-        mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
-        cfg = LlamaConfig(
-            vocab_size=args.vocab,
-            dim=args.width,
-            n_layers=args.layers,
-            n_heads=args.heads,
-            hidden_dim=args.hidden,
-        )
-        torch.manual_seed(0)
-        init = Llama(cfg).state_dict()
-        results: dict[str, list[dict]] = {"fsdp2": [], "ours": []}
-        for _ in range(args.runs):
-            for runtime in ("fsdp2", "ours"):
-                results[runtime].append(_measure(runtime, mesh, args, cfg, init))
-        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        dim=args.width,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        hidden_dim=args.hidden,
+    )
+    torch.manual_seed(0)
+    init = Llama(cfg).state_dict()
+    results: dict[str, list[dict]] = {"fsdp2": [], "ours": []}
+    for _ in range(args.runs):
+        for runtime in ("fsdp2", "ours"):
+            results[runtime].append(_measure(runtime, mesh, args, cfg, init))
+    return results
 
 
 def _fmt_bytes(n: float) -> str:
@@ -163,13 +145,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     ws = args.dp * args.tp
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _worker, args=(ws, _free_port(), args, out_dir), nprocs=ws, start_method="spawn"
-        )
-        per_rank = [
-            torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(ws)
-        ]
+    per_rank = run_gloo(_worker, ws, args)
 
     def agg(runtime: str, key: str):
         if key == "time":

@@ -34,15 +34,14 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ragged_placement import RaggedShard
 from ragged_placement._compat import all_gather_single
+from ragged_placement.launch import run_gloo
 from ragged_placement.optim import Muon, newton_schulz, newton_schulz_flops
 from ragged_placement.optim._sharding import Exchange, Item, Layout, assign_owners
 
@@ -173,10 +172,7 @@ def _eager_nsloop(X, steps: int, *, a=3.4445, b=-4.7750, c=2.0315):
     return X
 
 
-def _worker(rank: int, ws: int, port: int, args, shapes, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ws)
+def _worker(rank: int, ws: int, args, shapes) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -252,9 +248,7 @@ def _worker(rank: int, ws: int, port: int, args, shapes, out_dir: str) -> None:
                 max(info.flops_per_rank) / (sum(info.flops_per_rank) / ws) if info else None
             )
             results[name] = entry
-    torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -294,12 +288,7 @@ def main() -> None:
         import muon_fsdp2  # noqa: F401
     except ImportError:
         print("note: muon-fsdp2 is not installed (pip install muon-fsdp2): its row is skipped")
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _worker, args=(ws, port, args, shapes, out_dir), nprocs=ws, start_method="spawn"
-        )
-        per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(ws)]
+    per_rank = run_gloo(_worker, ws, args, shapes)
 
     def step_time(name: str) -> tuple[float, float, float]:
         """Median over runs of the median over steps of the slowest rank; min and max over runs."""
@@ -339,14 +328,6 @@ def main() -> None:
         f"\ntarget: ours bytes <= 2/world = {2 / ws:.2f} x naive; whole-matrix bytes 0; "
         "FLOPs max/mean <= 1.10"
     )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -4,21 +4,18 @@ Builds ``LlamaForCausalLM`` from a tiny config (random init, nothing downloaded)
 decoder layer and then the root, trains a few steps on 4 gloo CPU ranks with AdamW on the
 RaggedShard DTensor parameters, and checks the losses against the same training on one process.
 
-Run: ``.venv/bin/python examples/hf_llama.py`` (needs ``pip install transformers``).
+Run: ``.venv/bin/python examples/hf_llama.py`` (needs ``.venv/bin/pip install -e '.[examples]'``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ragged_placement.launch import run_gloo
 from ragged_placement.models import StdlibCorpus
 
 try:
@@ -54,35 +51,27 @@ def _step(model, opt, corpus, step: int, rows: slice) -> torch.Tensor:
     return loss.detach()
 
 
-def _worker(rank: int, ws: int, port: int, steps: int, out_dir: str) -> None:
+def _worker(rank: int, ws: int, steps: int) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from ragged_placement.fsdp import fully_shard
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ws)
-    try:
-        mesh = init_device_mesh("cpu", (ws,))
-        model = _build()
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        if rank == 0:
-            print(model.fsdp_unit.plan.summary())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-        corpus = StdlibCorpus(max_bytes=1 << 20)
-        per = BATCH // ws
-        losses = []
-        for s in range(steps):
-            loss = _step(model, opt, corpus, s, slice(rank * per, (rank + 1) * per))
-            dist.all_reduce(loss)
-            losses.append(loss.item() / ws)
-        torch.save(losses, os.path.join(out_dir, f"{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (ws,))
+    model = _build()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if rank == 0:
+        print(model.fsdp_unit.plan.summary())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    corpus = StdlibCorpus(max_bytes=1 << 20)
+    per = BATCH // ws
+    losses = []
+    for s in range(steps):
+        loss = _step(model, opt, corpus, s, slice(rank * per, (rank + 1) * per))
+        dist.all_reduce(loss)
+        losses.append(loss.item() / ws)
+    return losses
 
 
 def main() -> int:
@@ -91,24 +80,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     if LlamaForCausalLM is None:
-        print("examples/hf_llama.py needs Hugging Face transformers: pip install transformers")
+        print("examples/hf_llama.py needs Hugging Face transformers: .venv/bin/pip install -e '.[examples]'")
         return 0
     model = _build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     corpus = StdlibCorpus(max_bytes=1 << 20)
     # One process on the whole batch: the mean of per-rank means equals it for equal splits.
     reference = [_step(model, opt, corpus, s, slice(None)).item() for s in range(args.steps)]
-    with tempfile.TemporaryDirectory() as out_dir:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.start_processes(
-            _worker,
-            args=(args.world, port, args.steps, out_dir),
-            nprocs=args.world,
-            start_method="spawn",
-        )
-        sharded = torch.load(os.path.join(out_dir, "0.pt"))
+    sharded = run_gloo(_worker, args.world, args.steps)[0]
     print(f"{'step':>4s} {'fully_shard x' + str(args.world):>16s} {'one process':>12s}")
     for s, (a, b) in enumerate(zip(sharded, reference)):
         print(f"{s:4d} {a:16.5f} {b:12.5f}")
