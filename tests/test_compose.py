@@ -116,10 +116,13 @@ def _hsdp(rank: int, state) -> list[float]:
     return _mean_over(_train(model, [b[rank : rank + 1] for b in _batches()], clip=True))
 
 
-def _pp(rank: int, state, schedule_cls) -> list[float]:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+def _pipeline_losses(mesh, state, schedule_cls, lr: float, tp_mesh=None) -> list[float]:
+    """Two pipeline stages on ``mesh["pp"]``, each ``fully_shard``ed on ``mesh["dp"]`` (after the
+    tensor-parallel plan on ``tp_mesh``, if given); the last stage's losses, averaged over dp."""
     s, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     part = pipeline_stage(_model(state), s, 2)
+    if tp_mesh is not None:
+        parallelize_llama(part, tp_mesh)
     for block in part.layers.values():
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(part, mesh=mesh["dp"])
@@ -141,7 +144,7 @@ def _pp(rank: int, state, schedule_cls) -> list[float]:
         group=mesh["pp"].get_group(),
     )
     schedule = schedule_cls(stage, n_micro, loss_fn=_loss)
-    opt = torch.optim.AdamW(part.parameters(), lr=LR)
+    opt = torch.optim.AdamW(part.parameters(), lr=lr)
     losses = []
     for b in _batches():
         b = b[d * half : (d + 1) * half]
@@ -154,6 +157,11 @@ def _pp(rank: int, state, schedule_cls) -> list[float]:
         opt.zero_grad()
         losses.append(sum(x.item() for x in mb_losses) / n_micro if s == 1 else 0.0)
     return _mean_over(losses, mesh["dp"].get_group()) if s == 1 else []
+
+
+def _pp(rank: int, state, schedule_cls) -> list[float]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    return _pipeline_losses(mesh, state, schedule_cls, LR)
 
 
 def _load_dp4(rank: int, ckpt: str) -> dict[str, torch.Tensor]:

@@ -5,55 +5,19 @@ from __future__ import annotations
 
 import torch
 from dist_utils import run_gloo
-from test_compose import BATCH, CFG, SEQ, _batches, _init_state, _loss, _mean_over, _model, _train
+from test_compose import _batches, _init_state, _mean_over, _model, _pipeline_losses, _train
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import ScheduleGPipe
 from torch.distributed.tensor import Replicate, Shard
 
 from ragged_placement.fsdp import fully_shard
-from ragged_placement.models.llama import parallelize_llama, pipeline_stage
+from ragged_placement.models.llama import parallelize_llama
 from ragged_placement.placement import RaggedShard
 
 
 def _pp_dp_tp(rank: int, state) -> list[float]:
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    s, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    part = pipeline_stage(_model(state), s, 2)
-    parallelize_llama(part, mesh["tp"])
-    for block in part.layers.values():
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(part, mesh=mesh["dp"])
-    n_micro, half = 2, BATCH // 2
-    mb = half // n_micro
-    x_example = (
-        torch.zeros(mb, SEQ, dtype=torch.long)
-        if s == 0
-        else torch.zeros(mb, SEQ, CFG.dim, requires_grad=True)
-    )
-    y_example = torch.zeros(mb, SEQ, CFG.dim if s == 0 else CFG.vocab_size, requires_grad=True)
-    stage = PipelineStage(
-        part,
-        s,
-        2,
-        torch.device("cpu"),
-        input_args=(x_example,),
-        output_args=(y_example,),
-        group=mesh["pp"].get_group(),
-    )
-    schedule = ScheduleGPipe(stage, n_micro, loss_fn=_loss)
-    opt = torch.optim.AdamW(part.parameters(), lr=1e-2)
-    losses = []
-    for b in _batches():
-        b = b[d * half : (d + 1) * half]
-        mb_losses: list[torch.Tensor] = []
-        if s == 0:
-            schedule.step(b[:, :-1])
-        else:
-            schedule.step(target=b[:, 1:], losses=mb_losses)
-        opt.step()
-        opt.zero_grad()
-        losses.append(sum(x.item() for x in mb_losses) / n_micro if s == 1 else 0.0)
-    return _mean_over(losses, mesh["dp"].get_group()) if s == 1 else []
+    return _pipeline_losses(mesh, state, ScheduleGPipe, 1e-2, tp_mesh=mesh["tp"])
 
 
 def _hsdp_tp(rank: int, state) -> dict:
