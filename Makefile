@@ -25,7 +25,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) -m pip install -q -e '.[dev,bench]'
-	for b in benchmarks/*.py; do $(VPY) $$b || exit 1; done
+	for b in benchmarks/[!_]*.py; do $(VPY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -39,6 +39,8 @@ from ragged_placement.fsdp.profiling import (
     peak_step_memory,
 )
 from ragged_placement.launch import run_gloo
+
+from _runtime_table import print_runtime_table  # benchmarks/ is the script directory
 from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
 
 
@@ -125,9 +127,6 @@ def _worker(rank: int, ws: int, args) -> dict:
     return results
 
 
-def _fmt_bytes(n: float) -> str:
-    return f"{n / 2**20:.3f} MiB" if n else "0"
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -147,38 +146,15 @@ def main() -> None:
     ws = args.dp * args.tp
     per_rank = run_gloo(_worker, ws, args)
 
-    def agg(runtime: str, key: str):
-        if key == "time":
-            return statistics.median(r[key] for r in per_rank[0][runtime])
-        if key == "peak":
-            return max(r[key] for rank in per_rank for r in rank[runtime])
-        return per_rank[0][runtime][0][key]
-
-    rows = [
-        ("FSDP all-gathers / step", "all_gathers", str),
-        ("all-gathered bytes / step", "ag_bytes", _fmt_bytes),
-        ("FSDP reduce-scatters / step", "reduce_scatters", str),
-        ("reduce-scattered bytes / step", "rs_bytes", _fmt_bytes),
-        ("copy-in/out bytes / step", "copy_bytes", _fmt_bytes),
-        ("peak memory / rank (max)", "peak", _fmt_bytes),
-        ("step time (median)", "time", lambda t: f"{t * 1e3:.1f} ms"),
-    ]
     model = (
         f"Llama {args.layers} layers x {args.width} wide (SwiGLU {args.hidden}, vocab "
         f"{args.vocab}), seq {args.seq}, batch {args.batch}/dp rank"
     )
-    print(
-        f"\nFSDP x TP on a (dp={args.dp}, tp={args.tp}) gloo mesh (CPU), {model}, fp32, "
-        f"torch {torch.__version__}, {args.runs} runs x {args.steps} steps\n"
+    title = (
+        f"FSDP x TP on a (dp={args.dp}, tp={args.tp}) gloo mesh (CPU), {model}, fp32, "
+        f"torch {torch.__version__}, {args.runs} runs x {args.steps} steps"
     )
-    print(f"{'metric':32s} {'FSDP2 + TP':>14s} {'ours + TP':>14s} {'ours/FSDP2':>11s}")
-    print("-" * 74)
-    for label, key, fmt in rows:
-        a, b = agg("fsdp2", key), agg("ours", key)
-        ratio = f"{b / a:.3f}" if a else ("-" if not b else "inf")
-        print(f"{label:32s} {fmt(a):>14s} {fmt(b):>14s} {ratio:>11s}")
-    times = {rt: [f"{r['time'] * 1e3:.1f}" for r in per_rank[0][rt]] for rt in ("fsdp2", "ours")}
-    print(f"\nper-run step medians (ms): FSDP2 {times['fsdp2']}, ours {times['ours']}")
+    print_runtime_table(per_rank, title, "FSDP2 + TP", "ours + TP", collective="FSDP ")
     la, lb = per_rank[0]["fsdp2"][0]["losses"], per_rank[0]["ours"][0]["losses"]
     print(
         f"rank-0 losses, max |ours - FSDP2| over {len(la)} steps: "

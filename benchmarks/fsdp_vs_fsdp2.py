@@ -35,6 +35,8 @@ from ragged_placement.fsdp.profiling import (
     peak_step_memory,
 )
 from ragged_placement.launch import run_gloo
+
+from _runtime_table import print_runtime_table  # benchmarks/ is the script directory
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 
 
@@ -110,9 +112,6 @@ def _worker(rank: int, ws: int, args) -> dict:
     return results
 
 
-def _fmt_bytes(n: float) -> str:
-    return f"{n / 2**20:.3f} MiB" if n else "0"
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -129,36 +128,13 @@ def main() -> None:
     args = ap.parse_args()
     per_rank = run_gloo(_worker, args.world, args)
 
-    def agg(runtime: str, key: str):
-        if key == "time":  # median over runs of rank 0's per-run median (steps end in a barrier)
-            return statistics.median(r[key] for r in per_rank[0][runtime])
-        if key == "peak":
-            return max(r[key] for rank in per_rank for r in rank[runtime])
-        return per_rank[0][runtime][0][key]
-
-    rows = [
-        ("all-gathers / step", "all_gathers", str),
-        ("all-gathered bytes / step", "ag_bytes", _fmt_bytes),
-        ("reduce-scatters / step", "reduce_scatters", str),
-        ("reduce-scattered bytes / step", "rs_bytes", _fmt_bytes),
-        ("copy-in/out bytes / step", "copy_bytes", _fmt_bytes),
-        ("peak memory / rank (max)", "peak", _fmt_bytes),
-        ("step time (median)", "time", lambda t: f"{t * 1e3:.1f} ms"),
-    ]
     cfg = f"{args.layers} layers x {args.width} wide, seq {args.seq}, batch {args.batch}/rank"
-    print(
-        f"\nFSDP runtimes on {args.world} gloo ranks (CPU), GPT {cfg}, "
+    title = (
+        f"FSDP runtimes on {args.world} gloo ranks (CPU), GPT {cfg}, "
         f"{'bf16 params / fp32 reduce' if args.bf16 else 'fp32'}, torch {torch.__version__}, "
-        f"{args.runs} runs x {args.steps} steps\n"
+        f"{args.runs} runs x {args.steps} steps"
     )
-    print(f"{'metric':32s} {'torch FSDP2':>14s} {'ours':>14s} {'ours/FSDP2':>11s}")
-    print("-" * 74)
-    for label, key, fmt in rows:
-        a, b = agg("fsdp2", key), agg("ours", key)
-        ratio = f"{b / a:.3f}" if a else ("-" if not b else "inf")
-        print(f"{label:32s} {fmt(a):>14s} {fmt(b):>14s} {ratio:>11s}")
-    times = {rt: [f"{r['time'] * 1e3:.1f}" for r in per_rank[0][rt]] for rt in ("fsdp2", "ours")}
-    print(f"\nper-run step medians (ms): FSDP2 {times['fsdp2']}, ours {times['ours']}")
+    print_runtime_table(per_rank, title, "torch FSDP2", "ours")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""The ours-vs-FSDP2 table that the FSDP benchmarks print (shared by fsdp_vs_fsdp2.py, compose.py).
+
+``per_rank[r][runtime]`` is a list with one dict per run: ``all_gathers``, ``ag_bytes``,
+``reduce_scatters``, ``rs_bytes``, ``copy_bytes``, ``peak`` (bytes) and ``time`` (the run's median
+step, seconds). Counts come from rank 0's first run, peak memory is the max over ranks and runs,
+step time the median over rank 0's runs (steps end in a barrier).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:.3f} MiB" if n else "0"
+
+
+def _agg(per_rank: list[dict], runtime: str, key: str):
+    if key == "time":
+        return statistics.median(r[key] for r in per_rank[0][runtime])
+    if key == "peak":
+        return max(r[key] for rank in per_rank for r in rank[runtime])
+    return per_rank[0][runtime][0][key]
+
+
+def print_runtime_table(per_rank: list[dict], title: str, peer: str, ours: str, collective: str = "") -> None:
+    """Print ``title``, then each metric for FSDP2 (``peer``) and ours with the ratio ours/FSDP2."""
+    rows = [
+        (f"{collective}all-gathers / step", "all_gathers", str),
+        ("all-gathered bytes / step", "ag_bytes", fmt_bytes),
+        (f"{collective}reduce-scatters / step", "reduce_scatters", str),
+        ("reduce-scattered bytes / step", "rs_bytes", fmt_bytes),
+        ("copy-in/out bytes / step", "copy_bytes", fmt_bytes),
+        ("peak memory / rank (max)", "peak", fmt_bytes),
+        ("step time (median)", "time", lambda t: f"{t * 1e3:.1f} ms"),
+    ]
+    print(f"\n{title}\n")
+    print(f"{'metric':32s} {peer:>14s} {ours:>14s} {'ours/FSDP2':>11s}")
+    print("-" * 74)
+    for label, key, fmt in rows:
+        a, b = _agg(per_rank, "fsdp2", key), _agg(per_rank, "ours", key)
+        ratio = f"{b / a:.3f}" if a else ("-" if not b else "inf")
+        print(f"{label:32s} {fmt(a):>14s} {fmt(b):>14s} {ratio:>11s}")
+    times = {rt: [f"{r['time'] * 1e3:.1f}" for r in per_rank[0][rt]] for rt in ("fsdp2", "ours")}
+    print(f"\nper-run step medians (ms): FSDP2 {times['fsdp2']}, ours {times['ours']}")
