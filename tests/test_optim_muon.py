@@ -38,14 +38,7 @@ SHAPES = [(12, 10), (8, 18), (3, 8, 12), (20, 6)]
 LR, WD = 0.02, 0.1
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny matrices gain nothing from intra-op threads, and on a busy 2-core machine their spin
-    waits cost 10-100x (measured: 10 s vs 0.1 s for one test)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 # -- references -----------------------------------------------------------------------------------
