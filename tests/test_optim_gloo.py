@@ -17,9 +17,9 @@ from test_optim_muon import SHAPES as MUON_SHAPES
 from test_optim_shampoo import ATOL, OPTS, _dist_shampoo, _single, make_problem, reference_shampoo
 from test_optim_shampoo import DIST_ATOL as SHAMPOO_DIST_ATOL
 from test_optim_shampoo import SHAPES as SHAMPOO_SHAPES
-
-from test_optim_muon import _one_torch_thread  # noqa: F401 - autouse fixture
 from test_optim_muon import max_diff
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _both(rank: int, ws: int):
