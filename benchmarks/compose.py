@@ -12,8 +12,10 @@ The instruments are :mod:`ragged_placement.fsdp.profiling`, the same for both:
 * FSDP collectives per step and their bytes (all-gather outputs, reduce-scatter inputs); the
   tensor-parallel collectives are the same in both runs and are not counted;
 * layout-copy bytes per step (FSDP2's copy-in / copy-out ops, the same count on ours);
-* peak memory per rank: bytes alive at step start (parameters, gradients, optimizer state) plus
-  the highest net allocation during a step, max over ranks;
+* peak memory per rank: the most heap bytes in use during any of 3 steps of a model built under
+  :class:`~ragged_placement.fsdp.profiling.HeapPeakMeter`, above the heap in use before it was
+  built (parameters, gradients, optimizer state, activations, communication buffers, whatever a
+  runtime keeps across steps), max over ranks;
 * step time: median over ``--steps`` steps of each of ``--runs`` alternating runs, then the
   median over runs; and the losses of both runs side by side (they must agree).
 
@@ -35,8 +37,7 @@ from ragged_placement.fsdp import fully_shard
 from ragged_placement.fsdp.profiling import (
     CollectiveMeter,
     LayoutCopyMeter,
-    live_tensor_bytes,
-    peak_step_memory,
+    HeapPeakMeter,
 )
 from ragged_placement.launch import run_gloo
 
@@ -58,17 +59,17 @@ def _build(runtime: str, mesh, cfg: LlamaConfig, init: dict) -> Llama:
     return model
 
 
-def _measure(runtime: str, mesh, args, cfg: LlamaConfig, init: dict) -> dict:
+def _trainer(runtime: str, mesh, args, cfg: LlamaConfig, init: dict, losses: list[float]):
+    """Builds the parallelized model and its optimizer; returns ``step(i)``, one training step
+    that appends its loss to ``losses``."""
     model = _build(runtime, mesh, cfg, init)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    params = list(model.parameters())
     d, per = mesh["dp"].get_local_rank(), args.batch
     gen = torch.Generator().manual_seed(0)
     data = [
         torch.randint(0, cfg.vocab_size, (per * args.dp, args.seq + 1), generator=gen)
         for _ in range(8)
     ]
-    losses: list[float] = []
 
     def step(i: int) -> None:
         b = data[i % len(data)][d * per : (d + 1) * per]
@@ -78,6 +79,12 @@ def _measure(runtime: str, mesh, args, cfg: LlamaConfig, init: dict) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
 
+    return step
+
+
+def _measure(runtime: str, mesh, args, cfg: LlamaConfig, init: dict) -> dict:
+    losses: list[float] = []
+    step = _trainer(runtime, mesh, args, cfg, init, losses)
     for i in range(args.warmup):
         step(i)
     times = []
@@ -92,9 +99,16 @@ def _measure(runtime: str, mesh, args, cfg: LlamaConfig, init: dict) -> dict:
         step(0)
     with LayoutCopyMeter() as copies:
         step(1)
-    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    baseline = live_tensor_bytes(params + state)
-    peak = baseline + max(peak_step_memory(lambda i=i: step(i)) for i in range(2, 5))
+    del step
+    # A fresh model built under the meter: every byte either runtime holds is counted.
+    with HeapPeakMeter() as mem:
+        step = _trainer(runtime, mesh, args, cfg, init, [])
+        for i in range(2):
+            step(i)
+        for i in range(2, 5):
+            with mem.measure():
+                step(i)
+        del step
     return {
         "time": statistics.median(times),
         "all_gathers": meter.counts["all_gather"],
@@ -102,7 +116,7 @@ def _measure(runtime: str, mesh, args, cfg: LlamaConfig, init: dict) -> dict:
         "ag_bytes": meter.all_gather_bytes,
         "rs_bytes": meter.reduce_scatter_bytes,
         "copy_bytes": copies.total,
-        "peak": peak,
+        "peak": mem.peak,
         "losses": trained,
     }
 

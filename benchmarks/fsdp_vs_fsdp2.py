@@ -8,9 +8,10 @@ are measured with the same instruments (:mod:`ragged_placement.fsdp.profiling`):
 * layout-copy bytes per step: bytes written by FSDP2's ``all_gather_copy_in``,
   ``split_with_sizes_copy`` and ``_chunk_cat`` (its copy-in / copy-out), the same dispatch-level
   count on ours;
-* peak memory per rank: tensor bytes alive at step start (distinct storages of parameters,
-  gradients, optimizer state) plus the highest net allocation during a step (profiler memory
-  events), max over ranks;
+* peak memory per rank: the most heap bytes in use during any of 3 steps of a model built under
+  :class:`~ragged_placement.fsdp.profiling.HeapPeakMeter`, above the heap in use before it was
+  built (parameters, gradients, optimizer state, activations, communication buffers, whatever a
+  runtime keeps across steps), max over ranks;
 * step time: median over ``--steps`` timed steps of each of ``--runs`` alternating runs, then
   the median over runs.
 
@@ -31,8 +32,7 @@ from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
 from ragged_placement.fsdp.profiling import (
     CollectiveMeter,
     LayoutCopyMeter,
-    live_tensor_bytes,
-    peak_step_memory,
+    HeapPeakMeter,
 )
 from ragged_placement.launch import run_gloo
 
@@ -54,7 +54,8 @@ def _shard(model: GPT, runtime: str, mesh, bf16: bool) -> None:
     wrap(model, mesh=mesh, **kw)
 
 
-def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, corpus) -> dict:
+def _trainer(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, corpus):
+    """Builds the sharded model and its optimizer; returns ``step(i)``, one training step."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ws,))
@@ -70,6 +71,11 @@ def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict,
         opt.step()
         opt.zero_grad()
 
+    return step
+
+
+def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, corpus) -> dict:
+    step = _trainer(rank, ws, runtime, args, cfg, init, corpus)
     for i in range(args.warmup):
         step(i)
     times = []
@@ -83,10 +89,17 @@ def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict,
         step(0)
     with LayoutCopyMeter() as copies:
         step(1)
-    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    baseline = live_tensor_bytes(list(model.parameters()) + state)
-    # the allocation timeline depends on when async collectives complete: take the worst of 3
-    peak = baseline + max(peak_step_memory(lambda i=i: step(i)) for i in range(2, 5))
+    del step
+    # A fresh model built under the meter: every byte either runtime holds is counted.
+    # The allocation order depends on when async collectives complete: 3 steps are measured.
+    with HeapPeakMeter() as mem:
+        step = _trainer(rank, ws, runtime, args, cfg, init, corpus)
+        for i in range(2):
+            step(i)
+        for i in range(2, 5):
+            with mem.measure():
+                step(i)
+        del step
     return {
         "time": statistics.median(times),
         "all_gathers": meter.counts["all_gather"],
@@ -94,7 +107,7 @@ def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict,
         "ag_bytes": meter.all_gather_bytes,
         "rs_bytes": meter.reduce_scatter_bytes,
         "copy_bytes": copies.total,
-        "peak": peak,
+        "peak": mem.peak,
     }
 
 

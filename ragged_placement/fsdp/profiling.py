@@ -9,17 +9,22 @@ They observe torch FSDP2 and this runtime through the same instruments, so the n
   use to move parameters and gradients between per-parameter tensors and flat collective buffers
   (FSDP2's ``all_gather_copy_in``, ``split_with_sizes_copy``, ``_chunk_cat``). It does not count
   the model's own copies.
-* :func:`peak_step_memory` runs a callable under the profiler's memory tracking and returns the
-  highest number of tensor bytes alive during it, on top of the bytes alive before it.
+* :class:`HeapPeakMeter` samples the process heap after every op of the marked steps and reports
+  the peak above the heap in use before the model was built: parameters, gradients, optimizer
+  state, activations, communication buffers and whatever a runtime holds across steps, all
+  counted the same way.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import functools
+import gc
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ragged_placement._compat as compat
 
-__all__ = ["CollectiveMeter", "LayoutCopyMeter", "live_tensor_bytes", "peak_step_memory"]
+__all__ = ["CollectiveMeter", "HeapPeakMeter", "LayoutCopyMeter", "heap_in_use"]
 
 _LAYOUT_COPY_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "_chunk_cat", "chunk_cat")
 
@@ -133,16 +138,6 @@ def _tensors(x) -> Iterable[torch.Tensor]:
             yield from _tensors(y)
 
 
-def live_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local tensor)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        local = getattr(t, "_local_tensor", t)
-        st = local.untyped_storage()
-        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-    return sum(seen.values())
-
-
 @contextlib.contextmanager
 def _native_stderr_silenced():
     """Silence file descriptor 2 while a profiler starts or stops: libkineto prints a line there
@@ -158,25 +153,86 @@ def _native_stderr_silenced():
         os.close(saved)
 
 
-def peak_step_memory(fn: Callable[[], object]) -> int:
-    """Highest net bytes of CPU tensor memory allocated while ``fn`` runs (the profiler's
-    allocator events, summed in time order); add what was alive before to get the peak."""
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-    with _native_stderr_silenced():
-        prof.__enter__()
-    try:
-        fn()
-    finally:
-        with _native_stderr_silenced():
-            prof.__exit__(None, None, None)
-    cpu = torch._C._autograd.DeviceType.CPU
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == cpu
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost",
+        )
+    ]
+
+
+def heap_in_use() -> int:
+    """Bytes the process has allocated from the C heap and not freed, over all threads:
+    glibc's ``mallinfo2()`` in-use arena bytes plus ``mmap``-ed chunks. CPU tensors are
+    ``posix_memalign``-ed by c10's allocator, so their storages are in it."""
+    fn = getattr(_libc(), "mallinfo2", None)
+    if fn is None:
+        raise RuntimeError("heap_in_use() needs glibc >= 2.33 (mallinfo2)")
+    fn.restype = _Mallinfo2
+    info = fn()
+    return info.uordblks + info.hblkhd
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
+
+
+class _SampleAfterEachOp(TorchDispatchMode):
+    def __init__(self, meter: HeapPeakMeter) -> None:
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.meter._sample()
+        return out
+
+
+class HeapPeakMeter:
+    """Peak CPU memory of the windows marked with :meth:`measure`, above the heap in use when
+    the meter was entered.
+
+    The heap is sampled (:func:`heap_in_use`) after every ATen and c10d op dispatched in a
+    window, so the peak is taken where tensors are created. Unlike the profiler's allocator
+    events, this sees memory freed on other threads (a gloo work object dropping the last
+    reference to a buffer) and buffers the backend allocates itself, and it needs no record of
+    blocks allocated before it started: whatever a runtime keeps across steps is counted. Build
+    the model inside the meter and drop earlier models first (entering runs the garbage
+    collector), so that the baseline holds neither.
+
+    Example::
+
+        with HeapPeakMeter() as mem:
+            model, opt = build()
+            train(2)  # warm-up, not measured
+            for _ in range(3):
+                with mem.measure():
+                    train(1)
+        print(mem.peak)
+    """
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._base = 0
+
+    def __enter__(self) -> HeapPeakMeter:
+        gc.collect()
+        self._base = heap_in_use()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, heap_in_use() - self._base)
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        """Marks a window whose memory counts towards :attr:`peak`."""
+        self._sample()
+        with _SampleAfterEachOp(self):
+            yield
+        self._sample()
