@@ -218,6 +218,12 @@ class Plan:
         """One segment: rank ``r``'s chunk is ``[r * S, (r + 1) * S)`` of the unsharded buffer."""
         return (Segment(0, 0, self.chunk_numel),)
 
+    def segment_index(self, name: str) -> int:
+        """Index in :attr:`segments` of the segment holding ``name`` (always 0 here)."""
+        if name not in self.offsets:
+            raise ValueError(f"no parameter named {name!r} in this plan")
+        return 0
+
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")

@@ -81,6 +81,12 @@ class SegmentedPlan:
         self.chunk_lower_bound: int = sum(p.chunk_lower_bound for p in parts)
         self.dtype: torch.dtype = parts[0].dtype
 
+    def segment_index(self, name: str) -> int:
+        """Index in :attr:`segments` of the segment holding ``name``."""
+        if name not in self._part_of:
+            raise ValueError(f"no parameter named {name!r} in this plan")
+        return self._part_of[name]
+
     def local_slice(self, name: str, rank: int) -> tuple[int, int]:
         """``[begin, end)`` of ``name``'s local run inside ``rank``'s whole chunk."""
         if name not in self._part_of:
@@ -137,20 +143,38 @@ def plan_segmented(
     *,
     max_segments: int = 16,
     align_bytes: int | None = None,
+    groups: Sequence[Sequence[str]] | None = None,
 ) -> Plan | SegmentedPlan:
     """Plan one FSDP unit as one or several segments, whichever pads least.
 
     Candidates: one segment (:func:`plan`); one segment per band size (parameters whose cuts fall
     on the same quantum share a segment, so no lcm of bands arises); one segment per
     parameter (per-parameter ``Shard(0)`` padding). Parameters that are never cut (whole or
-    smaller than one band) join the largest segment. Candidates with more than ``max_segments``
-    segments are skipped; ties go to fewer segments. Returns a :class:`Plan` when one segment
-    wins, so callers that ask for segments pay nothing when they do not help.
+    smaller than one band) join the largest segment.
+
+    ``groups`` (a partition of the parameter names, e.g. by submodule) adds two candidates: one
+    segment per group, and one per group and band size. A group holding only parameters that are
+    never cut joins the next group (the last joins the previous). The FSDP runtime passes the
+    unit's submodules here: a segment's gradient buffer is allocated when backward reaches its
+    first parameter, so segments that follow the module structure hold gradient memory for
+    about as long as per-parameter gradients would.
+
+    Candidates with more than ``max_segments`` segments are skipped. Of those with the least
+    padding, one built from ``groups`` wins, then the one with fewer segments. Returns a
+    :class:`Plan` when one segment wins, so callers that ask for segments pay nothing when
+    they do not help.
     """
     if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 1:
         raise ValueError(f"max_segments must be a positive int, got {max_segments!r}")
     _check_args(world_size, dtype, align_bytes)
     names, grans, specs = _resolve_unit(named_shapes, granularity)
+    if groups is not None:
+        flat = [n for g in groups for n in g]
+        if sorted(flat) != sorted(names) or any(not g for g in groups):
+            raise ValueError(
+                f"groups must partition the parameter names {list(names)} into non-empty "
+                f"groups, got {[list(g) for g in groups]}"
+            )
     by_name = dict(zip(names, grans))
     spec_of = dict(zip(names, specs))
     shapes = {n: s.shape for n, s in spec_of.items()}
@@ -173,20 +197,67 @@ def plan_segmented(
     classes: dict[tuple[int, int], list[str]] = {}
     for n in cut:
         classes.setdefault((spec_of[n].band_numel, spec_of[n].period_numel), []).append(n)
-    candidates = [[list(names)], with_fillers([classes[k] for k in sorted(classes)]),
-                  with_fillers([[n] for n in cut])]
+    # (preference, groups): on equal padding the lower preference wins, then fewer segments.
+    # The caller's groups come first: a candidate seen twice keeps its first preference.
+    candidates: list[tuple[int, list[list[str]]]] = []
+    if groups is not None:
+        cut_set = set(cut)
+        unit_numel = sum(s.numel for s in specs)
+        as_given = _merge_uncut_groups([list(g) for g in groups], cut_set)
+        # small groups (a norm) folded into the next: fewer segments when that pads no more
+        folded = _fold_groups(
+            as_given,
+            lambda g: sum(spec_of[n].numel for n in g) * max_segments < unit_numel,
+        )
+        for module_groups in (as_given, folded):
+            by_band = []
+            for g in module_groups:
+                bands: dict[tuple[int, int], list[str]] = {}
+                for n in g:
+                    bands.setdefault((spec_of[n].band_numel, spec_of[n].period_numel), []).append(n)
+                by_band.extend(_merge_uncut_groups([bands[k] for k in sorted(bands)], cut_set))
+            candidates += [(0, module_groups), (0, by_band)]
+    candidates += [
+        (1, [list(names)]),
+        (1, with_fillers([classes[k] for k in sorted(classes)])),
+        (1, with_fillers([[n] for n in cut])),
+    ]
     best: Plan | SegmentedPlan | None = None
+    best_key: tuple[int, int, int] | None = None
     seen: set[tuple[tuple[str, ...], ...]] = set()
-    for groups in candidates:
-        key = tuple(tuple(g) for g in groups)
-        if len(groups) > max_segments or key in seen:
+    for preference, candidate in candidates:
+        key = tuple(tuple(g) for g in candidate)
+        if len(candidate) > max_segments or key in seen:
             continue
         seen.add(key)
-        p = build(groups)
-        n_seg = len(p.parts) if isinstance(p, SegmentedPlan) else 1
-        best_seg = (len(best.parts) if isinstance(best, SegmentedPlan) else 1) if best is not None else 0
-        if best is None or p.padding_numel < best.padding_numel or (
-                p.padding_numel == best.padding_numel and n_seg < best_seg):
-            best = p
+        p = build(candidate)
+        rank_key = (p.padding_numel, preference, len(candidate))
+        if best_key is None or rank_key < best_key:
+            best, best_key = p, rank_key
     assert best is not None
     return best
+
+
+def _merge_uncut_groups(groups: list[list[str]], cut: set[str]) -> list[list[str]]:
+    """Fold each group without a cut parameter into the next group (the last into the previous):
+    a segment of only small parameters would pad a band for nothing."""
+    return _fold_groups(groups, lambda g: not any(n in cut for n in g))
+
+
+def _fold_groups(groups: list[list[str]], fold) -> list[list[str]]:
+    """Fold each group for which ``fold(group)`` holds into the next group (the last into the
+    previous)."""
+    out: list[list[str]] = []
+    carry: list[str] = []
+    for g in groups:
+        if fold(g):
+            carry += g
+        else:
+            out.append(carry + g)
+            carry = []
+    if carry:
+        if out:
+            out[-1] += carry
+        else:
+            out.append(carry)
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -104,3 +105,50 @@ def test_one_segment_wins_returns_a_plain_plan_and_bad_arguments():
         plan_segmented({"w": (8, 8)}, 2, max_segments=0)
     with pytest.raises(ValueError, match="world_size"):
         plan_segmented({"w": (8, 8)}, 0)
+
+
+@SETTINGS
+@given(unit=units(), world=st.integers(1, 9), data=st.data())
+def test_submodule_groups_never_pad_more_and_are_followed_on_ties(unit, world, data):
+    shapes, grans = unit
+    if not _resolvable(shapes, grans):
+        return
+    names = list(shapes)
+    # a random partition of the names into consecutive groups (submodules hold consecutive names)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(names) - 1)), max_size=len(names))))
+    bounds = [0] + [c for c in cuts if c < len(names)] + [len(names)]
+    groups = [names[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+    policy = lambda name, shape: grans[name]  # noqa: E731
+    with_groups = plan_segmented(shapes, world, policy, torch.float32, groups=groups)
+    without = plan_segmented(shapes, world, policy, torch.float32)
+    check_segmented(with_groups, shapes, grans)
+    gather_round_trip(with_groups, shapes)
+    assert with_groups.padding_numel <= without.padding_numel
+    # when the groups change the plan, a candidate built from them won: each segment holds
+    # parameters of consecutive groups only (folding merges neighbours, bands split a group)
+    def seg_names(p):
+        return [part.names for part in getattr(p, "parts", (p,))]
+
+    if seg_names(with_groups) != seg_names(without):
+        group_of = {n: k for k, g in enumerate(groups) for n in g}
+        for part in with_groups.parts:
+            spans = {group_of[n] for n in part.names}
+            assert spans == set(range(min(spans), max(spans) + 1))  # consecutive groups only
+
+
+def test_submodule_groups_split_the_root_of_a_tensor_parallel_llama():
+    # the root unit of benchmarks/compose.py at dp=2: embedding, final norm, output projection
+    root = {"tok_embeddings.weight": (256, 256), "norm.weight": (256,), "output.weight": (256, 256)}
+    groups = [["tok_embeddings.weight"], ["norm.weight"], ["output.weight"]]
+    assert isinstance(plan_segmented(root, 2, dtype=torch.float32), Plan)  # one segment ties
+    p = plan_segmented(root, 2, dtype=torch.float32, groups=groups)
+    assert isinstance(p, SegmentedPlan) and p.padding_numel == 0
+    assert [part.names for part in p.parts] == [tuple(g) for g in groups]
+    # a grouping that would pad loses to the single layout
+    p = plan_segmented(root, 2, dtype=torch.float32,
+                       groups=[["tok_embeddings.weight"], ["norm.weight", "output.weight"]])
+    assert p.padding_numel == 0
+    with pytest.raises(ValueError, match="groups must partition"):
+        plan_segmented(root, 2, groups=[["tok_embeddings.weight"], ["output.weight"]])
+    with pytest.raises(ValueError, match="groups must partition"):
+        plan_segmented(root, 2, groups=[[], *groups])
