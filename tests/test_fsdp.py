@@ -232,12 +232,12 @@ def _zero_copy(rank: int, ws: int):
     ref_grads = dict(ref.named_parameters())
     checks = []
     for prefix, unit in m.fsdp_units():
-        base = unit.unsharded_grad.data_ptr()
-        esize = unit.unsharded_grad.element_size()
-        for slot, up, sp in zip(unit.slots, unit.unsharded_params, unit.sharded_params):
+        for i, (slot, up, sp) in enumerate(
+            zip(unit.slots, unit.unsharded_params, unit.sharded_params)
+        ):
             name = f"{prefix}.{slot.fqn}" if prefix else slot.fqn
-            o = unit.plan.offsets[slot.fqn]
-            checks.append(up.grad.data_ptr() == base + o * esize)
+            buf, o = unit.grad_buffer_of(i)
+            checks.append(up.grad.data_ptr() == buf.data_ptr() + o * buf.element_size())
             checks.append(torch.allclose(up.grad, ref_grads[name].grad, atol=1e-6))
             local = sp._local_tensor
             if local.numel():
@@ -401,3 +401,33 @@ def _container_root(rank: int, ws: int):
 def test_root_without_own_parameters_issues_no_collectives():
     for ok, no_plan, root_gathers in run_threaded(_container_root, WORLD):
         assert ok and no_plan and root_gathers == 0
+
+
+def _first_gradients(rank: int, ws: int):
+    m = _model()
+    _shard(m, "ours", DeviceMesh("cpu", list(range(ws))))
+    seen: list[tuple[str, int, int, list[int]]] = []
+
+    def landed(unit, prefix: str, index: int) -> None:
+        if any(name == prefix for name, *_ in seen):
+            return
+        allocated = [k for k, g in enumerate(unit.unsharded_grads) if g is not None]
+        seen.append((prefix, len(unit.plan.segments), unit._segment_of[index], allocated))
+
+    for prefix, unit in m.fsdp_units():
+        for i, p in enumerate(unit.unsharded_params):
+            p.register_post_accumulate_grad_hook(lambda p, u=unit, n=prefix, i=i: landed(u, n, i))
+    x, y = CORPUS.batch(0, BATCH, SEQ)
+    m(x[rank::ws], y[rank::ws]).backward()
+    return seen
+
+
+def test_gradient_buffers_are_allocated_per_segment_as_backward_reaches_them():
+    for seen in run_threaded(_first_gradients, WORLD):
+        assert len(seen) == CFG.n_layer + 1  # every unit received gradients
+        segments = {prefix: n for prefix, n, _, _ in seen}
+        # the root wraps the blocks: its layout follows its submodules (embeddings, final norm,
+        # head), which pads no more here
+        assert segments[""] > 1
+        for _, _, segment, allocated in seen:
+            assert allocated == [segment]  # only the segment of the first gradient exists

@@ -277,17 +277,15 @@ def _fp8_train_rank(rank: int, ws: int, steps: int, batch: int):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     losses, grads, zero_copy = [], {}, []
 
-    def landed(p: torch.Tensor, unit, offset: int) -> None:
+    def landed(p: torch.Tensor, unit, index: int) -> None:
         # right after AccumulateGrad: the gradient is the parameter's view of the flat buffer
-        buf = unit.unsharded_grad
+        buf, offset = unit.grad_buffer_of(index)
         zero_copy.append(p.grad.data_ptr() == buf.data_ptr() + offset * buf.element_size())
 
     handles = [
-        p.register_post_accumulate_grad_hook(
-            lambda p, u=unit, o=unit.plan.offsets[slot.fqn]: landed(p, u, o)
-        )
+        p.register_post_accumulate_grad_hook(lambda p, u=unit, i=i: landed(p, u, i))
         for _, unit in m.fsdp_units()
-        for slot, p in zip(unit.slots, unit.unsharded_params)
+        for i, p in enumerate(unit.unsharded_params)
     ]
     for s in range(steps):
         x, y = _corpus().batch(s, batch, SEQ)

@@ -229,6 +229,9 @@ def fully_shard(
     of this rank's chunk. Forward and backward all-gather the unit with one collective into a
     buffer the unsharded parameters are views of; gradients are reduce-scattered (averaged over
     the mesh) with one collective into a flat buffer the sharded ``.grad`` DTensors are views of.
+    When ``module`` wraps other ``fully_shard`` modules (a root holding the embedding and the
+    output projection), its layout follows its submodules where that pads no more, so that a
+    submodule's gradient buffer is only allocated when backward reaches it.
 
     Args:
         module: the module to shard; its class is swapped to a subclass that also derives from
@@ -272,8 +275,10 @@ def fully_shard(
                 m._buffers[k] = b.to(device)
     if params and any(p.device != device for p in params):
         params = [p.to(device) for p in params]
+    wraps_units = any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)
     unit = FSDPUnit(
-        slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant
+        slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
+        split_by_submodule=wraps_units,
     )
     module._fsdp_state = FSDPState(module, unit, reshard_after_forward, mp_policy)
     module.__class__ = _fsdp_class(type(module))

@@ -2,7 +2,7 @@
 
 Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs first):
 
-* forward pre-hook: wait for ``u``'s all-gather (issue it if no prefetch did), register the
+* forward pre-hook: (root) free the flat sharded gradients ``zero_grad()`` dropped; wait for ``u``'s all-gather (issue it if no prefetch did), register the
   unsharded parameters, prefetch the next unit's all-gather (order recorded in the previous
   forward), and wrap the floating inputs that require grad in :class:`_PostBackward` so that
   ``u``'s post-backward runs when autograd has produced the gradients of ``u``'s inputs (by then
@@ -10,9 +10,9 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
 * forward post-hook: reshard (free the unsharded buffer) unless ``reshard_after_forward`` is off
   or ``u`` is the root (whose parameters backward needs first), and hook the outputs.
 * pre-backward (a hook on ``u``'s outputs): re-gather and prefetch the all-gather of the unit
-  whose backward runs next. The first gradient reaching one of ``u``'s unsharded parameters
-  (a hook on each) allocates the zeroed flat gradient buffer and presets every ``.grad`` to a
-  view of it, so AccumulateGrad adds into it in place.
+  whose backward runs next (on GPUs). The first gradient reaching a parameter of one of ``u``'s
+  plan segments (a hook on each parameter) allocates the segment's zeroed flat gradient buffer
+  and presets its parameters' ``.grad`` to views of it, so AccumulateGrad adds into it in place.
 * post-backward: issue the reduce-scatter (async; the previous unit's is finished first, so at
   most one is in flight), reshard.
 * the root queues a callback that runs when autograd finishes: post-backward for units whose
@@ -46,16 +46,21 @@ class RootContext:
 
     @staticmethod
     def prefetch(state: FSDPState | None, *, backward: bool = False) -> None:
-        """Issue ``state``'s all-gather ahead of its use.
+        """Issue ``state``'s all-gather (asynchronously) ahead of its use.
 
-        Asynchronous, except in backward on CPU: gloo runs an asynchronous all-gather through an
-        extra output-sized staging buffer that lives until ``wait()``, which would sit on top of
-        the gradient buffer at the backward peak. FSDP2 gathers synchronously on CPU too; NCCL
-        has no staging buffer, so GPUs overlap in both passes.
+        Not in backward on CPU: there gloo would stage an asynchronous all-gather through an
+        extra output-sized buffer alive until ``wait()``, on top of the gradient buffer at the
+        backward peak, and a synchronous gather issued early overlaps nothing while holding the
+        unit's parameters through the previous unit's backward. The unit gathers in its own
+        pre-backward instead, at the same cost in time. NCCL has no staging buffer: GPUs
+        prefetch in both passes.
         """
-        if state is not None:
-            unit = state.unit
-            unit.unshard(async_op=not (backward and unit.device.type == "cpu"))
+        if state is None:
+            return
+        unit = state.unit
+        if backward and unit.device.type == "cpu":
+            return
+        unit.unshard(async_op=True)
 
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is not None:
@@ -118,9 +123,9 @@ class FSDPState:
         self._needs_post_backward = False
         self._backward_started = False
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        for slot, param in zip(unit.slots, unit.unsharded_params):
+        for i, (slot, param) in enumerate(zip(unit.slots, unit.unsharded_params)):
             if slot.requires_grad:
-                param.register_hook(self._on_grad)
+                param.register_hook(lambda grad, i=i: self._on_grad(i))
         module.register_forward_hook(self._post_forward, prepend=False)
 
     # -- lazy root init ----------------------------------------------------------------------
@@ -143,6 +148,8 @@ class FSDPState:
         if self.is_root:
             ctx.finish_pending_reduce()
             ctx._recording = []
+            for s in ctx.states:
+                s.unit.release_dropped_grads()
         else:
             ctx._recording.append(self)
         self.unit.unshard(async_op=False)
@@ -197,11 +204,11 @@ class FSDPState:
         self.unit.wait_unshard()
         ctx.prefetch(ctx.next_in_backward(self), backward=True)
 
-    def _on_grad(self, grad: torch.Tensor) -> None:
-        # Runs before AccumulateGrad of each unsharded parameter. The flat gradient buffer is
-        # allocated at the unit's first gradient, not at pre-backward, where it would sit on
+    def _on_grad(self, index: int) -> None:
+        # Runs before AccumulateGrad of unsharded parameter ``index``. A segment's gradient
+        # buffer is allocated at its first gradient, not at pre-backward, where it would sit on
         # the activation peak.
-        self.unit.prepare_grads()
+        self.unit.prepare_grads(index)
 
     def post_backward(self) -> None:
         """Reduce-scatter this unit's gradients (unless gradient sync is off) and reshard.
@@ -210,10 +217,10 @@ class FSDPState:
         several forwards before their backwards (pipeline parallel micro-batches) reduce every
         micro-batch's gradients."""
         unit = self.unit
-        if not self._needs_post_backward and unit.unsharded_grad is None:
+        if not self._needs_post_backward and not unit.has_unsharded_grads:
             return
         self._needs_post_backward = False
-        if unit.unsharded_grad is not None and self.requires_gradient_sync:
+        if unit.has_unsharded_grads and self.requires_gradient_sync:
             self.root.finish_pending_reduce()
             unit.reduce_grads()
             self.root.pending_reduce = unit

@@ -12,9 +12,13 @@ Buffers a unit holds (``W`` = world size, ``P`` = ``param_dtype``, ``R`` = ``red
 * ``unsharded``: ``[S*W]`` in ``P``, the all-gather output. Its storage is allocated on unshard
   and resized to 0 on reshard. The unsharded parameters are views of that storage at their plan
   offsets, so the all-gather is the only data movement: no copy-in, no copy-out.
-* ``unsharded_grad``: ``[S*W]`` in ``P``, zero-filled at the unit's pre-backward. Each unsharded
-  parameter's ``.grad`` is preset to a view of it, so autograd's ``AccumulateGrad`` adds the
-  parameter gradient into the buffer in place; the buffer is then the reduce-scatter input.
+* ``unsharded_grads``: one ``[S_k*W]`` buffer in ``P`` per plan segment ``k``, zero-filled when
+  backward reaches the segment's first parameter. Each unsharded parameter's ``.grad`` is preset
+  to a view of its segment's buffer, so autograd's ``AccumulateGrad`` adds the parameter
+  gradient into it in place; the buffers are then the reduce-scatter inputs. For a unit that wraps
+  other units the runtime asks the planner for segments that follow the unit's submodules where
+  they pad no more, so that the embedding's gradient buffer, say, is not allocated at the output
+  projection's gradient, a whole backward before it is needed.
 * ``sharded_grad``: ``[S]`` in the parameters' dtype: the reduce-scatter output (averaged over
   the world). Each sharded parameter's ``.grad`` is a RaggedShard DTensor view of it.
 
@@ -52,6 +56,14 @@ from ragged_placement.fsdp.mesh import (
 )
 
 __all__ = ["CommStats", "FSDPUnit", "ParamSlot"]
+
+
+def _submodule_groups(fqns: list[str]) -> list[list[str]]:
+    """Parameter names grouped by the unit's direct submodule that holds them, in order."""
+    groups: dict[str, list[str]] = {}
+    for fqn in fqns:
+        groups.setdefault(fqn.split(".", 1)[0] if "." in fqn else "", []).append(fqn)
+    return list(groups.values())
 
 
 @dataclass
@@ -130,6 +142,7 @@ class FSDPUnit:
         reduce_dtype: torch.dtype | None,
         granularity,
         quant=None,
+        split_by_submodule: bool = False,
     ) -> None:
         from ragged_placement.planner import plan_segmented
 
@@ -167,12 +180,18 @@ class FSDPUnit:
         self.plan = None
         if slots:
             # Segments (several flat layouts, one coalesced collective) when they pad less; the
-            # FP8 gather packs every segment into one send buffer (one all-gather).
+            # FP8 gather packs every segment into one send buffer (one all-gather). A unit that
+            # wraps other units (a root: embedding first in forward, output projection last)
+            # also asks for one segment per submodule where that pads no more: its gradients
+            # arrive a whole backward apart, and each segment's gradient buffer is allocated
+            # when backward reaches it. Inside a leaf unit they arrive within one unit's
+            # backward, where extra segments would only cost collective parts.
             self.plan = plan_segmented(
                 [(s.fqn, tuple(s.shape)) for s in slots],
                 self.world_size,
                 granularity=granularity,
                 dtype=self.orig_dtype,
+                groups=_submodule_groups([s.fqn for s in slots]) if split_by_submodule else None,
             )
             self.plan.check_consistent(self.group)
         S, W = (self.plan.chunk_numel if slots else 0), self.world_size
@@ -254,10 +273,14 @@ class FSDPUnit:
         self.state = UnitState.SHARDED
         self._ag_work: dist.Work | None = None
         self._ag_send: torch.Tensor | None = None
-        self.unsharded_grad: torch.Tensor | None = None
+        # Gradient buffers, one per plan segment, each allocated at the first gradient that
+        # reaches one of its parameters (see prepare_grads).
+        self._segment_of = [self.plan.segment_index(slot.fqn) for slot in slots]
+        n_segments = len(self.plan.segments) if slots else 0
+        self.unsharded_grads: list[torch.Tensor | None] = [None] * n_segments
         self.sharded_grad: torch.Tensor | None = None
         self._rs_work: dist.Work | None = None
-        self._rs_input: torch.Tensor | None = None
+        self._rs_input: list[torch.Tensor] | None = None
         self._rs_output: torch.Tensor | None = None
         self.stats = CommStats()
         self.register(sharded=True)
@@ -325,37 +348,64 @@ class FSDPUnit:
             self.state = UnitState.SHARDED
 
     # -- gradients -------------------------------------------------------------------------------
-    def prepare_grads(self) -> None:
-        """Preset each unsharded parameter's ``.grad`` to its view of one zeroed flat buffer."""
-        if self.unsharded_grad is not None:
-            return  # accumulating micro-batches without reduction
+    def release_dropped_grads(self) -> None:
+        """Free the flat sharded gradient once ``zero_grad()`` has dropped every ``.grad`` viewing
+        it, so that it does not sit through the next forward."""
         if self.sharded_grad is not None and all(
             p.grad is None or not p.requires_grad for p in self.sharded_params
         ):
-            self.sharded_grad = None  # the optimizer dropped the gradients: free them before backward
+            self.sharded_grad = None
+
+    @property
+    def has_unsharded_grads(self) -> bool:
+        """Whether backward has produced gradients that are not reduced yet."""
+        return any(g is not None for g in self.unsharded_grads)
+
+    def grad_buffer_of(self, index: int) -> tuple[torch.Tensor | None, int]:
+        """The gradient buffer of slot ``index``'s segment and the slot's offset in it."""
+        k = self._segment_of[index]
+        seg = self.plan.segments[k]
+        return self.unsharded_grads[k], self.plan.offsets[self.slots[index].fqn] - seg.buffer_offset
+
+    def prepare_grads(self, index: int) -> None:
+        """Called before slot ``index``'s first gradient of a backward lands: allocate its
+        segment's zeroed flat buffer and preset the ``.grad`` of each parameter in the segment
+        to its view of it, so that AccumulateGrad adds into the buffer in place."""
+        k = self._segment_of[index]
+        if self.unsharded_grads[k] is not None:
+            return  # allocated by an earlier parameter, or accumulating micro-batches
+        self.release_dropped_grads()
+        seg = self.plan.segments[k]
         buf = torch.zeros(
-            self.chunk_numel * self.world_size, dtype=self.param_dtype, device=self.device
+            seg.chunk_numel * self.world_size, dtype=self.param_dtype, device=self.device
         )
-        self.unsharded_grad = buf
-        for slot, p, tp in zip(self.slots, self.unsharded_params, self.unsharded_specs):
-            if slot.requires_grad:
-                o = self.plan.offsets[slot.fqn]
+        self.unsharded_grads[k] = buf
+        for i, (slot, p, tp) in enumerate(
+            zip(self.slots, self.unsharded_params, self.unsharded_specs)
+        ):
+            if slot.requires_grad and self._segment_of[i] == k:
+                o = self.plan.offsets[slot.fqn] - seg.buffer_offset
                 g = buf[o : o + slot.shape.numel()].view(slot.shape)
                 p.grad = g if tp is None else DTensor(g, tp, requires_grad=False)
 
     def reduce_grads(self) -> None:
-        """Issue the reduce-scatter of the flat gradient buffer (async); :meth:`finish_reduce`
-        completes it. The unsharded gradient buffer is released here."""
-        assert self.unsharded_grad is not None and self._rs_work is None
+        """Issue the reduce-scatter of the gradient buffers (async, one coalesced collective);
+        :meth:`finish_reduce` completes it. The unsharded gradient buffers are released here; a
+        segment no gradient reached contributes zeros."""
+        assert self.has_unsharded_grads and self._rs_work is None
         for p in self.unsharded_params:
             p.grad = None
-        rs_in = self.unsharded_grad
-        self.unsharded_grad = None
-        if rs_in.dtype != self.reduce_dtype:
-            rs_in = rs_in.to(self.reduce_dtype)  # the mixed-precision cast
+        rs_in = [
+            g if g is not None else torch.zeros(
+                seg.chunk_numel * self.world_size, dtype=self.reduce_dtype, device=self.device
+            )
+            for g, seg in zip(self.unsharded_grads, self.plan.segments)
+        ]
+        self.unsharded_grads = [None] * len(rs_in)
+        rs_in = [g.to(self.reduce_dtype) for g in rs_in]  # the mixed-precision cast, if any
         out = torch.empty(self.chunk_numel, dtype=self.reduce_dtype, device=self.device)
         self.stats.reduce_scatters += 1
-        self.stats.reduce_scatter_bytes += rs_in.numel() * rs_in.element_size()
+        self.stats.reduce_scatter_bytes += sum(g.numel() * g.element_size() for g in rs_in)
         self._rs_input, self._rs_output = rs_in, out
         self._rs_work = reduce_scatter_segments(
             out, rs_in, self.plan.segments, self.world_size, op=dist.ReduceOp.SUM, group=self.group,
@@ -376,10 +426,7 @@ class FSDPUnit:
         out.div_(self.world_size * self.dp.replicate_size)
         if out.dtype != self.orig_dtype:
             out = out.to(self.orig_dtype)
-        if self.sharded_grad is not None and all(
-            p.grad is None or not p.requires_grad for p in self.sharded_params
-        ):
-            self.sharded_grad = None  # the optimizer dropped the gradients (zero_grad)
+        self.release_dropped_grads()
         if self.sharded_grad is None:
             self.sharded_grad = out
             views = self.plan.local_views(out, self.rank)
