@@ -149,8 +149,8 @@ def plan_segmented(
 
     Candidates: one segment (:func:`plan`); one segment per band size (parameters whose cuts fall
     on the same quantum share a segment, so no lcm of bands arises); one segment per
-    parameter (per-parameter ``Shard(0)`` padding). Parameters that are never cut (whole or
-    smaller than one band) join the largest segment.
+    parameter, with the parameters that are never cut (whole or smaller than one band) joining
+    the largest segment, and with every parameter alone (per-parameter ``Shard(0)`` padding).
 
     ``groups`` (a partition of the parameter names, e.g. by submodule) adds two candidates: one
     segment per group, and one per group and band size. A group holding only parameters that are
@@ -221,6 +221,7 @@ def plan_segmented(
         (1, [list(names)]),
         (1, with_fillers([classes[k] for k in sorted(classes)])),
         (1, with_fillers([[n] for n in cut])),
+        (1, [[n] for n in names]),  # exactly per-parameter Shard(0): the guarantee's candidate
     ]
     best: Plan | SegmentedPlan | None = None
     best_key: tuple[int, int, int] | None = None

@@ -152,3 +152,15 @@ def test_submodule_groups_split_the_root_of_a_tensor_parallel_llama():
         plan_segmented(root, 2, groups=[["tok_embeddings.weight"], ["output.weight"]])
     with pytest.raises(ValueError, match="groups must partition"):
         plan_segmented(root, 2, groups=[[], *groups])
+
+
+def test_parameters_too_small_to_cut_can_be_their_own_segments():
+    # found by the property above: two 1-element vectors beside a 3x3 matrix on 3 ranks pad 7
+    # as one layout (and as any layout that merges the vectors into the matrix's segment), 4 as
+    # per-parameter Shard(0)
+    shapes = {"p0": (3, 3), "p1": (1,), "p2": (1,)}
+    grans = {"p0": Granularity.row(), "p1": Granularity.element(), "p2": Granularity.element()}
+    p = plan_segmented(shapes, 3, lambda n, s: grans[n], torch.float32)
+    assert p.padding_numel == block_shard0_padding(shapes, grans, 3) == 4
+    check_segmented(p, shapes, grans)
+    gather_round_trip(p, shapes)
