@@ -13,8 +13,8 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   whose backward runs next (on GPUs). The first gradient reaching a parameter of one of ``u``'s
   plan segments (a hook on each parameter) allocates the segment's zeroed flat gradient buffer
   and presets its parameters' ``.grad`` to views of it, so AccumulateGrad adds into it in place.
-* post-backward: issue the reduce-scatter (async; the previous unit's is finished first, so at
-  most one is in flight), reshard.
+* post-backward: issue the reduce-scatter (async on GPUs, where the previous unit's is finished
+  first, so at most one is in flight; finished at once on CPU), reshard.
 * the root queues a callback that runs when autograd finishes: post-backward for units whose
   inputs did not require grad (e.g. the root, fed token ids), then it waits for the last
   reduce-scatter.
@@ -224,6 +224,11 @@ class FSDPState:
             self.root.finish_pending_reduce()
             unit.reduce_grads()
             self.root.pending_reduce = unit
+            if unit.device.type == "cpu":
+                # gloo stages the reduce-scatter in buffers of its own, alive with the input
+                # until wait(): on CPU, where the overlap buys little, finishing it here frees
+                # them before the next unit's backward (FSDP2 is synchronous on CPU too)
+                self.root.finish_pending_reduce()
         unit.reshard()
 
     def _root_final_callback(self) -> None:
