@@ -116,9 +116,15 @@ def _hsdp(rank: int, state) -> list[float]:
     return _mean_over(_train(model, [b[rank : rank + 1] for b in _batches()], clip=True))
 
 
-def _pipeline_losses(mesh, state, schedule_cls, lr: float, tp_mesh=None) -> list[float]:
+def _pipeline_losses(
+    mesh, state, schedule_cls, lr: float, tp_mesh=None, deferred: list | None = None,
+    first_grads: dict | None = None,
+) -> list[float]:
     """Two pipeline stages on ``mesh["pp"]``, each ``fully_shard``ed on ``mesh["dp"]`` (after the
-    tensor-parallel plan on ``tp_mesh``, if given); the last stage's losses, averaged over dp."""
+    tensor-parallel plan on ``tp_mesh``, if given); the last stage's losses, averaged over dp.
+    With ``deferred`` (a list), the micro-batches run with gradient sync off and one
+    ``reduce_gradients()`` follows each step; (reduce-scatters, units) per step are appended.
+    ``first_grads`` receives the full gradients of the first step."""
     s, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     part = pipeline_stage(_model(state), s, 2)
     if tp_mesh is not None:
@@ -149,19 +155,39 @@ def _pipeline_losses(mesh, state, schedule_cls, lr: float, tp_mesh=None) -> list
     for b in _batches():
         b = b[d * half : (d + 1) * half]
         mb_losses: list[torch.Tensor] = []
+        if deferred is not None:
+            part.set_requires_gradient_sync(False)
+            before = sum(u.stats.reduce_scatters for _, u in part.fsdp_units())
         if s == 0:
             schedule.step(b[:, :-1])
         else:
             schedule.step(target=b[:, 1:], losses=mb_losses)
+        if deferred is not None:
+            part.reduce_gradients(scale=1 / n_micro)  # the schedule's mean over micro-batches
+            after = sum(u.stats.reduce_scatters for _, u in part.fsdp_units())
+            deferred.append((after - before, len(list(part.fsdp_units()))))
+        if first_grads is not None and not first_grads:
+            first_grads.update((n, p.grad.full_tensor()) for n, p in part.named_parameters())
         opt.step()
         opt.zero_grad()
         losses.append(sum(x.item() for x in mb_losses) / n_micro if s == 1 else 0.0)
     return _mean_over(losses, mesh["dp"].get_group()) if s == 1 else []
 
 
-def _pp(rank: int, state, schedule_cls) -> list[float]:
+def _pp(rank: int, state, schedule_cls, first_grads: dict | None = None) -> list[float]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    return _pipeline_losses(mesh, state, schedule_cls, LR)
+    return _pipeline_losses(mesh, state, schedule_cls, LR, first_grads=first_grads)
+
+
+def _pp_deferred(rank: int, state) -> tuple[list[float], list[tuple[int, int]], dict, dict]:
+    """1F1B with gradient sync deferred, and the first step's gradients with and without."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    counts: list[tuple[int, int]] = []
+    grads: dict[str, torch.Tensor] = {}
+    losses = _pipeline_losses(mesh, state, Schedule1F1B, LR, deferred=counts, first_grads=grads)
+    per_micro_batch: dict[str, torch.Tensor] = {}
+    _pp(rank, state, Schedule1F1B, first_grads=per_micro_batch)
+    return losses, counts, grads, per_micro_batch
 
 
 def _load_dp4(rank: int, ckpt: str) -> dict[str, torch.Tensor]:
@@ -183,6 +209,7 @@ def _worker(rank: int, world_size: int, state, ckpt: str) -> dict:
     out["hsdp"] = _hsdp(rank, state)
     out["gpipe"] = _pp(rank, state, ScheduleGPipe)
     out["1f1b"] = _pp(rank, state, Schedule1F1B)
+    out["1f1b_deferred"] = _pp_deferred(rank, state)
     out["dp4"] = _load_dp4(rank, ckpt)
     return out
 
@@ -236,6 +263,23 @@ def test_pipeline_losses(results, schedule):
     assert len(last) == 2  # the dp ranks of the last stage
     for losses in last:
         _close(losses, results["ref"]["noclip"])
+
+
+def test_pipeline_gradient_sync_deferred_to_the_last_micro_batch(results):
+    # 2 micro-batches accumulate unsharded gradients with sync off; reduce_gradients() then
+    # issues one reduce-scatter per unit per step instead of one per unit per micro-batch
+    outs = [r["1f1b_deferred"] for r in results["ranks"]]
+    for _, counts, deferred, per_micro_batch in outs:
+        assert len(counts) == STEPS and all(rs == units > 0 for rs, units in counts), counts
+        # the same gradients as reducing every micro-batch, up to summation order
+        assert deferred.keys() == per_micro_batch.keys() and deferred
+        for k, g in deferred.items():
+            torch.testing.assert_close(g, per_micro_batch[k], atol=1e-6, rtol=1e-5)
+    last = [losses for losses, *_ in outs if losses]
+    assert len(last) == 2
+    # Adam turns summation-order noise in near-zero gradients into ~lr*1e-3 parameter noise
+    for losses in last:
+        _close(losses, results["ref"]["noclip"], tol=2e-4)
 
 
 def test_dcp_dp2_tp2_to_dp4_and_single_process(results):

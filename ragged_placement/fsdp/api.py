@@ -81,6 +81,26 @@ class FSDPModule:
             if isinstance(m, FSDPModule):
                 m._fsdp_state.requires_gradient_sync = requires_gradient_sync
 
+    def reduce_gradients(self, *, scale: float = 1.0) -> None:
+        """Reduce-scatter the gradients accumulated under ``set_requires_gradient_sync(False)``:
+        one collective per unit holding some, innermost units last, each finished before the
+        next; the averaged gradients are multiplied by ``scale``.
+
+        Use it where no backward with sync on follows, e.g. after a pipeline schedule whose
+        micro-batches ran with sync off: ``torch.distributed.pipelining`` only drives torch's own
+        FSDP, and its schedules divide the gradients they can see by the number of micro-batches
+        before these exist, so pass ``scale=1 / n_microbatches`` for a mean-reduced loss.
+        Collective: every rank of the units' meshes must call it after running backward through
+        the same units."""
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ValueError(f"scale must be a number, got {scale!r}")
+        for m in reversed(list(self.modules())):
+            if isinstance(m, FSDPModule):
+                unit = m._fsdp_state.unit
+                if unit.has_unsharded_grads:
+                    unit.reduce_grads()
+                    unit.finish_reduce(scale=float(scale))
+
     def set_reshard_after_forward(
         self, reshard_after_forward: bool, *, recurse: bool = True
     ) -> None:

@@ -412,8 +412,9 @@ class FSDPUnit:
             async_op=True,
         )
 
-    def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter, average, and land it in the sharded gradients."""
+    def finish_reduce(self, scale: float = 1.0) -> None:
+        """Wait for the reduce-scatter, average (times ``scale``), and land it in the sharded
+        gradients."""
         if self._rs_work is None:
             return
         self._rs_work.wait()
@@ -423,7 +424,10 @@ class FSDPUnit:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dp.replicate_group)
             self.stats.all_reduces += 1
             self.stats.all_reduce_bytes += out.numel() * out.element_size()
-        out.div_(self.world_size * self.dp.replicate_size)
+        if scale == 1.0:
+            out.div_(self.world_size * self.dp.replicate_size)
+        else:
+            out.mul_(scale / (self.world_size * self.dp.replicate_size))
         if out.dtype != self.orig_dtype:
             out = out.to(self.orig_dtype)
         self.release_dropped_grads()
