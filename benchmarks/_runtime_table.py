@@ -9,6 +9,24 @@ step time the median over rank 0's runs (steps end in a barrier).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+
+from ragged_placement.fsdp.profiling import HeapPeakMeter
+
+
+def peak_memory(make_step: Callable[[], Callable[[int], object]], warmup: int = 2, steps: int = 3) -> int:
+    """Peak heap bytes of ``steps`` training steps of a model that ``make_step()`` builds under a
+    :class:`HeapPeakMeter` (so every byte the runtime holds counts), after ``warmup`` steps. The
+    allocation order depends on when collectives complete: the worst of several steps is kept."""
+    with HeapPeakMeter() as mem:
+        step = make_step()
+        for i in range(warmup):
+            step(i)
+        for i in range(warmup, warmup + steps):
+            with mem.measure():
+                step(i)
+        del step
+    return mem.peak
 
 
 def fmt_bytes(n: float) -> str:

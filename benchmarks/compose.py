@@ -34,14 +34,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ragged_placement.fsdp import fully_shard
-from ragged_placement.fsdp.profiling import (
-    CollectiveMeter,
-    LayoutCopyMeter,
-    HeapPeakMeter,
-)
+from ragged_placement.fsdp.profiling import CollectiveMeter, LayoutCopyMeter
 from ragged_placement.launch import run_gloo
 
-from _runtime_table import print_runtime_table  # benchmarks/ is the script directory
+from _runtime_table import peak_memory, print_runtime_table  # benchmarks/ is the script directory
 from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
 
 
@@ -100,15 +96,7 @@ def _measure(runtime: str, mesh, args, cfg: LlamaConfig, init: dict) -> dict:
     with LayoutCopyMeter() as copies:
         step(1)
     del step
-    # A fresh model built under the meter: every byte either runtime holds is counted.
-    with HeapPeakMeter() as mem:
-        step = _trainer(runtime, mesh, args, cfg, init, [])
-        for i in range(2):
-            step(i)
-        for i in range(2, 5):
-            with mem.measure():
-                step(i)
-        del step
+    peak = peak_memory(lambda: _trainer(runtime, mesh, args, cfg, init, []))
     return {
         "time": statistics.median(times),
         "all_gathers": meter.counts["all_gather"],
@@ -116,7 +104,7 @@ def _measure(runtime: str, mesh, args, cfg: LlamaConfig, init: dict) -> dict:
         "ag_bytes": meter.all_gather_bytes,
         "rs_bytes": meter.reduce_scatter_bytes,
         "copy_bytes": copies.total,
-        "peak": mem.peak,
+        "peak": peak,
         "losses": trained,
     }
 

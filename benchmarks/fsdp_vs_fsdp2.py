@@ -29,14 +29,10 @@ import torch
 import torch.distributed as dist
 
 from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
-from ragged_placement.fsdp.profiling import (
-    CollectiveMeter,
-    LayoutCopyMeter,
-    HeapPeakMeter,
-)
+from ragged_placement.fsdp.profiling import CollectiveMeter, LayoutCopyMeter
 from ragged_placement.launch import run_gloo
 
-from _runtime_table import print_runtime_table  # benchmarks/ is the script directory
+from _runtime_table import peak_memory, print_runtime_table  # benchmarks/ is the script directory
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 
 
@@ -90,16 +86,7 @@ def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict,
     with LayoutCopyMeter() as copies:
         step(1)
     del step
-    # A fresh model built under the meter: every byte either runtime holds is counted.
-    # The allocation order depends on when async collectives complete: 3 steps are measured.
-    with HeapPeakMeter() as mem:
-        step = _trainer(rank, ws, runtime, args, cfg, init, corpus)
-        for i in range(2):
-            step(i)
-        for i in range(2, 5):
-            with mem.measure():
-                step(i)
-        del step
+    peak = peak_memory(lambda: _trainer(rank, ws, runtime, args, cfg, init, corpus))
     return {
         "time": statistics.median(times),
         "all_gathers": meter.counts["all_gather"],
@@ -107,7 +94,7 @@ def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict,
         "ag_bytes": meter.all_gather_bytes,
         "rs_bytes": meter.reduce_scatter_bytes,
         "copy_bytes": copies.total,
-        "peak": mem.peak,
+        "peak": peak,
     }
 
 
