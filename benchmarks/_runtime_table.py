@@ -1,4 +1,5 @@
-"""The ours-vs-FSDP2 table that the FSDP benchmarks print (shared by fsdp_vs_fsdp2.py, compose.py).
+"""What the FSDP benchmarks (fsdp_vs_fsdp2.py, compose.py) share: one run's measurements
+(:func:`measure_runtime`) and the ours-vs-FSDP2 table they print.
 
 ``per_rank[r][runtime]`` is a list with one dict per run: ``all_gathers``, ``ag_bytes``,
 ``reduce_scatters``, ``rs_bytes``, ``copy_bytes``, ``peak`` (bytes) and ``time`` (the run's median
@@ -9,12 +10,49 @@ step time the median over rank 0's runs (steps end in a barrier).
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
-from ragged_placement.fsdp.profiling import HeapPeakMeter
+import torch.distributed as dist
+
+from ragged_placement.fsdp.profiling import CollectiveMeter, HeapPeakMeter, LayoutCopyMeter
+
+Step = Callable[[int], object]
 
 
-def peak_memory(make_step: Callable[[], Callable[[int], object]], warmup: int = 2, steps: int = 3) -> int:
+def measure_runtime(make_step: Callable[[], Step], warmup: int, steps: int) -> dict:
+    """One run of one runtime: ``make_step()`` builds the sharded model and returns ``step(i)``.
+
+    ``warmup`` steps, then ``steps`` timed steps (each between barriers, median kept), then one
+    step under :class:`CollectiveMeter` and one under :class:`LayoutCopyMeter`; the model is then
+    dropped and :func:`peak_memory` builds a fresh one."""
+    step = make_step()
+    for i in range(warmup):
+        step(i)
+    times = []
+    for i in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(warmup + i)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    with CollectiveMeter() as meter:
+        step(0)
+    with LayoutCopyMeter() as copies:
+        step(1)
+    del step
+    return {
+        "time": statistics.median(times),
+        "all_gathers": meter.counts["all_gather"],
+        "reduce_scatters": meter.counts["reduce_scatter"],
+        "ag_bytes": meter.all_gather_bytes,
+        "rs_bytes": meter.reduce_scatter_bytes,
+        "copy_bytes": copies.total,
+        "peak": peak_memory(make_step),
+    }
+
+
+def peak_memory(make_step: Callable[[], Step], warmup: int = 2, steps: int = 3) -> int:
     """Peak heap bytes of ``steps`` training steps of a model that ``make_step()`` builds under a
     :class:`HeapPeakMeter` (so every byte the runtime holds counts), after ``warmup`` steps. The
     allocation order depends on when collectives complete: the worst of several steps is kept."""

@@ -25,19 +25,15 @@ Run: ``.venv/bin/python benchmarks/compose.py`` (``--help`` for the knobs).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ragged_placement.fsdp import fully_shard
-from ragged_placement.fsdp.profiling import CollectiveMeter, LayoutCopyMeter
 from ragged_placement.launch import run_gloo
 
-from _runtime_table import peak_memory, print_runtime_table  # benchmarks/ is the script directory
+from _runtime_table import measure_runtime, print_runtime_table  # benchmarks/ is the script directory
 from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
 
 
@@ -80,33 +76,11 @@ def _trainer(runtime: str, mesh, args, cfg: LlamaConfig, init: dict, losses: lis
 
 def _measure(runtime: str, mesh, args, cfg: LlamaConfig, init: dict) -> dict:
     losses: list[float] = []
-    step = _trainer(runtime, mesh, args, cfg, init, losses)
-    for i in range(args.warmup):
-        step(i)
-    times = []
-    for i in range(args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(args.warmup + i)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    trained = losses[:]
-    with CollectiveMeter() as meter:
-        step(0)
-    with LayoutCopyMeter() as copies:
-        step(1)
-    del step
-    peak = peak_memory(lambda: _trainer(runtime, mesh, args, cfg, init, []))
-    return {
-        "time": statistics.median(times),
-        "all_gathers": meter.counts["all_gather"],
-        "reduce_scatters": meter.counts["reduce_scatter"],
-        "ag_bytes": meter.all_gather_bytes,
-        "rs_bytes": meter.reduce_scatter_bytes,
-        "copy_bytes": copies.total,
-        "peak": peak,
-        "losses": trained,
-    }
+    out = measure_runtime(
+        lambda: _trainer(runtime, mesh, args, cfg, init, losses), args.warmup, args.steps
+    )
+    out["losses"] = losses[: args.warmup + args.steps]  # the trained steps, before the meters
+    return out
 
 
 def _worker(rank: int, ws: int, args) -> dict:

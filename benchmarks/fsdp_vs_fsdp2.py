@@ -21,18 +21,14 @@ Run: ``.venv/bin/python benchmarks/fsdp_vs_fsdp2.py`` (``--help`` for the knobs)
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 
 from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
-from ragged_placement.fsdp.profiling import CollectiveMeter, LayoutCopyMeter
 from ragged_placement.launch import run_gloo
 
-from _runtime_table import peak_memory, print_runtime_table  # benchmarks/ is the script directory
+from _runtime_table import measure_runtime, print_runtime_table  # benchmarks/ is the script directory
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 
 
@@ -71,31 +67,9 @@ def _trainer(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict,
 
 
 def _measure(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, corpus) -> dict:
-    step = _trainer(rank, ws, runtime, args, cfg, init, corpus)
-    for i in range(args.warmup):
-        step(i)
-    times = []
-    for i in range(args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(args.warmup + i)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    with CollectiveMeter() as meter:
-        step(0)
-    with LayoutCopyMeter() as copies:
-        step(1)
-    del step
-    peak = peak_memory(lambda: _trainer(rank, ws, runtime, args, cfg, init, corpus))
-    return {
-        "time": statistics.median(times),
-        "all_gathers": meter.counts["all_gather"],
-        "reduce_scatters": meter.counts["reduce_scatter"],
-        "ag_bytes": meter.all_gather_bytes,
-        "rs_bytes": meter.reduce_scatter_bytes,
-        "copy_bytes": copies.total,
-        "peak": peak,
-    }
+    return measure_runtime(
+        lambda: _trainer(rank, ws, runtime, args, cfg, init, corpus), args.warmup, args.steps
+    )
 
 
 def _worker(rank: int, ws: int, args) -> dict:
