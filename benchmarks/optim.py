@@ -29,9 +29,7 @@ Run: ``.venv/bin/python benchmarks/optim.py`` (``--help`` for the knobs).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -44,17 +42,9 @@ from ragged_placement._compat import all_gather_single
 from ragged_placement.launch import run_gloo
 from ragged_placement.optim import Muon, newton_schulz, newton_schulz_flops
 from ragged_placement.optim._sharding import Exchange, Item, Layout, assign_owners
+from ragged_placement.planner.models import load_configs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def gpt_matrices(models_json: str, model: str, layers: int) -> list[tuple[int, int]]:
-    with open(models_json) as f:
-        cfg = json.load(f)[model]
-    h, f_ = cfg["hidden"], cfg["intermediate"]
-    qkv = (cfg["heads"] + 2 * cfg["kv_heads"]) * cfg["head_dim"]
-    return [s for _ in range(layers) for s in [(qkv, h), (h, h), (f_, h), (h, f_)]]
-
+from _gpt_shapes import MODELS_JSON, block_matrices  # benchmarks/ is the script directory
 
 def plan_stats(shapes: list[tuple[int, int]], ws: int, whole: bool) -> tuple[float, int]:
     """FLOP max/mean and bytes per step (bf16, both ways, all ranks) of our owner plan."""
@@ -260,17 +250,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per method (after 1 warm-up)")
     ap.add_argument("--runs", type=int, default=3, help="alternating runs of all methods")
     ap.add_argument("--model", default="gpt2-124m")
-    ap.add_argument("--models-json", default=os.path.join(REPO, "..", "shared", "models.json"))
+    ap.add_argument("--models-json", default=MODELS_JSON)
     ap.add_argument("--methods", nargs="+", default=["ours", "naive", "muon-fsdp2", "ours, whole"])
     args = ap.parse_args()
     ws = args.world
-    with open(args.models_json) as f:
-        full_layers = json.load(f)[args.model]["layers"]
-    shapes = gpt_matrices(args.models_json, args.model, args.layers)
+    config = load_configs(args.models_json)[args.model]
+    full_layers = config["layers"]
+    shapes = block_matrices(config, args.layers)
     numel = sum(math.prod(s) for s in shapes)
 
     print(f"# owner plan, {args.model}, all {full_layers} layers, {ws} ranks (planner code, no NS)")
-    all_shapes = gpt_matrices(args.models_json, args.model, full_layers)
+    all_shapes = block_matrices(config, full_layers)
     all_numel = sum(math.prod(s) for s in all_shapes)
     for label, whole in (("Shard(0)", False), ("whole matrices", True)):
         imbalance, nbytes = plan_stats(all_shapes, ws, whole)

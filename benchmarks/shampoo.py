@@ -23,7 +23,6 @@ Run: ``.venv/bin/python benchmarks/shampoo.py`` (``--help`` for the knobs).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -40,15 +39,7 @@ from ragged_placement.launch import run_gloo
 from ragged_placement.optim import Shampoo
 from ragged_placement.planner.models import load_configs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def gpt_matrices(model: str, layers: int) -> list[tuple[int, int]]:
-    cfg = load_configs(os.path.join(REPO, "..", "shared", "models.json"))[model]
-    h, f = cfg["hidden"], cfg["intermediate"]
-    qkv = (cfg["heads"] + 2 * cfg["kv_heads"]) * cfg["head_dim"]
-    return [s for _ in range(layers) for s in [(qkv, h), (h, h), (f, h), (h, f)]]
-
+from _gpt_shapes import MODELS_JSON, block_matrices  # benchmarks/ is the script directory
 
 def band_placement(rows: int, block: int, ws: int, rotate: int) -> RaggedShard:
     """Whole ``block``-row bands, as even as bands allow, the remainder rotated across matrices."""
@@ -134,11 +125,8 @@ def _run(method: str, rank: int, ws: int, args, shapes) -> dict:
     }
 
 
-def _worker(rank: int, ws: int, args) -> dict:
+def _worker(rank: int, ws: int, args, shapes: list[tuple[int, int]]) -> dict:
     torch.set_num_threads(1)
-    shapes = gpt_matrices(args.model, args.layers)
-    if any(s[0] % ws for s in shapes):
-        raise ValueError(f"--world {ws} must divide every matrix's rows {sorted({s[0] for s in shapes})}")
     results: dict[str, list[dict]] = {"gather-everything": [], "ours": []}
     for _ in range(args.runs):
         for method in results:
@@ -156,7 +144,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    per_rank = run_gloo(_worker, args.world, args)
+    shapes = block_matrices(load_configs(MODELS_JSON)[args.model], args.layers)
+    if any(s[0] % args.world for s in shapes):
+        raise ValueError(
+            f"--world {args.world} must divide every matrix's rows {sorted({s[0] for s in shapes})}"
+        )
+    per_rank = run_gloo(_worker, args.world, args, shapes)
     mib = 2.0**20
     naive, ours = "gather-everything", "ours"
 
