@@ -5,6 +5,8 @@
   unmodified on every rank. Fast enough for hypothesis property tests.
 * :func:`run_gloo` spawns ``world_size`` real processes over gloo (integration tests), through
   :func:`ragged_placement.launch.run_gloo`.
+* :func:`recording_collectives` records which rank called which c10d collective (threaded ranks
+  share the patched module), for tests that assert what a step communicates.
 
 Both call ``fn(rank, world_size, *args)`` on every rank and return the per-rank results in rank
 order; an exception on any rank is re-raised in the caller. Process groups are always destroyed.
@@ -12,20 +14,67 @@ order; an exception on any rank is re-raised in the caller. Process groups are a
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import queue
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 from ragged_placement import launch
 
-__all__ = ["run_threaded", "run_gloo"]
+__all__ = ["CollectiveCalls", "recording_collectives", "run_gloo", "run_threaded"]
+
+COLLECTIVES = (
+    "all_to_all_single",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "all_reduce",
+    "scatter",
+    "gather",
+)
+
+
+@dataclass
+class CollectiveCalls:
+    """``calls[name]``: the rank of every call of c10d ``name``; ``all_to_all_bytes[rank]``: the
+    input bytes that rank passed to ``all_to_all_single``."""
+
+    calls: dict[str, list[int]] = field(default_factory=dict)
+    all_to_all_bytes: collections.Counter[int] = field(default_factory=collections.Counter)
+
+
+@contextlib.contextmanager
+def recording_collectives(names: tuple[str, ...] = COLLECTIVES) -> Iterator[CollectiveCalls]:
+    """Patch ``torch.distributed.<name>`` for every ``name`` to record its calls (see
+    :class:`CollectiveCalls`) while the block runs."""
+    record = CollectiveCalls()
+    lock = threading.Lock()
+
+    def recording(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                rank = dist.get_rank()
+                record.calls.setdefault(name, []).append(rank)
+                if name == "all_to_all_single":
+                    record.all_to_all_bytes[rank] += args[1].numel() * args[1].element_size()
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        for n in names:
+            stack.enter_context(mock.patch.object(dist, n, recording(n, getattr(dist, n))))
+        yield record
 
 _THREADED_LOCK = threading.Lock()
 

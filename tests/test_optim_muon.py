@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
-from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_utils import run_threaded
+from dist_utils import recording_collectives, run_threaded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
@@ -252,48 +249,20 @@ def test_distributed_matches_single_device(kind, ws):
 
 def test_batched_path_issues_exactly_two_all_to_alls_and_nothing_else():
     """Count c10d calls per rank: 2 all_to_all_single per step (uneven), 0 for whole matrices."""
-    calls: dict[str, list[int]] = {}
-    wire_bytes = [0] * 4
-    lock = threading.Lock()
-
-    def counting(name, fn):
-        def wrapper(*args, **kwargs):
-            with lock:
-                calls.setdefault(name, []).append(dist.get_rank())
-                if name == "all_to_all_single":
-                    wire_bytes[dist.get_rank()] += args[1].numel() * args[1].element_size()
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    names = [
-        "all_to_all_single",
-        "all_gather",
-        "all_gather_into_tensor",
-        "broadcast",
-        "all_reduce",
-        "scatter",
-        "gather",
-    ]
-    patches = [mock.patch.object(dist, n, counting(n, getattr(dist, n))) for n in names]
-    for p in patches:
-        p.start()
-    try:
-        kwargs = dict(lr=LR)
+    kwargs = dict(lr=LR)
+    with recording_collectives() as rec:
         results = run_threaded(_dist_muon, 4, "uneven", kwargs, 3)
-        assert set(calls) == {"all_to_all_single"}
-        assert sorted(calls["all_to_all_single"]) == sorted(
-            [r for r in range(4) for _ in range(2 * 3)]
-        )
-        # MuonStepInfo.bytes_sent is what really went into the collectives
-        assert wire_bytes == [sum(i.bytes_sent for i in r[1]) for r in results]
-        assert sum(wire_bytes) > 0
-        calls.clear()
+    assert set(rec.calls) == {"all_to_all_single"}
+    assert sorted(rec.calls["all_to_all_single"]) == sorted(
+        [r for r in range(4) for _ in range(2 * 3)]
+    )
+    # MuonStepInfo.bytes_sent is what really went into the collectives
+    wire_bytes = [rec.all_to_all_bytes[r] for r in range(4)]
+    assert wire_bytes == [sum(i.bytes_sent for i in r[1]) for r in results]
+    assert sum(wire_bytes) > 0
+    with recording_collectives() as rec:
         run_threaded(_dist_muon, 4, "whole", kwargs, 3)
-        assert calls == {}
-    finally:
-        for p in patches:
-            p.stop()
+    assert rec.calls == {}
 
 
 def _adamw_groups(rank, ws, steps):

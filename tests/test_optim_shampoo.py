@@ -11,13 +11,10 @@ device path: ``DIST_ATOL = 1e-6``.
 from __future__ import annotations
 
 import functools
-import threading
-from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_utils import run_threaded
+from dist_utils import recording_collectives, run_threaded
 from test_optim_muon import max_diff, run_single, shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -207,42 +204,12 @@ def _single(shapes=tuple(SHAPES)):
     return run_single(lambda ps: Shampoo(ps, **OPTS), params, grads)
 
 
-def _count_collectives():
-    """Patch c10d entry points; returns (calls dict name -> ranks, stop function)."""
-    calls: dict[str, list[int]] = {}
-    lock = threading.Lock()
-    names = [
-        "all_to_all_single",
-        "all_gather",
-        "all_gather_into_tensor",
-        "broadcast",
-        "all_reduce",
-        "gather",
-    ]
-
-    def counting(name, fn):
-        def wrapper(*args, **kwargs):
-            with lock:
-                calls.setdefault(name, []).append(dist.get_rank())
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    patches = [mock.patch.object(dist, n, counting(n, getattr(dist, n))) for n in names]
-    for p in patches:
-        p.start()
-    return calls, lambda: [p.stop() for p in patches]
-
-
 @pytest.mark.parametrize("ws", [1, 2, 4])
 def test_block_aligned_placement_needs_no_communication(ws):
     """RaggedShard with B-row units: every rank owns whole row blocks; zero collectives."""
-    calls, stop = _count_collectives()
-    try:
+    with recording_collectives() as rec:
         results = run_threaded(_dist_shampoo, ws, "aligned", 10, OPTS)
-    finally:
-        stop()
-    assert calls == {}
+    assert rec.calls == {}
     assert all(r[1] == 0 for r in results)
     full = [torch.cat([r[0][i].reshape(-1) for r in results]).view(s) for i, s in enumerate(SHAPES)]
     assert max_diff(full, _single()) <= DIST_ATOL
@@ -251,11 +218,9 @@ def test_block_aligned_placement_needs_no_communication(ws):
 @pytest.mark.parametrize("ws,kind", [(2, "even"), (4, "flat"), (2, "flat")])
 def test_unaligned_placement_gathers_slabs_with_two_all_to_alls(ws, kind):
     shapes = tuple(SHAPES)
-    calls, stop = _count_collectives()
-    try:
+    with recording_collectives() as rec:
         results = run_threaded(_dist_shampoo, ws, kind, 10, OPTS, list(shapes))
-    finally:
-        stop()
+    calls = rec.calls
     assert set(calls) == {"all_to_all_single"} and len(calls["all_to_all_single"]) == 2 * 10 * ws
     assert all(r[1] == 2 for r in results)
     full = [torch.cat([r[0][i].reshape(-1) for r in results]).view(s) for i, s in enumerate(shapes)]
