@@ -40,14 +40,20 @@ def _train(rank: int, world_size: int, steps: int):
     return [p.full_tensor() for p in params]
 
 
-def test_muon_on_2d_meshes_matches_single_device():
-    results = run_threaded(_train, 4, 5)
+def _single_device(make_opt, steps: int) -> list[torch.nn.Parameter]:
+    """The reference: full tensors on one device, the same gradients as the ranks see."""
     ref = [torch.nn.Parameter(f.clone()) for f in _fulls(0)]
-    opt = Muon(ref, lr=0.02, momentum=0.95, nesterov=True)
-    for step in range(5):
+    opt = make_opt(ref)
+    for step in range(steps):
         for p, g in zip(ref, _fulls(100 + step)):
             p.grad = g
         opt.step()
+    return ref
+
+
+def test_muon_on_2d_meshes_matches_single_device():
+    results = run_threaded(_train, 4, 5)
+    ref = _single_device(lambda ps: Muon(ps, lr=0.02, momentum=0.95, nesterov=True), 5)
     for rank_result in results:
         for got, want in zip(rank_result, ref):
             # the same bf16 Newton-Schulz on the same full matrix: equal up to fp32 update order
@@ -71,12 +77,10 @@ def test_shampoo_on_2d_meshes_matches_single_device():
     from ragged_placement.optim import Shampoo
 
     results = run_threaded(_train_shampoo, 4, 4)
-    ref = [torch.nn.Parameter(f.clone()) for f in _fulls(0)]
-    opt = Shampoo(ref, lr=1e-2, max_preconditioner_dim=4, precondition_frequency=2, grafting="adam")
-    for step in range(4):
-        for p, g in zip(ref, _fulls(100 + step)):
-            p.grad = g
-        opt.step()
+    ref = _single_device(
+        lambda ps: Shampoo(ps, lr=1e-2, max_preconditioner_dim=4, precondition_frequency=2, grafting="adam"),
+        4,
+    )
     for rank_result in results:
         for got, want in zip(rank_result, ref):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)

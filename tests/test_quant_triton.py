@@ -45,7 +45,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 else:
     from ragged_placement.quant import (
-        FlatParam,
         FP8GatherLayout,
         dequantize_blockwise,
         dequantize_tiles,
@@ -149,14 +148,9 @@ else:
         assert int(q_buf.count_nonzero()) == int(bits(q_r).count_nonzero())
 
     def test_gather_layout_pack_with_triton_equals_torch():
-        S, world = 65536, 4
-        params = [
-            FlatParam("w1", (384, 256), 0, True),
-            FlatParam("w2", (200, 256), 98304, True),
-            FlatParam("norm", (256,), 149504, False),
-            FlatParam("w3", (384, 128), 196608, True),
-        ]
-        layout = FP8GatherLayout(params, S, world)
+        from test_quant_sharded import PARAMS, S, WORLD as world  # the unit test_quant_sharded lays out
+
+        layout = FP8GatherLayout(PARAMS, S, world)
         flat = torch.randn(S * world, generator=torch.Generator().manual_seed(6))
         for r in range(world):
             chunk = flat[r * S : (r + 1) * S]
