@@ -273,6 +273,12 @@ class Exchange:
     def _local_offset(self, k: int, lo: int) -> int:
         return lo - self.layouts[self.items[k].param].local_range[0]
 
+    def _pack(self, chunks: list[torch.Tensor]) -> torch.Tensor:
+        """One wire-dtype send buffer of ``chunks`` in order (empty when nothing is sent)."""
+        if not chunks:
+            return torch.empty(0, dtype=self.dtype, device=self.device)
+        return torch.cat(chunks).to(self.dtype)
+
     def _all_to_all(
         self, send: torch.Tensor, out_splits: list[int], in_splits: list[int]
     ) -> _Pending:
@@ -291,12 +297,7 @@ class Exchange:
             for pieces in self.send
             for k, lo, hi in pieces
         ]
-        send = (
-            torch.cat(chunks).to(self.dtype)
-            if chunks
-            else torch.empty(0, dtype=self.dtype, device=self.device)
-        )
-        return self._all_to_all(send, self.recv_splits, self.send_splits)
+        return self._all_to_all(self._pack(chunks), self.recv_splits, self.send_splits)
 
     def assemble(
         self, k: int, flats: Sequence[torch.Tensor | None], recv: torch.Tensor | None
@@ -331,12 +332,7 @@ class Exchange:
             for k, lo, hi in pieces:
                 start = self.items[k].start
                 chunks.append(results[k].reshape(-1)[lo - start : hi - start])
-        send = (
-            torch.cat(chunks).to(self.dtype)
-            if chunks
-            else torch.empty(0, dtype=self.dtype, device=self.device)
-        )
-        return self._all_to_all(send, self.send_splits, self.recv_splits)
+        return self._all_to_all(self._pack(chunks), self.send_splits, self.recv_splits)
 
     def finish_scatter(
         self,

@@ -332,7 +332,7 @@ class Plan:
             lines.append(f"work max/mean {work.max() / work.mean():.3f}")
         width = max(len(n) for n in self.names)
         for n in self.order:
-            spec, o = self.specs[n], self.offsets[n]
+            o = self.offsets[n]
             first, last = self.rank_span(n)
             lines.append(
                 f"  {n:<{width}}  {str(tuple(self.shapes[n])):<20} "

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.utils._pytree import tree_flatten, tree_map
@@ -208,7 +208,7 @@ def _reduced_dims(op_schema: OpSchema, ndim: int) -> tuple[set[int], bool]:
 
 def _reduce_placements(op_schema, spec: DTensorSpec, reduced: set[int], keepdim: bool, kind: str, ord_=2.0):
     """Output placements of a reduction of ``spec`` over ``reduced`` tensor dims."""
-    mesh, shape = spec.mesh, list(spec.shape)
+    mesh = spec.mesh
     coord = mesh.get_coordinate()
     out: list[Placement] = []
     for m, p in enumerate(spec.placements):

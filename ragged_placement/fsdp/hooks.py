@@ -223,12 +223,13 @@ class FSDPState:
         if unit.has_unsharded_grads and self.requires_gradient_sync:
             self.root.finish_pending_reduce()
             unit.reduce_grads()
-            self.root.pending_reduce = unit
             if unit.device.type == "cpu":
                 # gloo stages the reduce-scatter in buffers of its own, alive with the input
                 # until wait(): on CPU, where the overlap buys little, finishing it here frees
                 # them before the next unit's backward (FSDP2 is synchronous on CPU too)
-                self.root.finish_pending_reduce()
+                unit.finish_reduce()
+            else:
+                self.root.pending_reduce = unit
         unit.reshard()
 
     def _root_final_callback(self) -> None:

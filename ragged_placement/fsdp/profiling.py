@@ -167,17 +167,17 @@ def heap_in_use() -> int:
     """Bytes the process has allocated from the C heap and not freed, over all threads:
     glibc's ``mallinfo2()`` in-use arena bytes plus ``mmap``-ed chunks. CPU tensors are
     ``posix_memalign``-ed by c10's allocator, so their storages are in it."""
-    fn = getattr(_libc(), "mallinfo2", None)
-    if fn is None:
-        raise RuntimeError("heap_in_use() needs glibc >= 2.33 (mallinfo2)")
-    fn.restype = _Mallinfo2
-    info = fn()
+    info = _mallinfo2()()
     return info.uordblks + info.hblkhd
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None)
+def _mallinfo2():
+    fn = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if fn is None:
+        raise RuntimeError("heap_in_use() needs glibc >= 2.33 (mallinfo2)")
+    fn.restype = _Mallinfo2
+    return fn
 
 
 class _SampleAfterEachOp(TorchDispatchMode):
