@@ -90,18 +90,18 @@ def all_gather_segments(output: torch.Tensor, input: torch.Tensor, segments, wor
     return _coalesced(calls, group, async_op)
 
 
-def reduce_scatter_segments(output: torch.Tensor, input, segments, world_size: int,
+def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: int,
                             op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
-    """The inverse of :func:`all_gather_segments`: reduce each segment of the unsharded ``input``
-    and keep this rank's chunk of it in ``output``, as one coalesced collective. ``input`` is
-    one unsharded buffer, or a sequence of one ``world_size * chunk_numel`` buffer per segment."""
-    if isinstance(input, torch.Tensor):
-        inputs = [input[s.buffer_offset:s.buffer_offset + world_size * s.chunk_numel]
-                  for s in segments]
-    else:
-        inputs = list(input)
-        if len(inputs) != len(segments):
-            raise ValueError(f"input has {len(inputs)} buffers for {len(segments)} segments")
+    """The inverse of :func:`all_gather_segments`: reduce each segment's unsharded buffer
+    (``inputs[k]``, ``world_size * chunk_numel`` elements) and keep this rank's chunk of it in
+    ``output`` (segment ``k`` at ``chunk_offset``), as one coalesced collective."""
+    inputs = list(inputs)
+    sizes = [x.numel() for x in inputs]
+    if sizes != [world_size * s.chunk_numel for s in segments]:
+        raise ValueError(
+            f"inputs must hold world_size * chunk_numel elements per segment "
+            f"({[world_size * s.chunk_numel for s in segments]}), got {sizes}"
+        )
     calls = [
         (lambda a, s=s, x=x: reduce_scatter_single(
             output[s.chunk_offset:s.chunk_offset + s.chunk_numel], x, op=op, group=group,
