@@ -2,11 +2,12 @@
 
 Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs first):
 
-* forward pre-hook: (root) free the flat sharded gradients ``zero_grad()`` dropped; wait for ``u``'s all-gather (issue it if no prefetch did), register the
-  unsharded parameters, prefetch the next unit's all-gather (order recorded in the previous
-  forward), and wrap the floating inputs that require grad in :class:`_PostBackward` so that
-  ``u``'s post-backward runs when autograd has produced the gradients of ``u``'s inputs (by then
-  its parameter gradients are accumulated: AccumulateGrad nodes run first).
+* forward pre-hook: (root only) free the flat sharded gradients ``zero_grad()`` dropped; wait
+  for ``u``'s all-gather (issue it if no prefetch did), register the unsharded parameters,
+  prefetch the next unit's all-gather (order recorded in the previous forward), and wrap the
+  floating inputs that require grad in :class:`_PostBackward` so that ``u``'s post-backward runs
+  when autograd has produced the gradients of ``u``'s inputs (by then its parameter gradients
+  are accumulated: AccumulateGrad nodes run first).
 * forward post-hook: reshard (free the unsharded buffer) unless ``reshard_after_forward`` is off
   or ``u`` is the root (whose parameters backward needs first), and hook the outputs.
 * pre-backward (a hook on ``u``'s outputs): re-gather and prefetch the all-gather of the unit

@@ -424,7 +424,7 @@ class FSDPUnit:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dp.replicate_group)
             self.stats.all_reduces += 1
             self.stats.all_reduce_bytes += out.numel() * out.element_size()
-        if scale == 1.0:
+        if scale == 1.0:  # a division: bitwise what FSDP2's averaging gives
             out.div_(self.world_size * self.dp.replicate_size)
         else:
             out.mul_(scale / (self.world_size * self.dp.replicate_size))
