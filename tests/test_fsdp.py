@@ -334,6 +334,8 @@ def _bad_arguments(rank: int, ws: int):
         fully_shard(m, mesh=mesh)
     with pytest.raises(ValueError, match="requires_gradient_sync"):
         m.set_requires_gradient_sync("no")
+    with pytest.raises(ValueError, match="scale"):
+        m.reduce_gradients(scale="1/2")
     return True
 
 
@@ -431,3 +433,12 @@ def test_gradient_buffers_are_allocated_per_segment_as_backward_reaches_them():
         assert segments[""] > 1
         for _, _, segment, allocated in seen:
             assert allocated == [segment]  # only the segment of the first gradient exists
+
+
+def test_reduce_scatter_segments_rejects_buffers_of_the_wrong_size():
+    from ragged_placement._compat import reduce_scatter_segments
+    from ragged_placement.planner.plan import Segment
+
+    segments = (Segment(0, 0, 4), Segment(4, 8, 2))
+    with pytest.raises(ValueError, match="inputs must hold"):  # checked before any collective
+        reduce_scatter_segments(torch.empty(6), [torch.empty(8), torch.empty(3)], segments, 2)
