@@ -24,7 +24,9 @@ Ops: ``normal_``, ``uniform_``, ``bernoulli_(p: float)``, ``rand_like``, ``randn
 ``torch.distributed.tensor.rand`` / ``randn``. Hence every ``nn.init`` function that draws with
 these (``normal_``, ``uniform_``, ``kaiming_*``, ``xavier_*``, ``trunc_normal_``).
 ``bernoulli(p: Tensor)`` (the probabilities are the sharded values) and random ops outside
-DTensor's random-op set (``exponential_``, ``random_``, ...) raise ``NotImplementedError``.
+DTensor's random-op set (``exponential_``, ``random_``, torch 2.13's ``randn_like(...,
+generator=)`` overloads, ...) raise ``NotImplementedError``: torch's dispatcher runs those
+without its random-op branch, where this module takes over.
 
 How torch's own tracker differs (torch 2.11 and 2.13): ``OffsetBasedRNGTracker`` gives each
 shard a window of the CUDA philox stream starting at ``shard_index * shard_numel`` (rounded up to
