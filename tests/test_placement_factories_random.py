@@ -188,10 +188,11 @@ def _check_unsupported(rank, world):
         for call in (lambda: torch.randn_like(d, generator=g), lambda: torch.rand_like(d, generator=g)):
             with pytest.raises(NotImplementedError, match="RaggedShard"):
                 call()
-    with pytest.raises(NotImplementedError, match="ragged_placement.rng"):
-        from torch.distributed.tensor._random import _calc_first_shard_size
+    from torch.distributed.tensor import _random
 
-        _calc_first_shard_size(d._spec)
+    if hasattr(_random, "_calc_first_shard_size"):  # torch 2.13's spec -> RNG offset helper
+        with pytest.raises(NotImplementedError, match="ragged_placement.rng"):
+            _random._calc_first_shard_size(d._spec)
     return True
 
 
