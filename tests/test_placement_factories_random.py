@@ -11,7 +11,8 @@
 The reference is ``reference_local`` (the placement written as slicing of the full tensor) and the
 single-device op. Simulated ranks share one global RNG, so the threaded tests draw from per-rank
 ``torch.Generator``s; the gloo test checks the global-generator paths (``F.dropout``,
-``torch.distributed.tensor.randn``) in real processes.
+``torch.distributed.tensor.randn``) in real processes, and
+``set_model_state_dict(..., broadcast_from_rank0=True)`` into a ``fully_shard`` model.
 """
 
 from __future__ import annotations
@@ -223,7 +224,26 @@ def _gloo_global_generator(rank: int, world_size: int) -> dict:
     results["2x2 randn"] = dtensor.randn(12, 5, device_mesh=mesh2,
                                          placements=[RaggedShard((0,), (1, 2), split_factor=2), Shard(0)]).full_tensor()
     results["generator_after"] = torch.rand(3)
+    results["broadcast_from_rank0"] = _broadcast_from_rank0(rank, mesh)
     return results
+
+
+def _broadcast_from_rank0(rank: int, mesh) -> bool:
+    """``set_model_state_dict(..., broadcast_from_rank0=True)`` into a fully_shard model (its
+    ``_distribute_tensors`` slices each full tensor per rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from ragged_placement.fsdp import fully_shard
+
+    reference = _mlp()
+    with torch.no_grad():
+        for i, p in enumerate(reference.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) + 100 * i)
+    model = _mlp()
+    fully_shard(model, mesh=mesh)
+    state = reference.state_dict() if rank == 0 else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return all(torch.equal(p.full_tensor(), q.detach()) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 def _single_device_global_generator() -> dict:
@@ -246,9 +266,10 @@ def _single_device_global_generator() -> dict:
 
 
 @pytest.mark.multiprocess
-def test_global_generator_paths_match_single_device_on_4_gloo_ranks():
+def test_global_generator_paths_and_broadcast_from_rank0_on_4_gloo_ranks():
     want = _single_device_global_generator()
     for rank, got in enumerate(run_gloo(_gloo_global_generator, 4)):
+        assert got.pop("broadcast_from_rank0") is True
         for name, value in want.items():
             assert torch.equal(got[name], value.detach()), (rank, name)
 
