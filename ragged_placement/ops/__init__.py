@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Placement, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.utils._pytree import tree_flatten, tree_map
@@ -37,6 +37,13 @@ from ragged_placement._compat import NormPartial
 from ragged_placement.placement import RaggedShard
 from ragged_placement.redistribute import _apply_cut, has_ragged
 from ragged_placement.regions import shard_size_and_offset
+
+from ragged_placement.ops._common import output_specs as _output_specs
+from ragged_placement.ops._matrix import MATRIX_RULES, TransposedRaggedShard, transposed_of
+from ragged_placement.ops._views import VIEW_RULES
+from ragged_placement.ops._common import ragged_of, respec, rewrite
+from ragged_placement.ops._common import unsupported as _unsupported
+from ragged_placement.ops._common import with_meta as _with_meta
 
 aten = torch.ops.aten
 
@@ -97,18 +104,10 @@ class RaggedMeanPartial(Partial):
 
 
 def spec_has_ragged(op_schema: OpSchema) -> bool:
-    return any(isinstance(s, DTensorSpec) and has_ragged(s.placements)
+    """Whether an op's inputs carry a RaggedShard (or its transpose): the ops :func:`propagate` owns."""
+    return any(isinstance(s, DTensorSpec) and any(isinstance(p, (RaggedShard, TransposedRaggedShard))
+                                                  for p in s.placements)
                for s in tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))[0])
-
-
-def _unsupported(op_schema: OpSchema, why: str = "") -> NotImplementedError:
-    placements = sorted({str(s.placements) for s in tree_flatten(op_schema.args_schema)[0]
-                         if isinstance(s, DTensorSpec)})
-    return NotImplementedError(
-        f"{op_schema.op} has no RaggedShard rule{': ' + why if why else ''} "
-        f"(input placements: {', '.join(placements)}). Redistribute the inputs first, e.g. "
-        f"dt.redistribute(mesh, [Replicate()]) or to Shard."
-    )
 
 
 def _is_pointwise(op) -> bool:
@@ -118,31 +117,82 @@ def _is_pointwise(op) -> bool:
     return torch.Tag.pointwise in op.tags or op in _LIKE_OPS
 
 
-def _with_meta(spec: DTensorSpec, placements, meta: TensorMeta | None) -> DTensorSpec:
-    return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=meta)
+def _is_scalar(spec: DTensorSpec) -> bool:
+    return spec.tensor_meta.shape.numel() == 1
 
 
-def _output_specs(meta, lead_for):
-    """Map the output TensorMeta structure to specs; ``lead_for(i)`` gives (spec, placements)."""
-    if meta is None:
+# Ops linear in each tensor operand, so a pending sum stays pending through them.
+_ADD_OPS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor}
+_MUL_OPS = {aten.mul.Tensor, aten.mul_.Tensor, aten.div.Tensor, aten.div_.Tensor}
+_SCALE_OPS = {
+    aten.mul.Scalar, aten.mul_.Scalar, aten.div.Scalar, aten.div_.Scalar, aten.neg.default,
+    aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default,
+}
+_FACTORY_LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default}
+
+
+def _is_sum_partial(p: Placement) -> bool:
+    return type(p) in (Partial, RaggedMeanPartial) and p.reduce_op in ("sum", "avg")
+
+
+def _operand_target(op_schema, s: DTensorSpec, lead: DTensorSpec, out_shape) -> DTensorSpec | None:
+    """The spec operand ``s`` must have for a local op against ``lead`` (None: as it is)."""
+    if s is lead or (s.placements == lead.placements and s.shape == lead.shape):
         return None
-    if isinstance(meta, TensorMeta):
-        spec, placements = lead_for(0)
-        return _with_meta(spec, placements, meta)
-    out = []
-    for i, m in enumerate(meta):
-        spec, placements = lead_for(i)
-        out.append(None if m is None else _with_meta(spec, placements, m))
-    return type(meta)(out) if isinstance(meta, tuple) else out
+    if _is_scalar(s) and s.ndim <= lead.ndim:
+        return None if all(p.is_replicate() for p in s.placements) else respec(s, [Replicate()] * s.mesh.ndim)
+    if s.shape == lead.shape and s.mesh == lead.mesh:
+        return respec(s, lead.placements)
+    off = lead.ndim - s.ndim
+    ragged = ragged_of(lead)
+    k = len(ragged[1].dims) if ragged else 0
+    aligned = {d: (s.shape[d - off] if d >= off else 1) for d in range(lead.ndim)}
+    if off >= 0 and s.mesh == lead.mesh and all(aligned[d] == 1 for d in range(k)) and s.ndim <= lead.ndim - k + 1:
+        # constant along the ragged rows: replicated, or sharded like the lead on other mesh dims
+        target = []
+        for p in lead.placements:
+            if isinstance(p, Shard) and aligned[p.dim] != 1:
+                target.append(Shard(p.dim - off))
+            else:
+                target.append(Replicate())
+        return None if tuple(target) == s.placements else respec(s, target)
+    if off == 0 and s.placements == lead.placements and tuple(s.shape[:k]) == tuple(lead.shape[:k]) and all(
+        s.shape[p.dim] == lead.shape[p.dim] for p in lead.placements if isinstance(p, Shard)
+    ):
+        return None  # same rows, broadcast within a row
+    raise _unsupported(
+        op_schema, f"operands of shapes {tuple(lead.shape)} with {lead.placements} and "
+                   f"{tuple(s.shape)} with {s.placements} do not broadcast under RaggedShard",
+    )
 
 
-def _is_scalar_replica(spec: DTensorSpec) -> bool:
-    return spec.tensor_meta.shape.numel() == 1 and all(p.is_replicate() for p in spec.placements)
+def _partial_dims_to_replicate(op, specs: list[DTensorSpec], lead_index: int) -> list[DTensorSpec]:
+    """Replace ``Partial`` by ``Replicate`` on every mesh dim where ``op`` is not linear in it."""
+    out = list(specs)
+    for m in range(specs[0].mesh.ndim):
+        pl = [s.placements[m] for s in specs]
+        partial = [i for i, p in enumerate(pl) if p.is_partial()]
+        if not partial:
+            continue
+        if all(_is_sum_partial(p) for p in pl) and op in _ADD_OPS and len(set(pl)) == 1:
+            continue
+        if len(partial) == 1 and _is_sum_partial(pl[partial[0]]) and (
+            (op in _MUL_OPS and (op not in (aten.div.Tensor, aten.div_.Tensor) or partial[0] == 0)
+             and all(p.is_replicate() for i, p in enumerate(pl) if i != partial[0]))
+            or (op in _SCALE_OPS and len(specs) == 1)
+        ):
+            continue
+        for i in partial:
+            placements = list(out[i].placements)
+            placements[m] = Replicate()
+            out[i] = respec(out[i], placements)
+    return out
 
 
 def _pointwise(op_schema: OpSchema, meta) -> OutputSharding:
     args = op_schema.args_schema
-    is_foreach = op_schema.op.name().startswith("aten::_foreach_")
+    op = op_schema.op
+    is_foreach = op.name().startswith("aten::_foreach_")
     inplace = op_schema.is_inplace_op() or op_schema.is_out_variant_op()
 
     def operands(i: int) -> list[DTensorSpec]:
@@ -158,28 +208,38 @@ def _pointwise(op_schema: OpSchema, meta) -> OutputSharding:
                 out.append(v)
         return out
 
+    def out_shape(i: int):
+        m = meta if isinstance(meta, TensorMeta) else (meta[i] if meta else None)
+        return tuple(m.shape) if isinstance(m, TensorMeta) else None
+
     width = max((len(a) for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], DTensorSpec)),
                 default=1) if is_foreach else 1
-    leads: list[DTensorSpec] = []
+    out_placements: list[tuple[Placement, ...]] = []
     desired: dict[int, DTensorSpec] = {}  # id(spec) -> spec to redistribute to
+    leads: list[DTensorSpec] = []
     for i in range(width):
         ops_i = operands(i)
-        lead = ops_i[0] if inplace else next((s for s in ops_i if has_ragged(s.placements)), ops_i[0])
-        for s in ops_i:
-            if s is lead or (s.placements == lead.placements and s.shape == lead.shape):
-                continue
-            if _is_scalar_replica(s) and s.ndim <= lead.ndim:
-                continue
-            if s.shape == lead.shape and s.mesh == lead.mesh:
-                desired[id(s)] = DTensorSpec(s.mesh, lead.placements, tensor_meta=s.tensor_meta)
-                continue
-            raise _unsupported(
-                op_schema, f"operands of shapes {tuple(lead.shape)} with {lead.placements} and "
-                           f"{tuple(s.shape)} with {s.placements} do not broadcast under RaggedShard",
-            )
+        shape = out_shape(i)
+        ragged_ops = [s for s in ops_i if has_ragged(s.placements)]
+        lead = ops_i[0] if inplace else next((s for s in ragged_ops if tuple(s.shape) == shape), ragged_ops[0])
+        k = len(ragged_of(lead)[1].dims) if ragged_of(lead) else 0
+        if shape is not None and (len(shape) != lead.ndim or shape[:k] != tuple(lead.shape[:k])):
+            raise _unsupported(op_schema, f"the output shape {shape} changes the ragged rows of {tuple(lead.shape)}")
+        targets = [_operand_target(op_schema, s, lead, shape) or s for s in ops_i]
+        if op in _FACTORY_LIKE:  # values do not matter: a pending reduction becomes a replica
+            placements = tuple(Replicate() if p.is_partial() else p for p in lead.placements)
+        else:
+            targets = _partial_dims_to_replicate(op, targets, ops_i.index(lead))
+            placements = targets[ops_i.index(lead)].placements
+            if inplace and placements != lead.placements:
+                raise _unsupported(op_schema, f"an in-place op on {lead.placements} that needs a reduction first")
+        for s, t in zip(ops_i, targets):
+            if t is not s and t.placements != s.placements:
+                desired[id(s)] = t
+        out_placements.append(placements)
         leads.append(lead)
 
-    out = _output_specs(meta, lambda i: (leads[min(i, len(leads) - 1)], leads[min(i, len(leads) - 1)].placements))
+    out = _output_specs(meta, lambda i: (leads[min(i, len(leads) - 1)], out_placements[min(i, len(leads) - 1)]))
     if not desired:
         return OutputSharding(out)
     new_args = tree_map(lambda s: desired.get(id(s), s) if isinstance(s, DTensorSpec) else s, args)
@@ -269,7 +329,28 @@ def _reduction(op_schema: OpSchema, meta) -> OutputSharding:
         if math.isinf(ord_) and any(isinstance(p, RaggedShard) and 0 in p.local_units for p in spec.placements):
             raise _unsupported(op_schema, "an inf-norm over shards that may be empty (it has no identity)")
         placements = _reduce_placements(op_schema, spec, reduced, keepdim, "norm", ord_)
-    return OutputSharding(_with_meta(spec, placements, meta))
+    out = _with_meta(spec, placements, meta)
+    ragged = ragged_of(spec)
+    if ragged is None or len(ragged[1].dims) == 1 or op in (aten.sum.default, aten.mean.default):
+        return OutputSharding(out)
+    # The local tensor flattens the k > 1 prefix dims into one: pass it the local dims.
+    k = len(ragged[1].dims)
+    if keepdim and set(range(k)) <= reduced:
+        raise _unsupported(op_schema, f"keepdim=True over the {k} dims that {ragged[1]!r} flattens")
+    local = sorted({0 if d < k else d - k + 1 for d in reduced})
+    at = 2 if op in _NORM_OPS else 1
+    args = list(op_schema.args_schema) + [None] * max(0, at + 1 - len(op_schema.args_schema))
+    args[at] = local
+    return rewrite(op_schema, out, args)
+
+
+def _same_cut_dims(spec: DTensorSpec, size: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``size`` has the sizes of ``spec`` on every dim its placements cut."""
+    if len(size) != spec.ndim:
+        return False
+    cut = {d for p in spec.placements for d in (range(len(p.dims)) if isinstance(p, RaggedShard)
+                                                 else [p.dim] if isinstance(p, Shard) else [])}
+    return all(size[d] == spec.shape[d] for d in cut)
 
 
 def _new_factory(op_schema: OpSchema, meta) -> OutputSharding:
@@ -278,9 +359,11 @@ def _new_factory(op_schema: OpSchema, meta) -> OutputSharding:
 
     spec = op_schema.args_schema[0]
     size_idx, stride_idx = _NEW_FACTORIES[op_schema.op]
-    if tuple(op_schema.args_schema[size_idx]) != tuple(spec.shape):
-        raise _unsupported(op_schema, f"a new tensor of another shape than {tuple(spec.shape)}")
-    local = local_shape(spec.shape, spec.mesh, spec.placements)
+    size = tuple(op_schema.args_schema[size_idx])
+    if size != tuple(spec.shape) and not _same_cut_dims(spec, size):
+        raise _unsupported(op_schema, f"a new tensor of shape {size}, whose sharded dims differ from "
+                                      f"{tuple(spec.shape)}")
+    local = local_shape(size, spec.mesh, spec.placements)
     args = list(op_schema.args_schema)
     args[size_idx] = list(local)
     if stride_idx is not None:
@@ -290,18 +373,37 @@ def _new_factory(op_schema: OpSchema, meta) -> OutputSharding:
                           use_val_from_redistribute_schema=True)
 
 
+# Every op with its own rule, by family (pointwise ops, reductions and ``new_*`` factories are
+# recognized by their tags and names above).
+_RULES = {**MATRIX_RULES, **VIEW_RULES}
+
+
+def _transposed_pointwise(op_schema: OpSchema, meta) -> OutputSharding:
+    """An element-wise op on ``TransposedRaggedShard`` operands that all share one layout."""
+    specs = [s for s in tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))[0] if isinstance(s, DTensorSpec)]
+    lead = next(s for s in specs if transposed_of(s) is not None)
+    if not _is_pointwise(op_schema.op) or op_schema.op in _FACTORY_LIKE or any(
+        not (s.placements == lead.placements and s.shape == lead.shape)
+        and not (_is_scalar(s) and all(p.is_replicate() for p in s.placements)) for s in specs
+    ):
+        raise _unsupported(op_schema, "the transpose of a RaggedShard matrix only feeds mm, t and element-wise "
+                                      "ops with operands of its layout")
+    return OutputSharding(_output_specs(meta, lambda i: (lead, lead.placements)))
+
+
 def propagate(propagator, op_schema: OpSchema) -> OutputSharding:
     """The ``OutputSharding`` of an op with RaggedShard inputs (see the module docstring)."""
     op = op_schema.op
     meta = propagator._propagate_tensor_meta_non_cached(op_schema)
+    if any(transposed_of(s) is not None for s in tree_flatten(op_schema.args_schema)[0]
+           if isinstance(s, DTensorSpec)) and op not in (aten.mm.default, aten.t.default, aten.transpose.int):
+        return _transposed_pointwise(op_schema, meta)
+    if op in _RULES:
+        return _RULES[op](op_schema, meta)
     if op in _SUM_OPS or op in _MEAN_OPS or op in _NORM_OPS or op is aten._foreach_norm.Scalar:
         return _reduction(op_schema, meta)
     if op in _NEW_FACTORIES:
         return _new_factory(op_schema, meta)
     if _is_pointwise(op):
         return _pointwise(op_schema, meta)
-    if op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) and \
-            tuple(op_schema.args_schema[1]) == tuple(op_schema.args_schema[0].shape):
-        return _pointwise(OpSchema(op, op_schema.args_schema[:1], {}), meta)
     raise _unsupported(op_schema)
-
