@@ -40,6 +40,8 @@ from ragged_placement.regions import shard_size_and_offset
 
 from ragged_placement.ops._common import output_specs as _output_specs
 from ragged_placement.ops._matrix import MATRIX_RULES, TransposedRaggedShard, transposed_of
+from ragged_placement.ops._nn import NN_RULES
+from ragged_placement.ops._stats import STATS_RULES
 from ragged_placement.ops._views import VIEW_RULES
 from ragged_placement.ops._common import ragged_of, respec, rewrite
 from ragged_placement.ops._common import unsupported as _unsupported
@@ -110,11 +112,17 @@ def spec_has_ragged(op_schema: OpSchema) -> bool:
                for s in tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))[0])
 
 
+# Element-wise ops torch does not tag ``pointwise`` (broadcasting operands allowed, as for the rest).
+_UNTAGGED_POINTWISE = {
+    aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Tensor,
+}
+
+
 def _is_pointwise(op) -> bool:
     name = op.name()
     if name.startswith("aten::_foreach_"):
         return name[len("aten::"):].split(".")[0].rstrip("_") not in _NON_POINTWISE_FOREACH
-    return torch.Tag.pointwise in op.tags or op in _LIKE_OPS
+    return torch.Tag.pointwise in op.tags or op in _LIKE_OPS or op in _UNTAGGED_POINTWISE
 
 
 def _is_scalar(spec: DTensorSpec) -> bool:
@@ -369,13 +377,14 @@ def _new_factory(op_schema: OpSchema, meta) -> OutputSharding:
     if stride_idx is not None:
         args[stride_idx] = list(torch.empty(local, device="meta").stride())
     suggestion = OpSchema(op_schema.op, tuple(args), op_schema.kwargs_schema, schema_info=op_schema.schema_info)
-    return OutputSharding(_with_meta(spec, spec.placements, meta), suggestion, needs_redistribute=True,
+    placements = [Replicate() if p.is_partial() else p for p in spec.placements]  # values do not matter
+    return OutputSharding(_with_meta(spec, placements, meta), suggestion, needs_redistribute=True,
                           use_val_from_redistribute_schema=True)
 
 
 # Every op with its own rule, by family (pointwise ops, reductions and ``new_*`` factories are
 # recognized by their tags and names above).
-_RULES = {**MATRIX_RULES, **VIEW_RULES}
+_RULES = {**MATRIX_RULES, **VIEW_RULES, **NN_RULES, **STATS_RULES}
 
 
 def _transposed_pointwise(op_schema: OpSchema, meta) -> OutputSharding:
