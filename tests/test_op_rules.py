@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dist_utils import run_threaded
 from ragged_placement import RaggedShard
@@ -110,13 +110,22 @@ CASES: dict[str, Case] = {
 }
 
 
-def _distribute(mesh, t, kind, units, prefix):
+def _row_placements(layout: str, units, prefix: int, ndim: int):
+    rows = RaggedShard(tuple(range(prefix)), units)
+    if layout == "1d":
+        return [rows]
+    if layout == "rep_rows":  # e.g. HSDP's replicate dim, then the ragged rows
+        return [Replicate(), rows]
+    return [rows, Shard(1) if ndim > 1 else Replicate()]  # "rows_shard1": the rules replicate dim 1 first
+
+
+def _distribute(mesh, t, kind, units, prefix, layout):
     if kind is None:
         return t
     if kind in ("rep", "const"):
-        d = distribute_tensor(t, mesh, [Replicate()])
+        d = distribute_tensor(t, mesh, [Replicate()] * mesh.ndim)
     else:
-        d = distribute_tensor(t, mesh, [RaggedShard(tuple(range(prefix)), units)])
+        d = distribute_tensor(t, mesh, _row_placements(layout, units, prefix, t.ndim))
     return d.requires_grad_(t.is_floating_point() and kind != "const")
 
 
@@ -128,14 +137,14 @@ def _assert_close(actual, expected, what):
     torch.testing.assert_close(actual, expected, rtol=1e-7, atol=1e-9, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
-def _check_case(rank, world, name, units, per_unit, seed):
+def _check_case(rank, world, name, units, per_unit, seed, layout="1d"):
     case = CASES[name]
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world,) if layout == "1d" else (2, world // 2))
     g = torch.Generator().manual_seed(seed)
     rows = sum(units) * per_unit
     inputs = case.inputs(rows, g)
     ref = [t.clone().requires_grad_(k not in (None, "const") and t.is_floating_point()) for t, k in inputs]
-    dts = [_distribute(mesh, t.clone(), k, units, case.prefix) for t, k in inputs]
+    dts = [_distribute(mesh, t.clone(), k, units, case.prefix, layout) for t, k in inputs]
     try:
         expected = case.fn(*ref)
     except (RuntimeError, IndexError) as e:  # e.g. amax of an empty tensor: the DTensor raises too
@@ -185,3 +194,62 @@ def test_ops_match_single_device(one_torch_thread, family, units, per_unit, seed
     """Every case of ``family`` on 1-8 simulated ranks with random units (zeros included) and
     0-2 rows per unit (empty tensors included): output and gradients equal the full-tensor run."""
     run_threaded(_check_family, len(units), FAMILIES[family], tuple(units), per_unit, seed)
+
+
+# Cases that run on a (2, 2) mesh too: the rows on one mesh dim, Replicate or Shard(1) on the other.
+MESH_2D_CASES = ["linear", "linear_3d", "contract_rows", "bmm_rep", "view_split", "slice_select", "cat_replicated",
+                 "softmax", "layer_norm", "rms_norm", "var_std", "amax_amin", "embedding_batch", "cross_entropy_mean"]
+
+
+def _check_2d(rank, world, layout, units, per_unit, seed):
+    for name in MESH_2D_CASES:
+        # rms_norm's mean over a Shard(1) hidden dim is a pending mean, and its in-place add_
+        # then raises (as torch's own rules do): not a layout rms_norm runs on
+        if not (layout == "rows_shard1" and name == "rms_norm"):
+            _check_case(rank, world, name, units, per_unit, seed, layout)
+
+
+@pytest.mark.parametrize("layout", ["rep_rows", "rows_shard1"])
+@pytest.mark.parametrize("units", [(1, 2), (0, 3)])
+def test_ops_on_2d_mesh(one_torch_thread, layout, units):
+    """On a 2x2 mesh: rows on the second mesh dim next to Replicate, or on the first next to a
+    ``Shard(1)`` (which the rules replicate before a row-wise op); an empty run included."""
+    run_threaded(_check_2d, 4, layout, units, 1, 7)
+
+
+def _check_unsupported(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    rows = RaggedShard((0,), (1, 0, 2))
+    x = distribute_tensor(torch.randn(6, 4, 3, generator=g), mesh, [rows]).requires_grad_()
+    m = distribute_tensor(torch.randn(6, 3, generator=g), mesh, [rows])
+    flat2 = distribute_tensor(torch.randn(6, 2, 3, generator=g), mesh, [RaggedShard((0, 1), (1, 0, 2))])
+    rep = distribute_tensor(torch.randn(3, 6, generator=g), mesh, [Replicate()])
+    ids = distribute_tensor(torch.randint(0, 5, (6, 2), generator=g), mesh, [rows])
+    table = distribute_tensor(torch.randn(5, 3, generator=g), mesh, [Replicate()]).requires_grad_()
+    cases = [
+        (r"aten._softmax.*dim 0", lambda: torch.softmax(x, 0)),
+        (r"aten.transpose.int", lambda: x.transpose(0, 1)),
+        (r"aten.cat.default", lambda: torch.cat([x, x], 0)),
+        (r"aten.unsqueeze.default", lambda: x.unsqueeze(0)),
+        (r"aten.mm.default.*replicated left operand", lambda: rep @ m),
+        (r"aten.var.correction.*part of the dims", lambda: flat2.var(1)),
+        (r"aten.amax.default.*part of the dims", lambda: flat2.amax(1)),
+        (r"aten.argmax.default", lambda: m.argmax(0)),
+        (r"aten.native_layer_norm.default", lambda: torch.nn.functional.layer_norm(x, (6, 4, 3))),
+        (r"aten.cumsum.default", lambda: torch.cumsum(x, 0)),
+        (r"aten.sum.default.*transpose of a RaggedShard", lambda: m.t().sum()),
+        (r"aten.add.Tensor.*transpose of a RaggedShard", lambda: m.t() + rep),
+        (r"aten.embedding_dense_backward.*scale_grad_by_freq",
+         lambda: torch.nn.functional.embedding(ids, table, scale_grad_by_freq=True).sum().backward()),
+    ]
+    for pattern, fn in cases:
+        with pytest.raises(NotImplementedError, match=pattern):
+            fn()
+    with pytest.raises(RuntimeError, match="not supported"):  # the transposed layout does not redistribute
+        m.t().full_tensor()
+
+
+def test_ops_without_a_rule_raise(one_torch_thread):
+    """Uses outside the rules raise ``NotImplementedError`` naming the op, never a wrong result."""
+    run_threaded(_check_unsupported, 3)

@@ -164,10 +164,17 @@ def _operand_target(op_schema, s: DTensorSpec, lead: DTensorSpec, out_shape) -> 
             else:
                 target.append(Replicate())
         return None if tuple(target) == s.placements else respec(s, target)
-    if off == 0 and s.placements == lead.placements and tuple(s.shape[:k]) == tuple(lead.shape[:k]) and all(
-        s.shape[p.dim] == lead.shape[p.dim] for p in lead.placements if isinstance(p, Shard)
-    ):
-        return None  # same rows, broadcast within a row
+    if off == 0 and k and tuple(s.shape[:k]) == tuple(lead.shape[:k]) and s.mesh == lead.mesh:
+        # the same rows, broadcast within a row: the lead's layout, replicated on broadcast dims
+        target = []
+        for j, p in enumerate(lead.placements):
+            if isinstance(p, Shard):
+                target.append(p if s.shape[p.dim] == lead.shape[p.dim] else Replicate())
+            elif p.is_partial() and s.placements[j].is_partial():
+                target.append(s.placements[j])
+            else:
+                target.append(p if isinstance(p, RaggedShard) else Replicate())
+        return None if tuple(target) == s.placements else respec(s, target)
     raise _unsupported(
         op_schema, f"operands of shapes {tuple(lead.shape)} with {lead.placements} and "
                    f"{tuple(s.shape)} with {s.placements} do not broadcast under RaggedShard",
@@ -347,7 +354,8 @@ def _reduction(op_schema: OpSchema, meta) -> OutputSharding:
         raise _unsupported(op_schema, f"keepdim=True over the {k} dims that {ragged[1]!r} flattens")
     local = sorted({0 if d < k else d - k + 1 for d in reduced})
     at = 2 if op in _NORM_OPS else 1
-    args = list(op_schema.args_schema) + [None] * max(0, at + 1 - len(op_schema.args_schema))
+    defaults = [None, 2, None] if op in _NORM_OPS else [None, None]  # (self, ord, dim) / (self, dim)
+    args = list(op_schema.args_schema) + defaults[len(op_schema.args_schema):]
     args[at] = local
     return rewrite(op_schema, out, args)
 
