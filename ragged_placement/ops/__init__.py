@@ -17,6 +17,8 @@ own fake-tensor propagation; the rules here only choose placements:
   shards) or torch's ``_NormPartial``; dims that are not reduced keep their placement.
 * ``x.new_empty_strided(x.shape, ...)`` and the other ``new_*`` factories (autograd calls them to
   accumulate gradients) keep ``x``'s placements.
+* random ops (:data:`ragged_placement.rng.RANDOM_OPS`) keep the input's placements;
+  :mod:`ragged_placement.rng` computes the local values.
 * every other op raises ``NotImplementedError`` naming the op and the placements.
 """
 
@@ -34,18 +36,19 @@ from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ragged_placement._compat import NormPartial
-from ragged_placement.placement import RaggedShard
-from ragged_placement.redistribute import _apply_cut, has_ragged
-from ragged_placement.regions import shard_size_and_offset
-
 from ragged_placement.ops._common import output_specs as _output_specs
+from ragged_placement.ops._common import ragged_of, respec, rewrite
+from ragged_placement.ops._common import unsupported as _unsupported
+from ragged_placement.ops._common import with_meta as _with_meta
 from ragged_placement.ops._matrix import MATRIX_RULES, TransposedRaggedShard, transposed_of
 from ragged_placement.ops._nn import NN_RULES
 from ragged_placement.ops._stats import STATS_RULES
 from ragged_placement.ops._views import VIEW_RULES
-from ragged_placement.ops._common import ragged_of, respec, rewrite
-from ragged_placement.ops._common import unsupported as _unsupported
-from ragged_placement.ops._common import with_meta as _with_meta
+from ragged_placement.placement import RaggedShard
+from ragged_placement.redistribute import has_ragged
+from ragged_placement.regions import cut_shape as _apply_cut
+from ragged_placement.regions import shard_size_and_offset
+from ragged_placement.rng import RANDOM_OPS
 
 aten = torch.ops.aten
 
@@ -390,6 +393,15 @@ def _new_factory(op_schema: OpSchema, meta) -> OutputSharding:
                           use_val_from_redistribute_schema=True)
 
 
+def _random(op_schema: OpSchema, meta) -> OutputSharding:
+    """Random ops keep the input's placements and run locally; :mod:`ragged_placement.rng`
+    draws each rank's region of the single-device result."""
+    spec = op_schema.args_schema[0]
+    if any(p.is_partial() for p in spec.placements):
+        raise _unsupported(op_schema, "random values for Partial data are undefined")
+    return OutputSharding(_output_specs(meta, lambda i: (spec, spec.placements)))
+
+
 # Every op with its own rule, by family (pointwise ops, reductions and ``new_*`` factories are
 # recognized by their tags and names above).
 _RULES = {**MATRIX_RULES, **VIEW_RULES, **NN_RULES, **STATS_RULES}
@@ -415,6 +427,8 @@ def propagate(propagator, op_schema: OpSchema) -> OutputSharding:
     if any(transposed_of(s) is not None for s in tree_flatten(op_schema.args_schema)[0]
            if isinstance(s, DTensorSpec)) and op not in (aten.mm.default, aten.t.default, aten.transpose.int):
         return _transposed_pointwise(op_schema, meta)
+    if op in RANDOM_OPS:
+        return _random(op_schema, meta)
     if op in _RULES:
         return _RULES[op](op_schema, meta)
     if op in _SUM_OPS or op in _MEAN_OPS or op in _NORM_OPS or op is aten._foreach_norm.Scalar:
