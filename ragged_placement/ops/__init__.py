@@ -1,25 +1,49 @@
-"""Sharding rules for ops on DTensors that carry a RaggedShard.
+"""Sharding rules for ops on DTensors that carry a RaggedShard: the one place to look up any op.
 
 :func:`propagate` is consulted (see :mod:`ragged_placement._install`) before torch's own sharding
-propagation, for every op whose inputs include a RaggedShard spec; it returns the
-``OutputSharding`` torch's dispatcher then executes (redistributing inputs where it says so,
-running the op on local tensors, wrapping outputs). Output shapes and dtypes come from torch's
-own fake-tensor propagation; the rules here only choose placements:
+propagation, for every op whose inputs include a RaggedShard spec (or its 2-D transpose); it
+returns the ``OutputSharding`` torch's dispatcher then executes (redistributing inputs where it
+says so, running the op on local tensors, wrapping outputs). Output shapes and dtypes come from
+torch's own fake-tensor propagation; the rules choose placements and, where the local tensor
+differs from the global one (a flattened prefix is one local dim), the local dims and sizes.
 
-* pointwise ops (``torch.Tag.pointwise``), the ``_foreach_*`` family torch's optimizers call,
-  ``*_like`` factories, casts, ``clone``/``copy_``/``fill_``/``zero_``: run locally when every
-  tensor operand has the same placements and shape; a same-shaped operand with other placements
-  is redistributed to the RaggedShard operand's placements; a replicated scalar (0-d or one
-  element) broadcasts; anything else is an error.
+Rules here, by tag or name:
+
+* pointwise ops (``torch.Tag.pointwise``, ``masked_fill``), the ``_foreach_*`` family torch's
+  optimizers call, ``*_like`` factories, casts, ``clone``/``copy_``/``fill_``/``zero_``: run
+  locally. Operands with the lead's shape and other placements are redistributed to its
+  placements; an operand constant along the ragged rows (a scalar, or size 1 / absent on the
+  prefix dims) is replicated; a row-sharded operand with the same rows broadcasts within rows; a
+  pending sum stays pending only through ops linear in it (``add``/``sub`` of equal partials,
+  ``mul``/``div`` by a replica, scalings) and is reduced first otherwise; anything else raises.
 * reductions ``sum``, ``mean``, ``linalg_vector_norm``, ``_foreach_norm``: reduce locally; every
   sharded mesh dim whose cut dims are all reduced becomes ``Partial`` (sum), a
   :class:`RaggedMeanPartial` (mean: each rank weighted by its share, exact for uneven and empty
   shards) or torch's ``_NormPartial``; dims that are not reduced keep their placement.
-* ``x.new_empty_strided(x.shape, ...)`` and the other ``new_*`` factories (autograd calls them to
-  accumulate gradients) keep ``x``'s placements.
+* ``x.new_empty_strided(size, ...)`` and the other ``new_*`` factories (autograd calls them to
+  accumulate gradients) keep ``x``'s placements when ``size`` has ``x``'s sizes on the cut dims.
 * random ops (:data:`ragged_placement.rng.RANDOM_OPS`) keep the input's placements;
   :mod:`ragged_placement.rng` computes the local values.
-* every other op raises ``NotImplementedError`` naming the op and the placements.
+
+Rules in the family modules, one table each (``_RULES`` below maps every op to its rule):
+
+=====================  =========================================================================
+module                 ops
+=====================  =========================================================================
+:mod:`._matrix`        ``mm``, ``addmm``, ``bmm`` (``matmul``, ``linear``); the transposed layout
+:mod:`._views`         ``view``/``_unsafe_view``/``reshape``, ``expand``, ``unsqueeze``,
+                       ``squeeze``, ``t``/``transpose``/``permute``, ``slice``, ``select``,
+                       ``index_select``/``index_add``, ``cat``, ``stack``, ``split``, ``unbind``,
+                       ``repeat``, ``slice_backward``, ``select_backward``
+:mod:`._nn`            ``_softmax``/``_log_softmax`` (+ backward), ``native_layer_norm``,
+                       ``_fused_rms_norm`` (+ backward), ``embedding`` (+ dense backward),
+                       ``nll_loss_forward``/``nll_loss_backward``
+:mod:`._stats`         ``var``/``std`` (exact, global), ``amax``/``amin``/``max``/``min``,
+                       ``argmax``/``argmin``
+=====================  =========================================================================
+
+Every other op, and every use of these outside their rules, raises ``NotImplementedError`` naming
+the op and the placements: never a silent wrong result.
 """
 
 from __future__ import annotations
