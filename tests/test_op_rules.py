@@ -253,3 +253,47 @@ def _check_unsupported(rank, world):
 def test_ops_without_a_rule_raise(one_torch_thread):
     """Uses outside the rules raise ``NotImplementedError`` naming the op, never a wrong result."""
     run_threaded(_check_unsupported, 3)
+
+
+def _rms_norm_backward_reference(grad_out, x, normalized_shape, rstd, weight, output_mask):
+    """``_fused_rms_norm_backward`` from its formula: torch has only a CUDA kernel, and the rule
+    (what F.rms_norm dispatches on GPU) is what this test checks."""
+    dims = list(range(x.ndim - len(normalized_shape), x.ndim))
+    xhat = x * rstd
+    gw = grad_out * weight if weight is not None else grad_out
+    grad_input = rstd * (gw - xhat * (gw * xhat).mean(dims, keepdim=True))
+    lead = list(range(x.ndim - len(normalized_shape)))
+    return grad_input, (grad_out * xhat).sum(lead)
+
+
+def _check_fused_rms_norm(rank, world, units):
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(3)
+    rows = sum(units) * 2
+    x, go, w = torch.randn(rows, 2, 4, generator=g), torch.randn(rows, 2, 4, generator=g), torch.randn(4, generator=g)
+    placement = [RaggedShard((0,), units)]
+    dx, dgo = distribute_tensor(x, mesh, placement), distribute_tensor(go, mesh, placement)
+    dw = distribute_tensor(w, mesh, [Replicate()])
+    with torch.inference_mode():  # the composite op reaches DTensor whole, as it does on CUDA
+        out, rstd = torch.ops.aten._fused_rms_norm.default(dx, [4], dw, 1e-6)
+    ref_out, ref_rstd = torch.ops.aten._fused_rms_norm.default(x, [4], w, 1e-6)
+    assert out.placements == rstd.placements == tuple(placement)
+    _assert_close(out.full_tensor(), ref_out, "_fused_rms_norm")
+    _assert_close(rstd.full_tensor(), ref_rstd, "_fused_rms_norm rstd")
+    gi, gw = torch.ops.aten._fused_rms_norm_backward.default(dgo, dx, [4], rstd, dw, [True, True])
+    ref_gi, ref_gw = _rms_norm_backward_reference(go, x, [4], ref_rstd, w, [True, True])
+    assert gi.placements == tuple(placement) and gw.placements[0].is_partial()
+    _assert_close(gi.full_tensor(), ref_gi, "_fused_rms_norm_backward input")
+    _assert_close(gw.full_tensor(), ref_gw, "_fused_rms_norm_backward weight")
+
+
+def test_fused_rms_norm_rules(one_torch_thread):
+    """The rules for ``_fused_rms_norm`` and its backward (F.rms_norm on CUDA), with a reference
+    CPU kernel for the backward registered for this test only."""
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+    lib.impl("_fused_rms_norm_backward", _rms_norm_backward_reference, "CPU")
+    try:
+        run_threaded(_check_fused_rms_norm, 3, (1, 0, 2))
+        run_threaded(_check_fused_rms_norm, 2, (0, 1))
+    finally:
+        lib._destroy()
