@@ -103,7 +103,8 @@ CASES: dict[str, Case] = {
     "embedding_batch": Case(lambda i, w: F.embedding(i, w, padding_idx=1),
                             lambda L, g: [(_ids(g, 6, L, 2), "rows"), (_r(g, 6, 3), "rep")]),
     "cross_entropy_mean": Case(lambda x, t, w: F.cross_entropy(x, t, w, ignore_index=2),
-                               lambda L, g: [(_r(g, L, 5), "rows"), (_ids(g, 5, L), "rows"), (_r(g, 5).abs(), "const")]),
+                               lambda L, g: [(_r(g, L, 5), "rows"), (_ids(g, 5, L), "rows"),
+                                             (_r(g, 5).abs(), "const")]),
     "cross_entropy_sum_none": Case(
         lambda x, t: F.cross_entropy(x, t, reduction="sum") + F.cross_entropy(x, t, reduction="none").sum() * 0.5,
         lambda L, g: [(_r(g, L, 5), "rows"), (_ids(g, 5, L), "rows")]),
@@ -240,6 +241,9 @@ def _check_unsupported(rank, world):
         (r"aten.cumsum.default", lambda: torch.cumsum(x, 0)),
         (r"aten.sum.default.*transpose of a RaggedShard", lambda: m.t().sum()),
         (r"aten.add.Tensor.*transpose of a RaggedShard", lambda: m.t() + rep),
+        # a [1, 1, 1] replica against a (0, 1)-prefix whose local tensor has 2 dims
+        (r"aten.mul.Tensor.*do not broadcast",
+         lambda: flat2 * distribute_tensor(torch.ones(1, 1, 1), mesh, [Replicate()])),
         (r"aten.embedding_dense_backward.*scale_grad_by_freq",
          lambda: torch.nn.functional.embedding(ids, table, scale_grad_by_freq=True).sum().backward()),
     ]

@@ -174,13 +174,14 @@ def _operand_target(op_schema, s: DTensorSpec, lead: DTensorSpec, out_shape) -> 
     """The spec operand ``s`` must have for a local op against ``lead`` (None: as it is)."""
     if s is lead or (s.placements == lead.placements and s.shape == lead.shape):
         return None
-    if _is_scalar(s) and s.ndim <= lead.ndim:
+    ragged = ragged_of(lead)
+    k = len(ragged[1].dims) if ragged else 0
+    # (the lead's local tensor has ndim - k + 1 dims: a broadcast operand may not have more)
+    if _is_scalar(s) and s.ndim <= lead.ndim - max(k - 1, 0):
         return None if all(p.is_replicate() for p in s.placements) else respec(s, [Replicate()] * s.mesh.ndim)
     if s.shape == lead.shape and s.mesh == lead.mesh:
         return respec(s, lead.placements)
     off = lead.ndim - s.ndim
-    ragged = ragged_of(lead)
-    k = len(ragged[1].dims) if ragged else 0
     aligned = {d: (s.shape[d - off] if d >= off else 1) for d in range(lead.ndim)}
     if off >= 0 and s.mesh == lead.mesh and all(aligned[d] == 1 for d in range(k)) and s.ndim <= lead.ndim - k + 1:
         # constant along the ragged rows: replicated, or sharded like the lead on other mesh dims

@@ -21,7 +21,7 @@ from ragged_placement.placement import RaggedShard
 
 __all__ = [
     "unsupported", "with_meta", "output_specs", "ragged_of", "local_dim", "norm_dim", "respec",
-    "replicated", "rewrite", "local_prefix_rows",
+    "replicated", "rewrite",
 ]
 
 
@@ -83,11 +83,6 @@ def replicated(spec: DTensorSpec, keep: dict[int, Placement] | None = None) -> D
     return respec(spec, [keep.get(m, Replicate()) for m in range(spec.mesh.ndim)])
 
 
-def local_prefix_rows(spec_shape: Sequence[int], p: RaggedShard, mesh, mesh_dim: int) -> int:
-    """The number of prefix rows this rank holds of a tensor of ``spec_shape`` under ``p``."""
-    return p.local_rows(spec_shape, mesh.get_local_rank(mesh_dim))
-
-
 def rewrite(op_schema: OpSchema, out, args: Sequence[object], op=None) -> OutputSharding:
     """An ``OutputSharding`` that redistributes the tensor inputs to the specs in ``args`` and runs
     ``op`` (default: the same op) on the local tensors with the non-tensor values in ``args``
@@ -95,6 +90,3 @@ def rewrite(op_schema: OpSchema, out, args: Sequence[object], op=None) -> Output
     schema = OpSchema(op or op_schema.op, tuple(args), op_schema.kwargs_schema, schema_info=op_schema.schema_info)
     return OutputSharding(out, schema, needs_redistribute=True, use_val_from_redistribute_schema=True)
 
-
-def is_float(spec: DTensorSpec) -> bool:
-    return spec.tensor_meta is not None and torch.is_floating_point(torch.empty((), dtype=spec.tensor_meta.dtype))

@@ -156,7 +156,8 @@ def _embedding_backward(op_schema: OpSchema, meta) -> OutputSharding:
     m, p = ragged
     ids = replicated(indices, {m: p})
     out = output_specs(meta, lambda i: (indices, _placements(indices, m, Partial("sum"))))
-    return rewrite(op_schema, out, [_like(op_schema, grad, indices, m), ids, num_weights, padding_idx, scale_grad_by_freq])
+    args = [_like(op_schema, grad, indices, m), ids, num_weights, padding_idx, scale_grad_by_freq]
+    return rewrite(op_schema, out, args)
 
 
 # -- nll_loss -------------------------------------------------------------------------------------------

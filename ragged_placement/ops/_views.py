@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import Placement, Replicate
+from torch.distributed.tensor import Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 
@@ -162,7 +162,8 @@ def _transpose(op_schema: OpSchema, meta) -> OutputSharding:
         placements = [cols[1].rows if i == cols[0] else pl for i, pl in enumerate(src.placements)]
         return rewrite(op_schema, with_meta(spec, placements, meta), [src, *op_schema.args_schema[1:]])
     spec, m, p = _lead(op_schema)
-    if op_schema.op is aten.t.default or (spec.ndim == 2 and {norm_dim(d, 2) for d in op_schema.args_schema[1:3]} == {0, 1}):
+    swaps_both = spec.ndim == 2 and {norm_dim(d, 2) for d in op_schema.args_schema[1:3]} == {0, 1}
+    if op_schema.op is aten.t.default or swaps_both:
         if spec.ndim < 2:
             return OutputSharding(with_meta(spec, spec.placements, meta))
         if len(p.dims) != 1:
