@@ -301,3 +301,22 @@ def test_fused_rms_norm_rules(one_torch_thread):
         run_threaded(_check_fused_rms_norm, 2, (0, 1))
     finally:
         lib._destroy()
+
+
+def _check_local_kernels_refused(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    x = distribute_tensor(torch.randn(5, 7), mesh, [RaggedShard((0,), (2, 3))])
+    for pattern, fn in [(r"aten.var.correction.*global_var", lambda: x.var()),
+                        (r"aten.amax.default.*extreme", lambda: x.amax()),
+                        (r"aten.squeeze.default.*squeeze.dims", lambda: x[:, :1].squeeze())]:
+        with pytest.raises(NotImplementedError, match=pattern):
+            fn()
+
+
+def test_rules_with_local_kernels_raise_where_the_dispatcher_cannot_run_them(monkeypatch, one_torch_thread):
+    """On a torch whose DTensor dispatcher would run the original op instead of a rule's own local
+    kernel (a local variance where a global one is due), those rules raise."""
+    from ragged_placement.ops import _common
+
+    monkeypatch.setattr(_common, "dispatcher_runs_rewritten_ops", lambda: False)
+    run_threaded(_check_local_kernels_refused, 2)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
 from torch.distributed.tensor import Placement, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.utils._pytree import tree_flatten
 
+from ragged_placement._compat import dispatcher_runs_rewritten_ops
 from ragged_placement.placement import RaggedShard
 
 __all__ = [
@@ -85,7 +87,14 @@ def replicated(spec: DTensorSpec, keep: dict[int, Placement] | None = None) -> D
 def rewrite(op_schema: OpSchema, out, args: Sequence[object], op=None) -> OutputSharding:
     """An ``OutputSharding`` that redistributes the tensor inputs to the specs in ``args`` and runs
     ``op`` (default: the same op) on the local tensors with the non-tensor values in ``args``
-    (local dims and sizes). Extra trailing ``args`` are appended to the local call."""
+    (local dims and sizes). Extra trailing ``args`` are appended to the local call.
+
+    Another ``op`` needs a dispatcher that runs it (:func:`ragged_placement._compat.
+    dispatcher_runs_rewritten_ops`); without one this raises ``NotImplementedError`` rather than let
+    the original op run on the local tensor."""
+    if op is not None and op != op_schema.op and not dispatcher_runs_rewritten_ops():
+        raise unsupported(op_schema, f"this rule runs {op} locally, which torch {torch.__version__}'s "
+                                     f"DTensor dispatcher does not support (torch 2.13 does)")
     schema = OpSchema(op or op_schema.op, tuple(args), op_schema.kwargs_schema, schema_info=op_schema.schema_info)
     return OutputSharding(out, schema, needs_redistribute=True, use_val_from_redistribute_schema=True)
 
