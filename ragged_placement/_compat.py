@@ -15,7 +15,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_single", "reduce_scatter_single", "all_gather_segments", "reduce_scatter_segments",
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches",
-    "dispatcher_runs_rewritten_ops",
+    "dispatcher_runs_rewritten_ops", "functional_all_gather",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -141,3 +141,12 @@ def dispatcher_runs_rewritten_ops() -> bool:
     except (OSError, TypeError):  # pragma: no cover - sources stripped
         return False
     return "redistribute_schema.op(" in source and "len(flatten_args_schema_to_reshard)" in source
+
+
+def functional_all_gather(tensor: torch.Tensor, gather_dim: int, group) -> torch.Tensor:
+    """Functional all-gather along ``gather_dim`` (torch 2.13 renames ``all_gather_tensor`` to
+    ``all_gather_single`` and deprecates the old name; 2.11 has only the old one)."""
+    import torch.distributed._functional_collectives as funcol
+
+    fn = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return fn(tensor, gather_dim, group)

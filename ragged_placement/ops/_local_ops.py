@@ -24,6 +24,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from ragged_placement._compat import functional_all_gather
+
 __all__ = ["LIB"]
 
 LIB = torch.library.Library("ragged_placement", "DEF")  # noqa: TOR901 - kernels for every backend below
@@ -55,7 +57,7 @@ def _global_var(x, dim, local_dims, out_shape, take_sqrt, group, *, correction=N
     mean = total / n if n else torch.zeros_like(total)
     m2 = ((xs - mean) ** 2).sum(dims, keepdim=True)
     local = torch.stack([torch.full_like(total, n), total, m2])
-    world = _wait(funcol.all_gather_tensor(local.unsqueeze(0), 0, group))  # [W, 3, ...]
+    world = _wait(functional_all_gather(local.unsqueeze(0), 0, group))  # [W, 3, ...]
     counts, sums, m2s = world.unbind(1)
     count = counts.sum(0)
     grand_mean = sums.sum(0) / count
