@@ -35,7 +35,8 @@ SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=list(He
 class Case:
     """``fn(*inputs)``; ``inputs(L, g)`` gives ``(full tensor, placement kind)`` per input, where
     ``L`` is the number of ragged prefix rows and kind is ``"rows"`` (RaggedShard over the first
-    ``prefix`` dims), ``"rep"`` (Replicate), ``"const"`` (Replicate, no gradient) or ``None`` (a plain Python value)."""
+    ``prefix`` dims), ``"rep"`` (Replicate), ``"const"`` (Replicate, no gradient) or ``None`` (a
+    plain Python value)."""
 
     fn: Callable
     inputs: Callable
