@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dist_utils import run_threaded
+from dist_utils import run_gloo, run_threaded
 from ragged_placement import RaggedShard
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -321,3 +321,15 @@ def test_rules_with_local_kernels_raise_where_the_dispatcher_cannot_run_them(mon
 
     monkeypatch.setattr(_common, "dispatcher_runs_rewritten_ops", lambda: False)
     run_threaded(_check_local_kernels_refused, 2)
+
+
+def _check_all_families(rank, world):
+    for names in FAMILIES.values():
+        _check_family(rank, world, names, (1, 0, 2, 1), 2, 11)
+
+
+@pytest.mark.multiprocess
+def test_ops_match_single_device_on_gloo():
+    """Every case once on 4 real gloo processes (functional collectives by group name, c10d's own
+    max/min reductions), uneven units with an empty run."""
+    run_gloo(_check_all_families, 4)
