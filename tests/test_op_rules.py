@@ -333,3 +333,28 @@ def test_ops_match_single_device_on_gloo():
     """Every case once on 4 real gloo processes (functional collectives by group name, c10d's own
     max/min reductions), uneven units with an empty run."""
     run_gloo(_check_all_families, 4)
+
+
+def _check_inference_mode(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 2, 4, generator=g), torch.randn(5, 4, generator=g)
+    t = torch.randint(0, 5, (12,), generator=g)
+    rows = [RaggedShard((0,), (1, 0, 2))]
+    d, dt = distribute_tensor(x, mesh, rows), distribute_tensor(t, mesh, rows)
+    dw = distribute_tensor(w, mesh, [Replicate()])
+    with torch.inference_mode():  # composite ops (linear, layer_norm, cross_entropy, ...) reach DTensor whole
+        y = F.linear(d, dw)
+        _assert_close(y.full_tensor(), F.linear(x, w), "linear")
+        _assert_close(F.layer_norm(y, (5,)).full_tensor(), F.layer_norm(F.linear(x, w), (5,)), "layer_norm")
+        _assert_close(F.cross_entropy(y.reshape(-1, 5), dt).full_tensor(),
+                      F.cross_entropy(F.linear(x, w).reshape(-1, 5), t), "cross_entropy")
+        _assert_close(F.rms_norm(d, (4,)).full_tensor(), F.rms_norm(x, (4,)), "rms_norm")
+        _assert_close(torch.softmax(d, -1).flatten(1).unflatten(1, (4, 2)).full_tensor(),
+                      torch.softmax(x, -1).flatten(1).unflatten(1, (4, 2)), "softmax, flatten, unflatten")
+
+
+def test_ops_under_inference_mode(one_torch_thread):
+    """Under inference mode DTensor sees composite ops undecomposed: those without a rule raise
+    NotImplementedError, which DTensor answers by decomposing them into ops with rules."""
+    run_threaded(_check_inference_mode, 3)
