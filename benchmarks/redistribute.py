@@ -1,9 +1,16 @@
-"""RaggedShard redistribution vs the matching Shard path, on 4 gloo ranks.
+"""RaggedShard redistribution and matmul vs the matching Shard path, on 4 gloo ranks; import cost.
 
 For each transform: bytes sent per rank (counted from the collectives actually issued, c10d and
 functional, by a dispatch mode) and the median wall time of several runs, for ours and for the
 peer in the same run: torch's own ``Shard`` redistribution of the same tensor, and for
 RaggedShard <-> RaggedShard / Shard the route through a full replica that veScale takes.
+
+Matmul: ``x @ w`` with ``x`` row-sharded (RaggedShard, even and uneven units) and ``w``
+replicated, against ``x`` on ``Shard(0)``: the forward alone, and forward + backward with the
+weight gradient (``Partial``) reduced to ``Replicate`` as an optimizer would need it.
+
+Import cost: ``import ragged_placement`` after ``import torch.distributed.tensor``, in fresh
+processes (median of 5), next to the cost of ``import torch.distributed.tensor`` itself.
 
     python benchmarks/redistribute.py [--rows 8192] [--cols 512] [--runs 7]
 """
@@ -12,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 
@@ -132,11 +141,59 @@ def _worker(rank: int, world: int, rows: int, cols: int, runs: int) -> list[tupl
         ("RS -> Shard(1)", lambda: rs.redistribute(mesh, [Shard(1)]),
          "Shard(0) -> Shard(1)", lambda: sh.redistribute(mesh, [Shard(1)])),
     ]
+    cases += _matmul_cases(mesh, t, cols)
     rows_out = []
     for name, fn, peer_name, peer_fn in cases:
         ours, peer = _measure_pair(fn, peer_fn, runs)
         rows_out.append((name, *ours, peer_name, *peer))
     return rows_out
+
+
+def _matmul_cases(mesh, t: torch.Tensor, cols: int) -> list[tuple]:
+    """``x @ w`` (forward; forward + backward with w's gradient all-reduced), RaggedShard rows vs
+    Shard(0) rows, ``w`` a replicated ``[cols, cols]`` matrix."""
+    g = torch.Generator().manual_seed(1)
+    w_full = torch.randn(cols, cols, generator=g) / cols**0.5
+    grad_full = torch.randn(t.shape[0], cols, generator=g)
+
+    def make(placement):
+        x = distribute_tensor(t, mesh, [placement]).requires_grad_()
+        w = distribute_tensor(w_full, mesh, [Replicate()]).requires_grad_()
+        grad = distribute_tensor(grad_full, mesh, [placement])
+
+        def forward():
+            with torch.no_grad():
+                return x @ w
+
+        def train_step():
+            x.grad = w.grad = None
+            (x @ w).backward(grad)
+            return w.grad.full_tensor()
+
+        return forward, train_step
+
+    even, uneven, shard = (make(p) for p in (RaggedShard((0,), (1, 1, 1, 1)), RaggedShard((0,), (3, 1, 2, 2)),
+                                              Shard(0)))
+    return [
+        ("mm fwd: RS even x R", even[0], "Shard(0) x R", shard[0]),
+        ("mm fwd: RS x R", uneven[0], "Shard(0) x R", shard[0]),
+        ("mm fwd+bwd: RS even", even[1], "Shard(0)", shard[1]),
+        ("mm fwd+bwd: RS", uneven[1], "Shard(0)", shard[1]),
+    ]
+
+
+def import_cost(runs: int = 5) -> tuple[float, float]:
+    """Median seconds over ``runs`` fresh processes: ``import ragged_placement`` after
+    ``import torch.distributed.tensor``, and ``import torch.distributed.tensor`` itself."""
+    code = ("import time; t0 = time.perf_counter(); import torch.distributed.tensor; "
+            "t1 = time.perf_counter(); import ragged_placement; t2 = time.perf_counter(); print(t2 - t1, t1 - t0)")
+    ours, base = [], []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+        a, b = map(float, out.split())
+        ours.append(a)
+        base.append(b)
+    return statistics.median(ours), statistics.median(base)
 
 
 def main() -> None:
@@ -158,6 +215,11 @@ def main() -> None:
         ratio_b = f"{b / pb:.2f}" if pb else ("-" if not b else "inf")
         print(f"{name:<22}{b / mib:>9.2f}{c:>6}{ms:>8.2f}   {pname:<22}{pb / mib:>9.2f}{pc:>6}{pms:>8.2f}"
               f"{ratio_b:>9}{ms / pms:>8.2f}")
+    print(f"mm: x [{args.rows}, {args.cols}] @ w [{args.cols}, {args.cols}] replicated; fwd+bwd reduces w.grad "
+          f"(Partial) to Replicate")
+    ours, base = import_cost()
+    print(f"import ragged_placement after torch.distributed.tensor: {ours * 1e3:.0f} ms "
+          f"(torch.distributed.tensor itself: {base * 1e3:.0f} ms; median of 5 fresh processes)")
 
 
 if __name__ == "__main__":

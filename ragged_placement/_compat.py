@@ -7,13 +7,16 @@ the old ones. Everything in this package calls the wrappers below.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "all_gather_single", "reduce_scatter_single", "all_gather_segments", "reduce_scatter_segments",
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
-    "global_tensor_info_name", "local_shape_helper_bindings",
+    "global_tensor_info_name", "local_shape_helper_bindings", "dispatcher_runs_rewritten_ops",
+    "functional_all_gather",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -148,3 +151,30 @@ def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: 
         for s, x in zip(segments, inputs)
     ]
     return _coalesced(calls, group, async_op)
+
+
+@functools.cache
+def dispatcher_runs_rewritten_ops() -> bool:
+    """Whether DTensor's dispatcher runs ``redistribute_schema.op`` when a sharding rule names
+    another op than the one called, with the rule's extra trailing arguments (torch 2.13 does; the
+    op rules with a local kernel of their own need it). Read once from torch's source: False when
+    the source is unreadable or lacks either step, so those rules raise instead of letting the
+    original op run on the local tensor."""
+    import inspect
+
+    from torch.distributed.tensor import _dispatch
+
+    try:
+        source = inspect.getsource(_dispatch)
+    except (OSError, TypeError):  # pragma: no cover - sources stripped
+        return False
+    return "redistribute_schema.op(" in source and "len(flatten_args_schema_to_reshard)" in source
+
+
+def functional_all_gather(tensor: torch.Tensor, gather_dim: int, group) -> torch.Tensor:
+    """Functional all-gather along ``gather_dim`` (torch 2.13 renames ``all_gather_tensor`` to
+    ``all_gather_single`` and deprecates the old name; 2.11 has only the old one)."""
+    import torch.distributed._functional_collectives as funcol
+
+    fn = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return fn(tensor, gather_dim, group)
