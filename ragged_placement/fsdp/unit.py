@@ -34,7 +34,9 @@ gradient buffers are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -188,13 +190,42 @@ def _unit_dtype(slots: list[ParamSlot], params: list[torch.Tensor]) -> torch.dty
     return dtypes.pop() if dtypes else torch.float32
 
 
+def _unit_device(
+    slots: list[ParamSlot], params: list[torch.Tensor], mesh: DeviceMesh
+) -> torch.device:
+    """The one device of a unit's parameters: all on the meta device, or none."""
+    if not params:
+        return torch.device(mesh.device_type)
+    meta = [s.fqn for s, p in zip(slots, params) if p.is_meta]
+    if meta and len(meta) < len(params):
+        real = next(s.fqn for s, p in zip(slots, params) if not p.is_meta)
+        raise ValueError(
+            f"parameter {meta[0]} of one fully_shard unit is on the meta device but {real} is "
+            f"not: build the whole unit under torch.device('meta') or none of it"
+        )
+    return params[0].device
+
+
 def _rebind(param: nn.Parameter, value: torch.Tensor) -> None:
-    """Point ``param`` (keeping its identity, hooks and version counter) at ``value``'s data: a
-    tensor, or a DTensor whose local tensor and spec ``param`` takes over."""
-    param.data = value
-    if isinstance(value, DTensor):
-        param._local_tensor = value._local_tensor
-        param._spec = value._spec
+    """Point ``param`` at ``value``'s data, keeping the parameter object (optimizers hold it).
+
+    Where ``.data`` can be assigned (same tensor type; any device but meta) the parameter also
+    keeps its hooks and version counter, a DTensor taking over ``value``'s local tensor and
+    spec; to or from the meta device the contents are swapped as ``nn.Module._apply`` does."""
+    if torch._has_compatible_shallow_copy_type(param, value):
+        param.data = value
+        if isinstance(value, DTensor):
+            param._local_tensor = value._local_tensor
+            param._spec = value._spec
+    else:
+        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device of this rank on ``mesh`` (the current CUDA device for a CUDA mesh)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
 class FSDPUnit:
@@ -265,7 +296,7 @@ class FSDPUnit:
         self.fp8: FP8UnitGather | None = None
         self.stats = CommStats()
         locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-        device = locals_[0].device if locals_ else torch.device(mesh.device_type)
+        device = _unit_device(slots, locals_, mesh)
         self.allocate(device, dtype)
         if device.type != "meta":
             self._copy_in(locals_)
@@ -305,26 +336,12 @@ class FSDPUnit:
         param_dtype, reduce_dtype = self._mp_dtypes
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        S, W = self.chunk_numel, self.world_size
-        self.sharded = torch.zeros(S, dtype=dtype, device=self.device)
-        if any(self.quantized):
-            self.fp8 = FP8UnitGather(
-                self.plan,
-                [s.fqn for s in self.slots],
-                [s.shape for s in self.slots],
-                self.quantized,
-                [s.requires_grad for s in self.slots],
-                self.quant,
-                self.param_dtype,
-                self.device,
-            )
-            self.unsharded = self.fp8.gathered  # its storage is the FP8 gather's
-            self._storage = self.unsharded.untyped_storage()
-        else:
-            self.unsharded = torch.empty(S * W, dtype=self.param_dtype, device=self.device)
-            self._storage = self.unsharded.untyped_storage()
-            self._storage_nbytes = self._storage.nbytes()
-            self._storage.resize_(0)
+        # The unsharded parameters never live on the meta device: their buffer holds no
+        # storage until unshard, and they keep their hooks only through moves between devices
+        # of one tensor type (see _rebind).
+        compute = self.device if self.device.type != "meta" else _mesh_device(self.mesh)
+        self.sharded = torch.zeros(self.chunk_numel, dtype=dtype, device=self.device)
+        self._allocate_unsharded(compute)
         self.state = UnitState.SHARDED
         self._ag_work: dist.Work | None = None
         self._ag_send: torch.Tensor | None = None
@@ -336,6 +353,34 @@ class FSDPUnit:
         self._rs_work: dist.Work | None = None
         self._rs_input: list[torch.Tensor] | None = None
         self._rs_output: torch.Tensor | None = None
+
+    def _allocate_unsharded(self, device: torch.device) -> None:
+        """The all-gather output on ``device`` in ``param_dtype``, its storage freed; kept as
+        it is if it already is there (a move of the sharded chunk alone, e.g. ``to_empty``)."""
+        old = getattr(self, "unsharded", None)
+        if old is not None and (old.device, self._gathered_dtype) == (device, self.param_dtype):
+            return
+        self._gathered_dtype = self.param_dtype
+        if any(self.quantized):
+            self.fp8 = FP8UnitGather(
+                self.plan,
+                [s.fqn for s in self.slots],
+                [s.shape for s in self.slots],
+                self.quantized,
+                [s.requires_grad for s in self.slots],
+                self.quant,
+                self.param_dtype,
+                device,
+            )
+            self.unsharded = self.fp8.gathered  # its storage is the FP8 gather's
+            self._storage = self.unsharded.untyped_storage()
+        else:
+            self.unsharded = torch.empty(
+                self.chunk_numel * self.world_size, dtype=self.param_dtype, device=device
+            )
+            self._storage = self.unsharded.untyped_storage()
+            self._storage_nbytes = self._storage.nbytes()
+            self._storage.resize_(0)
 
     def _copy_in(self, params: list[torch.Tensor]) -> None:
         """Copy this rank's run of each (TP-local) parameter into the sharded chunk."""
@@ -374,11 +419,12 @@ class FSDPUnit:
                 t = _alias(
                     self._storage,
                     self.param_dtype,
-                    self.device,
+                    self.unsharded.device,
                     self.plan.offsets[slot.fqn],
                     slot.shape,
                 )
                 unsharded.append(t if tp is None else DTensor(t, tp, requires_grad=False))
+            self._storage.resize_(0)  # set_ grew it to hold the aliases
         fresh = not self.sharded_params
         for i, slot in enumerate(self.slots):
             if fresh:
@@ -407,11 +453,116 @@ class FSDPUnit:
                     for module, _ in slot.owners:
                         module.weight_fp8 = None if sharded else w
 
+    # -- moves and casts ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def unregistered(self) -> Iterator[None]:
+        """Hide the unit's parameters from their modules (so that ``nn.Module._apply`` does not
+        map them one by one); the sharded ones are registered again on exit."""
+        self.reshard()
+        for slot in self.slots:
+            for module, attr in slot.owners:
+                module._parameters[attr] = None
+        try:
+            yield
+        finally:
+            self.register(sharded=True)
+
+    def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Map the sharded parameters (and their gradients) through ``fn``, as
+        ``nn.Module._apply`` does for ``to``, ``to_empty``, ``float``, ``bfloat16``, ...: the
+        results are copied, one parameter at a time, into flat buffers :meth:`allocate`\\ d on
+        the device and in the dtype ``fn`` gives, and :meth:`bind` re-points the same
+        parameter objects at them. A unit ``fn`` leaves unchanged (every result is its input)
+        keeps its buffers. On the meta device (``to_empty`` of a meta-initialized model)
+        nothing is copied: this rank allocates its chunk of the unit and one parameter's
+        result at a time.
+
+        Raises ``ValueError`` naming the parameter if ``fn`` changes a parameter's shape,
+        placements or mesh, gives the unit's parameters several devices or dtypes, or moves
+        them off the mesh's device type; or if gradients accumulated without sync are pending.
+        """
+        if not self.slots:
+            return
+        self.reshard()
+        if self.has_unsharded_grads or self._rs_work is not None:
+            raise ValueError(
+                f"cannot move or cast the unit holding {self.slots[0].fqn} while gradients "
+                f"accumulated with set_requires_gradient_sync(False) are pending: call "
+                f"reduce_gradients() or run a backward with sync on first"
+            )
+        old = [(p, p.grad) for p in self.sharded_params]
+        grads: list[torch.Tensor | None] = [None] * len(old)
+        target: tuple[torch.device, torch.dtype] | None = None  # set at the first change
+        with torch.no_grad():
+            for i, (slot, (p, g)) in enumerate(zip(self.slots, old)):
+                out = _checked_result(fn(p), p, slot.fqn, "parameter")
+                if target is None:
+                    if out is p:
+                        continue
+                    target = (out._local_tensor.device, out.dtype)
+                    self._check_device(target[0], slot.fqn)
+                    self.allocate(*target)
+                    for j in range(i):  # the parameters fn left unchanged
+                        self._store(j, old[j][0], target, self.slots[j].fqn)
+                self._store(i, out, target, slot.fqn)
+                del out
+                if g is not None:
+                    grads[i] = _checked_result(fn(g), g, slot.fqn, "gradient")
+        if target is None:
+            return
+        for p, _ in old:
+            p.grad = None  # a gradient of the old dtype would block the rebind
+        self.bind()
+        self._land_moved_grads(grads)
+
+    def _check_device(self, device: torch.device, fqn: str) -> None:
+        if device.type not in (self.mesh.device_type, "meta"):
+            raise ValueError(
+                f"cannot move parameter {fqn} of a fully_shard unit to {device}: its mesh is on "
+                f"{self.mesh.device_type} (move the model before fully_shard, or build the mesh "
+                f"on {device.type})"
+            )
+
+    def _store(
+        self, index: int, value: DTensor, target: tuple[torch.device, torch.dtype], fqn: str
+    ) -> None:
+        """Copy ``value``'s local tensor into slot ``index``'s run of the new sharded chunk."""
+        if (value._local_tensor.device, value.dtype) != target:
+            raise ValueError(
+                f"moving or casting a fully_shard unit gave parameter {fqn} "
+                f"{value.dtype} on {value._local_tensor.device}, but the unit's other "
+                f"parameters {target[1]} on {target[0]}: one unit's parameters share a device "
+                f"and a dtype"
+            )
+        begin, end = self.plan.local_slice(fqn, self.rank)
+        if end > begin and "meta" not in (self.device.type, value._local_tensor.device.type):
+            self.sharded[begin:end].copy_(value._local_tensor.reshape(-1))
+
+    def _land_moved_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Copy gradients mapped by :meth:`apply_` into a new flat sharded gradient."""
+        if all(g is None for g in grads):
+            return
+        self.sharded_grad = torch.zeros(self.chunk_numel, dtype=self.orig_dtype, device=self.device)
+        views = self.plan.local_views(self.sharded_grad, self.rank)
+        for slot, spec, p, g in zip(self.slots, self.specs, self.sharded_params, grads):
+            if g is None:
+                continue
+            view = views[slot.fqn]
+            if "meta" not in (self.device.type, g._local_tensor.device.type):
+                view.copy_(g._local_tensor.to(self.orig_dtype))
+            p.grad = DTensor(view, spec, requires_grad=False)
+
     # -- all-gather ------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool) -> None:
         """Issue the all-gather into the unsharded buffer (no-op unless sharded)."""
         if self.state is not UnitState.SHARDED or not self.slots:
             return
+        if self.device.type == "meta":
+            raise ValueError(
+                f"parameter {self.slots[0].fqn} (and the rest of its fully_shard unit) is on the "
+                f"meta device: materialize the model with model.to_empty(device=...) and "
+                f"initialize it (init_weights() / reset_parameters()) before the first forward"
+            )
         if self.fp8 is not None:
             self.fp8.allocate()
             send = self.fp8.pack(self.rank, self.sharded)  # own blocks -> FP8 + scales, no comm
@@ -560,3 +711,25 @@ class FSDPUnit:
                 p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
             else:
                 p.grad._local_tensor.add_(views[slot.fqn])
+
+
+def _checked_result(out: object, before: DTensor, fqn: str, what: str) -> DTensor:
+    """``out`` (``fn(before)`` in :meth:`FSDPUnit.apply_`) if it keeps ``before``'s sharding."""
+    if (
+        not isinstance(out, DTensor)
+        or out.shape != before.shape
+        or out.device_mesh != before.device_mesh
+        or tuple(out.placements) != tuple(before.placements)
+        or out._local_tensor.shape != before._local_tensor.shape
+    ):
+        got = (
+            f"a DTensor of shape {tuple(out.shape)} with {tuple(out.placements)}"
+            if isinstance(out, DTensor)
+            else type(out).__name__
+        )
+        raise ValueError(
+            f"a move or cast of a fully_shard module maps sharded {what} {fqn} "
+            f"({tuple(before.shape)}, {tuple(before.placements)}) to {got}: only device and "
+            f"dtype may change"
+        )
+    return out
