@@ -26,6 +26,35 @@ With mixed precision the sharded chunk is cast into a ``[S]`` send buffer in ``P
 all-gather and the gradient buffer is cast to ``R`` before the reduce-scatter: those casts are the
 only element-wise passes besides the collectives.
 
+Meta-device initialization and moves (FSDP2's recipe)::
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cuda")   # each rank allocates its chunk of each unit, nothing else
+    model.init_weights()            # nn.init / copy_ on the sharded parameters
+
+A unit built from meta parameters keeps ``sharded`` on the meta device (its unsharded buffer,
+which holds no storage until unshard, is on the mesh's device). ``nn.Module._apply`` (``to_empty``,
+``to``, ``float``, ``bfloat16``, ...; ``FSDPModule._apply``) maps the unit's sharded parameters
+one at a time into a newly allocated ``sharded`` chunk (:meth:`FSDPUnit.apply_`), so a rank holds
+at most its chunk plus one parameter's result per unit, and re-points the same parameter
+objects at it: optimizers built before the move keep working and every parameter stays a view of
+the unit's buffer. A forward while the unit is still on the meta device raises ``ValueError``.
+
+The RNG contract of initialization: random ops on the sharded parameters (``nn.init.normal_``,
+``uniform_``, ``kaiming_*``, ``xavier_*``; :mod:`ragged_placement.rng`) give each rank its region
+of the full tensor that the same op draws on one device from the same generator state, so the
+full parameters equal a single-device initialization with the same seed for any world size and
+any units (every rank must start from the same generator state). torch 2.13's
+``trunc_normal_`` with bounds wider than about one standard deviation rejection-samples with
+``mask.any()``, which has no RaggedShard rule yet and raises ``NotImplementedError``. ``copy_``
+from a full plain tensor works under ``torch.distributed.tensor.experimental.implicit_replication()``
+(torch's rule for mixing plain tensors and DTensors, as under FSDP2), and ``load_state_dict``
+takes full tensors directly.
+
 With ``quant`` (block-wise FP8, :mod:`ragged_placement.fsdp.fp8`) a unit holding FP8 weights
 replaces the cast by quantizing its own blocks into a uint8 send buffer, and ``unsharded`` is the
 uint8 all-gather output (FP8 bytes, block scales and the other parameters in ``P``); the
