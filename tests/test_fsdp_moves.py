@@ -154,3 +154,42 @@ def _grads_move_and_bad_moves(rank: int, ws: int):
 
 def test_gradients_move_with_parameters_and_bad_moves_raise_naming_the_parameter():
     assert all(run_threaded(_grads_move_and_bad_moves, WORLD))
+
+
+FP8_CFG = GPTConfig(n_layer=1, n_embd=128, n_head=4, block_size=SEQ)  # whole 128x128 blocks
+torch.manual_seed(0)
+FP8_INIT = {k: v.bfloat16().float() for k, v in GPT(FP8_CFG).state_dict().items()}
+
+
+def _fp8_moves(rank: int, ws: int):
+    from ragged_placement.quant import BlockFP8Config
+
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    quant = BlockFP8Config(block=(128, 128))
+
+    def sharded(m: GPT) -> GPT:
+        for block in m.layers:
+            fully_shard(block, mesh=mesh, quant=quant)
+        return fully_shard(m, mesh=mesh, quant=quant)
+
+    x = torch.arange(2 * SEQ).reshape(2, SEQ) % FP8_CFG.vocab_size
+    plain = GPT(FP8_CFG)
+    plain.load_state_dict(FP8_INIT)
+    with torch.no_grad():
+        expect = sharded(plain)(x)
+    with torch.device("meta"):
+        meta = GPT(FP8_CFG)
+    sharded(meta).to_empty(device="cpu")
+    meta.load_state_dict(FP8_INIT)
+    cast = GPT(FP8_CFG)
+    cast.load_state_dict(FP8_INIT)
+    sharded(cast).bfloat16().float()  # FP8_INIT is bf16-exact: the round trip changes nothing
+    with torch.no_grad():
+        outs = [meta(x), cast(x)]
+    with pytest.raises(ValueError, match=r"FP8 unit holding attn\.qkv\.weight to torch\.float64"):
+        cast.double()
+    return all(torch.equal(o, expect) for o in outs) and _views_of_units(meta, torch.float32)
+
+
+def test_fp8_units_materialize_from_meta_and_cast_or_raise():
+    assert all(run_threaded(_fp8_moves, WORLD))

@@ -529,7 +529,7 @@ class FSDPUnit:
                     if out is p:
                         continue
                     target = (out._local_tensor.device, out.dtype)
-                    self._check_device(target[0], slot.fqn)
+                    self._check_target(*target, slot.fqn)
                     self.allocate(*target)
                     for j in range(i):  # the parameters fn left unchanged
                         self._store(j, old[j][0], target, self.slots[j].fqn)
@@ -544,7 +544,15 @@ class FSDPUnit:
         self.bind()
         self._land_moved_grads(grads)
 
-    def _check_device(self, device: torch.device, fqn: str) -> None:
+    def _check_target(self, device: torch.device, dtype: torch.dtype, fqn: str) -> None:
+        """``ValueError`` unless the unit can live on ``device`` in ``dtype``."""
+        fp8 = [s.fqn for s, q in zip(self.slots, self.quantized) if q]
+        allowed = (torch.float32, torch.bfloat16, torch.float16)
+        if fp8 and self._mp_dtypes[0] is None and dtype not in allowed:
+            raise ValueError(
+                f"cannot cast the FP8 unit holding {fp8[0]} to {dtype}: the parameters it "
+                f"all-gathers next to the FP8 weights must be float32, bfloat16 or float16"
+            )
         if device.type not in (self.mesh.device_type, "meta"):
             raise ValueError(
                 f"cannot move parameter {fqn} of a fully_shard unit to {device}: its mesh is on "
