@@ -211,12 +211,17 @@ def plan_unit(
 
 def _unit_dtype(slots: list[ParamSlot], params: list[torch.Tensor]) -> torch.dtype:
     """The one dtype of a unit's parameters (``float32`` for a unit without parameters)."""
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for slot, p in zip(slots, params):
+        by_dtype.setdefault(p.dtype, []).append(slot.fqn)
+    if len(by_dtype) > 1:
+        found = "; ".join(f"{d}: {', '.join(names[:3])}" for d, names in by_dtype.items())
         raise ValueError(
-            f"all parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}"
+            f"all parameters of one fully_shard unit must share a dtype, got {found}. Give "
+            f"the differently-typed modules units of their own (fully_shard them first), or "
+            f"cast the module to one dtype and use mp_policy for the compute dtype"
         )
-    return dtypes.pop() if dtypes else torch.float32
+    return next(iter(by_dtype), torch.float32)
 
 
 def _unit_device(
