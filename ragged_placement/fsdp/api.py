@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState
 from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout
-from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot
+from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot, build_unit
 from ragged_placement.quant import BlockFP8Config
 
 __all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
@@ -310,7 +310,7 @@ def fully_shard(
     if params and any(p.device != device and not p.is_meta for p in params):
         params = [p if p.is_meta else p.to(device) for p in params]
     wraps_units = any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)
-    unit = FSDPUnit(
+    unit = build_unit(
         slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
         split_by_submodule=wraps_units,
     )
