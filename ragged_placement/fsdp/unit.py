@@ -26,6 +26,11 @@ With mixed precision the sharded chunk is cast into a ``[S]`` send buffer in ``P
 all-gather and the gradient buffer is cast to ``R`` before the reduce-scatter: those casts are the
 only element-wise passes besides the collectives.
 
+Parameters of several dtypes (fp32 norms next to bf16 matrices; FSDP2 refuses such a unit at
+its first forward) make a :class:`MultiDtypeUnit` (:func:`build_unit`): one unit as above per
+dtype, each zero-copy in its own dtype, driven together; it issues one all-gather and one
+reduce-scatter per dtype (not coalesced across dtypes).
+
 Meta-device initialization and moves (FSDP2's recipe)::
 
     with torch.device("meta"):
