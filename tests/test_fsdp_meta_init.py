@@ -10,7 +10,7 @@ import pytest
 import torch
 from dist_utils import run_threaded
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from ragged_placement.fsdp import fully_shard
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
+from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
 
 WORLD = 2
 BATCH = 4
@@ -29,6 +30,8 @@ CFG = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=SEQ)
 CORPUS = StdlibCorpus(max_bytes=1 << 16)
 torch.manual_seed(0)
 INIT = GPT(CFG).state_dict()  # built once: threads must not race on the global RNG
+LLAMA = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
+LLAMA_INIT = Llama(LLAMA).state_dict()
 
 
 def init_weights(model: GPT) -> None:
@@ -214,3 +217,38 @@ def test_random_init_of_sharded_parameters_is_the_single_device_init_for_any_wor
                 assert torch.equal(full[n], p.detach()), n
             if ws == 2:
                 assert losses == pytest.approx(ref_losses, abs=1e-5)
+
+
+def _tp_build(meta: bool):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta" if meta else "cpu"):
+        m = Llama(LLAMA)
+    if not meta:
+        m.load_state_dict(LLAMA_INIT)
+    parallelize_llama(m, mesh["tp"])
+    for block in m.layers.values():
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(m, mesh=mesh["dp"])
+    if meta:
+        m.to_empty(device="cpu")
+        with torch.no_grad(), implicit_replication():
+            for n, p in m.named_parameters():
+                p.copy_(LLAMA_INIT[n])
+    return m
+
+
+def _tp_meta(rank: int, ws: int):
+    x = torch.arange(16).reshape(2, 8) % LLAMA.vocab_size
+    outs = []
+    for meta in (False, True):
+        m = _tp_build(meta)
+        out = m(x)
+        out.float().pow(2).mean().backward()
+        grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+        outs.append((out.full_tensor() if isinstance(out, DTensor) else out.detach(), grads))
+    (a, ga), (b, gb) = outs
+    return torch.equal(a, b) and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+def test_meta_init_with_tensor_parallel_equals_the_materialized_build():
+    assert all(run_threaded(_tp_meta, 4))
