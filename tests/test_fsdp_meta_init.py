@@ -125,10 +125,11 @@ def _meta_init_and_train(rank: int, ws: int, runtime: str):
         unshard = [u.chunk_numel * ws * 4 for u in units]
         storages = {p._local_tensor.untyped_storage().data_ptr() for p in m.parameters()}
         facts = {
-            # fully_shard on meta allocates at most one unit's unshard buffer (created and
-            # freed at once, as FSDP2 does); to_empty at most one unit's chunk at a time
-            "shard_max": max(at_shard.nbytes, default=0) <= max(unshard),
-            "materialize_max": max(at_materialize.nbytes) <= max(chunk),
+            # fully_shard on meta allocates nothing bigger than the plan digests it checks;
+            # to_empty one unit at a time: its chunk, one parameter's result, and its
+            # all-gather buffer (created and freed at once, as FSDP2 does at its first unshard)
+            "shard_max": max(at_shard.nbytes, default=0) <= 1024 < min(chunk),
+            "materialize_max": max(at_materialize.nbytes) <= max(unshard),
             # and keeps exactly the unit chunks: one storage per unit, of its chunk's size
             "storages": storages == {u.sharded.untyped_storage().data_ptr() for u in units},
             "chunks": [u.sharded.untyped_storage().nbytes() for u in units] == chunk,

@@ -41,8 +41,8 @@ Meta-device initialization and moves (FSDP2's recipe)::
     model.to_empty(device="cuda")   # each rank allocates its chunk of each unit, nothing else
     model.init_weights()            # nn.init / copy_ on the sharded parameters
 
-A unit built from meta parameters keeps ``sharded`` on the meta device (its unsharded buffer,
-which holds no storage until unshard, is on the mesh's device). ``nn.Module._apply`` (``to_empty``,
+A unit built from meta parameters keeps ``sharded`` on the meta device and allocates nothing
+(its unsharded parameters are one-element placeholders on the mesh's device until ``to_empty``). ``nn.Module._apply`` (``to_empty``,
 ``to``, ``float``, ``bfloat16``, ...; ``FSDPModule._apply``) maps the unit's sharded parameters
 one at a time into a newly allocated ``sharded`` chunk (:meth:`FSDPUnit.apply_`), so a rank holds
 at most its chunk plus one parameter's result per unit, and re-points the same parameter
@@ -378,12 +378,10 @@ class FSDPUnit:
         param_dtype, reduce_dtype = self._mp_dtypes
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        # The unsharded parameters never live on the meta device: their buffer holds no
-        # storage until unshard, and they keep their hooks only through moves between devices
-        # of one tensor type (see _rebind).
-        compute = self.device if self.device.type != "meta" else _mesh_device(self.mesh)
+        # The unsharded parameters never live on the meta device: they keep their hooks only
+        # through moves between devices of one tensor type (see _rebind).
         self.sharded = torch.zeros(self.chunk_numel, dtype=dtype, device=self.device)
-        self._allocate_unsharded(compute)
+        self._allocate_unsharded(self.device)
         self.state = UnitState.SHARDED
         self._ag_work: dist.Work | None = None
         self._ag_send: torch.Tensor | None = None
@@ -398,7 +396,11 @@ class FSDPUnit:
 
     def _allocate_unsharded(self, device: torch.device) -> None:
         """The all-gather output on ``device`` in ``param_dtype``, its storage freed; kept as
-        it is if it already is there (a move of the sharded chunk alone, e.g. ``to_empty``)."""
+        it is if it already is there (a move of the sharded chunk alone). A unit on the meta
+        device has none (``None``) until ``to_empty``: :meth:`bind` gives it placeholders."""
+        if self.device.type == "meta":
+            self.unsharded = self._storage = self.fp8 = None
+            return
         old = getattr(self, "unsharded", None)
         if old is not None and (old.device, self._gathered_dtype) == (device, self.param_dtype):
             return
@@ -449,7 +451,20 @@ class FSDPUnit:
             DTensor(local_views[slot.fqn], spec, requires_grad=False)
             for slot, spec in zip(self.slots, self.specs)
         ]
-        if self.fp8 is not None:
+        if self.unsharded is None:
+            # On the meta device: one-element placeholders of each parameter's shape on the
+            # mesh's device, re-pointed (hooks kept) at the all-gather output by to_empty.
+            self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
+            compute = _mesh_device(self.mesh)
+            unsharded = [
+                torch.zeros((), dtype=self.param_dtype, device=compute).expand(slot.shape)
+                for slot in self.slots
+            ]
+            unsharded = [
+                t if tp is None else DTensor(t, tp, requires_grad=False)
+                for t, tp in zip(unsharded, self.unsharded_specs)
+            ]
+        elif self.fp8 is not None:
             unsharded = self.fp8.params
             self.unsharded_specs = [None] * len(self.slots)
         else:
