@@ -23,6 +23,7 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -112,9 +113,16 @@ class FSDPState:
     """The hooks and flags of one ``fully_shard`` call."""
 
     def __init__(
-        self, module: nn.Module, unit: FSDPUnit, reshard_after_forward: bool, mp_policy
+        self,
+        module: nn.Module | Sequence[nn.Module],
+        unit: FSDPUnit,
+        reshard_after_forward: bool,
+        mp_policy,
     ) -> None:
-        self.module = module
+        # ``fully_shard([a, b])``: one unit, hooks on every module of the group (see _first_in_pass)
+        self.modules = list(module) if isinstance(module, (list, tuple)) else [module]
+        self.module = self.modules[0]
+        self._to_run: set[int] = set()  # ids of the group's modules yet to run in this pass
         self.unit = unit
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
@@ -123,19 +131,22 @@ class FSDPState:
         self.is_root = False
         self._needs_post_backward = False
         self._backward_started = False
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        for m in self.modules:
+            m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         for i, (slot, param) in enumerate(zip(unit.slots, unit.unsharded_params)):
             if slot.requires_grad:
                 param.register_hook(lambda grad, i=i: self._on_grad(i))
-        module.register_forward_hook(self._post_forward, prepend=False)
+        for m in self.modules:
+            m.register_forward_hook(self._post_forward, prepend=False)
 
     # -- lazy root init ----------------------------------------------------------------------
     def _lazy_init(self) -> None:
-        states = [self] + [
-            m._fsdp_state
-            for m in self.module.modules()
-            if m is not self.module and getattr(m, "_fsdp_state", None) is not None
-        ]
+        states = [self]
+        for top in self.modules:
+            for m in top.modules():
+                s = getattr(m, "_fsdp_state", None)
+                if s is not None and all(s is not t for t in states):
+                    states.append(s)
         ctx = RootContext(states)
         for s in states:
             s.root = ctx
@@ -146,23 +157,37 @@ class FSDPState:
         if self.root is None:
             self._lazy_init()
         ctx = self.root
-        if self.is_root:
+        first = self._first_in_pass()
+        if self.is_root and first:
             ctx.finish_pending_reduce()
             ctx._recording = []
             for s in ctx.states:
                 s.unit.release_dropped_grads()
-        else:
+                if s is not self:
+                    s._to_run.clear()  # a pass an exception cut short must not gate this one
+        elif first:
             ctx._recording.append(self)
         self.unit.unshard(async_op=False)
         self.unit.wait_unshard()
         self.unit.register(sharded=False)
-        ctx.prefetch(ctx.next_in_forward(self))
+        if first:
+            ctx.prefetch(ctx.next_in_forward(self))
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _map_float_tensors(lambda t: t.to(mp.param_dtype), (args, kwargs))
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and first:
             args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
         return args, kwargs
+
+    def _first_in_pass(self) -> bool:
+        """Whether this pre-forward starts a pass over the unit's modules (always, for one
+        module). A group's first module to run gathers the unit and wraps its inputs for the
+        post-backward (as FSDP2: its inputs' gradients come after all of the group's backwards
+        when the group runs in sequence); the last one to finish runs the post-forward."""
+        if self._to_run:
+            return False
+        self._to_run = {id(m) for m in self.modules}
+        return True
 
     def _wrap_inputs_for_post_backward(self, args: tuple, kwargs: dict):
         leaves, spec = tree_flatten((args, kwargs))
@@ -177,6 +202,9 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any):
         ctx = self.root
         grad = torch.is_grad_enabled()
+        self._to_run.discard(id(module))
+        if self._to_run:  # more of the group's modules to run: keep the unit gathered
+            return self._hook_outputs(output) if grad else self._cast_output(output)
         if self.is_root:
             ctx.forward_order = ctx._recording
         if (self.reshard_after_forward and not self.is_root) or not grad:
@@ -184,10 +212,17 @@ class FSDPState:
         if grad:
             self._needs_post_backward = True
             self._backward_started = False
-            leaves, _ = tree_flatten(output)
-            for t in leaves:
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+            return self._hook_outputs(output)
+        return self._cast_output(output)
+
+    def _hook_outputs(self, output: Any) -> Any:
+        leaves, _ = tree_flatten(output)
+        for t in leaves:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(self._pre_backward)
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
         if self.mp_policy.output_dtype is not None:
             output = _map_float_tensors(lambda t: t.to(self.mp_policy.output_dtype), output)
         return output
