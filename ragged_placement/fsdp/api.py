@@ -22,7 +22,12 @@ from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config
 
 __all__ = [
-    "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
 ]
 
 
@@ -32,7 +37,24 @@ __all__ = [
 # torch 2.11 and 2.13).
 
 class FSDPModule:
-    """Mixin added to the class of every module passed to :func:`fully_shard`."""
+    """Mixin added to the class of every module passed to :func:`fully_shard`.
+
+    It carries torch FSDP2's ``FSDPModule`` methods: those this runtime honours exactly work,
+    the others raise ``NotImplementedError`` naming themselves (never an ``AttributeError``
+    or a silent no-op).
+
+    It does not derive from ``torch.distributed.fsdp.FSDPModule``, so
+    ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` is ``False`` (import ``FSDPModule``
+    from here instead). torch's code that branches on that ``isinstance`` goes on to FSDP2's
+    private state, which this runtime does not have: ``torch.distributed.pipelining``'s stages
+    then call ``fully_shard.state(m)._state_ctx.all_states`` and each state's
+    ``_fsdp_param_groups`` (an ``AttributeError`` here, where today pipelining drives these
+    modules as plain modules, see :meth:`reduce_gradients`), torch's ``FSDPModule._apply`` and
+    ``__new__`` assume FSDP2's parameter groups and class layout, and dynamo's
+    ``torch.compile`` package pickler looks the class up in FSDP2's class table.
+    ``clip_grad_norm_`` and ``torch.distributed.checkpoint`` do not branch on it and work on
+    these modules' DTensor parameters as they are.
+    """
 
     _fsdp_state: FSDPState
 
@@ -49,13 +71,16 @@ class FSDPModule:
                 seen.add(id(m._fsdp_state))
                 yield name, m._fsdp_state.unit
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters and register the unsharded ones; with
-        ``async_op=True`` only issue the all-gather (the next forward waits for it)."""
+        ``async_op=True`` only issue the all-gather and return a handle whose ``wait()``
+        finishes it (the next forward waits for it too), as FSDP2."""
         unit = self._fsdp_state.unit
         unit.unshard(async_op=async_op)
-        if not async_op:
-            unit.register(sharded=False)
+        if async_op:
+            return UnshardHandle(unit)
+        unit.register(sharded=False)
+        return None
 
     def reshard(self) -> None:
         """Free this unit's unsharded parameters and register the sharded ones."""
@@ -106,6 +131,48 @@ class FSDPModule:
                     reshard_after_forward, state.unit.dp.shard_size
                 )
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted as FSDP2 (pipeline schedules call it): every backward here finishes its
+        reduce-scatters before it returns, so there is nothing to defer to a last one."""
+        _check_bool("is_last_backward", is_last_backward)
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Only ``True`` (what the units always do): keeping the unsharded parameters across
+        backwards is not implemented."""
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        if not reshard_after_backward:
+            raise NotImplementedError(
+                "set_reshard_after_backward(False) is not implemented: units always reshard "
+                "after backward (for gradient accumulation use set_requires_gradient_sync(False))"
+            )
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Only ``True`` (HSDP's all-reduce always follows the reduce-scatter)."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        if not requires_all_reduce:
+            raise NotImplementedError(
+                "set_requires_all_reduce(False) is not implemented: use "
+                "set_requires_gradient_sync(False), which skips reduce-scatter and all-reduce"
+            )
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's summed gradients by ``factor`` instead of the data-parallel world
+        size (``1.0``: the plain sum). Not recursive, as FSDP2."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"factor must be a positive number, got {factor!r}")
+        self._fsdp_state.unit.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's deprecated name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted as FSDP2: the collectives here always sum; the division (by the world size
+        or :meth:`set_gradient_divide_factor`'s factor) follows them."""
+        _check_bool("enable", enable)
+
     def load_state_dict(
         self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False
     ):
@@ -136,6 +203,56 @@ class FSDPModule:
             )
         result.missing_keys[:] = [k for k in missing if k in expected]
         return result
+
+
+def _not_implemented(name: str):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"FSDPModule.{name} (torch FSDP2) is not implemented by ragged_placement's fully_shard"
+        )
+
+    method.__name__ = name
+    method.__doc__ = f"torch FSDP2's ``{name}``: raises ``NotImplementedError`` here."
+    return method
+
+
+# torch FSDP2's FSDPModule methods (2.11 - 2.13) without a counterpart here: they say so.
+for _name in (
+    "reset_iter_state",
+    "set_modules_to_forward_prefetch",
+    "set_modules_to_backward_prefetch",
+    "set_custom_all_gather",
+    "set_custom_reduce_scatter",
+    "set_all_reduce_hook",
+    "set_post_optim_event",
+    "set_reduce_scatter_unused_params",
+    "set_reduce_scatter_max_input_buffers",
+    "set_separate_reduce_scatter_group",
+    "set_unshard_in_backward",
+    "set_allocate_memory_from_process_group_for_comm",
+    "set_symm_mem_for_comm",
+):
+    setattr(FSDPModule, _name, _not_implemented(_name))
+del _name
+
+
+class UnshardHandle:
+    """What :meth:`FSDPModule.unshard` returns with ``async_op=True`` (as FSDP2's)."""
+
+    def __init__(self, unit: FSDPUnit) -> None:
+        self._unit: FSDPUnit | None = unit
+
+    def wait(self) -> None:
+        """Finish the all-gather and register the unsharded parameters."""
+        if self._unit is not None:
+            self._unit.wait_unshard()
+            self._unit.register(sharded=False)
+            self._unit = None
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def _slot_keys(prefix: str, slot: ParamSlot, root: nn.Module) -> list[str]:

@@ -283,6 +283,8 @@ class FSDPUnit:
         self._rs_input: list[torch.Tensor] | None = None
         self._rs_output: torch.Tensor | None = None
         self.stats = CommStats()
+        # FSDPModule.set_gradient_divide_factor; None: the data-parallel world size
+        self.gradient_divide_factor: float | None = None
         self.register(sharded=True)
 
     # -- parameters ----------------------------------------------------------------------------
@@ -424,10 +426,11 @@ class FSDPUnit:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dp.replicate_group)
             self.stats.all_reduces += 1
             self.stats.all_reduce_bytes += out.numel() * out.element_size()
+        divisor = self.gradient_divide_factor or self.world_size * self.dp.replicate_size
         if scale == 1.0:  # a division: bitwise what FSDP2's averaging gives
-            out.div_(self.world_size * self.dp.replicate_size)
+            out.div_(divisor)
         else:
-            out.mul_(scale / (self.world_size * self.dp.replicate_size))
+            out.mul_(scale / divisor)
         if out.dtype != self.orig_dtype:
             out = out.to(self.orig_dtype)
         self.release_dropped_grads()
