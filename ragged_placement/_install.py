@@ -18,8 +18,6 @@ torch call site                                what it gets
 ``compute_global_tensor_info`` (from_local)    :func:`ragged_placement.distribute.global_shape_and_stride`
 ``DTensor.from_local``                         argument checks for RaggedShard
 ``DTensor.__create_chunk_list__`` & co (DCP)   one chunk per box of the local run
-``_state_dict_utils._distribute_tensors``      each rank's run taken from the broadcast full
-(``broadcast_from_rank0`` state-dict loading)  tensor (:func:`_load_ragged_from_full`)
 =============================================  ===============================================
 """
 
@@ -184,43 +182,6 @@ def _install_checkpoint() -> None:
         setattr(DTensor, name, method)
 
 
-# -- set_model_state_dict / set_optimizer_state_dict(broadcast_from_rank0=True) ------------------
-def _load_ragged_from_full(local_state: DTensor, full: torch.Tensor) -> DTensor:
-    """``local_state`` (a RaggedShard DTensor) loaded from ``full``, which every rank holds."""
-    from ragged_placement.distribute import distribute_tensor
-
-    loaded = distribute_tensor(
-        full, local_state.device_mesh, local_state.placements, src_data_rank=None
-    )
-    if local_state.is_meta:
-        return loaded
-    local_state.to_local().copy_(loaded.to_local())
-    return local_state
-
-
-def _install_state_dict_loading() -> None:
-    # torch's _distribute_tensors slices the broadcast full tensor by
-    # compute_local_shape_and_global_offset, which knows Shard only.
-    from torch.distributed import _state_dict_utils
-
-    original = _state_dict_utils._distribute_tensors
-
-    def _distribute_tensors(local_state_dict, keys, device, pg=None):
-        rest = []
-        for key in keys:
-            value = local_state_dict.get(key)
-            if isinstance(value, tuple) and isinstance(value[0], DTensor) and _ragged(
-                value[0].placements
-            ):
-                local_state_dict[key] = _load_ragged_from_full(*value)
-            else:
-                rest.append(key)
-        return original(local_state_dict, rest, device, pg)
-
-    functools.update_wrapper(_distribute_tensors, original)
-    _state_dict_utils._distribute_tensors = _distribute_tensors
-
-
 def install() -> None:
     """Install RaggedShard support into torch's DTensor (idempotent; runs on package import)."""
     global _INSTALLED
@@ -236,5 +197,4 @@ def install() -> None:
     _install_sharding_rules()
     _install_from_local()
     _install_checkpoint()
-    _install_state_dict_loading()
     _INSTALLED = True
