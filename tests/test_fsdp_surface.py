@@ -468,7 +468,7 @@ def _load_full_state_dict(rank: int, ws: int):
 
 
 def test_set_model_state_dict_full_and_broadcast_from_rank0_load_exactly():
-    for out in run_gloo(_load_full_state_dict, 4):
+    for out in run_gloo(_load_full_state_dict, WORLD):
         assert out == {(r, b): 0.0 for r in ("ours", "fsdp2") for b in (True, False)}
 
 

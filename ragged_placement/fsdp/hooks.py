@@ -32,6 +32,11 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   inputs did not require grad (e.g. the root, fed token ids) and for units a recomputation left
   unsharded, then it waits for the last reduce-scatter; every unit is IDLE and sharded again.
 
+A ``fully_shard([a, b])`` unit has these hooks on each of its modules: the first module of a
+pass gathers the unit, records its place in the forward order and wraps its inputs for the
+post-backward; the others only make sure the unit is gathered (and cast); the last one to finish
+runs the post-forward (as FSDP2's group hooks).
+
 Activation checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=False``, selective or
 not, ``checkpoint_wrapper`` inside or outside ``fully_shard``) re-runs a forward during backward.
 A forward that runs while autograd executes a backward (``torch._C._current_graph_task_id() !=
