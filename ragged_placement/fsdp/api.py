@@ -86,6 +86,19 @@ class FSDPModule:
         """Free this unit's unsharded parameters and register the sharded ones."""
         self._fsdp_state.unit.reshard()
 
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``to``, ``to_empty``, ``cuda``, ``float``, ``bfloat16``, ...)
+        of a sharded module: buffers and inner modules as usual, and this unit's sharded
+        parameters (and gradients) mapped by ``fn`` into the unit's re-allocated flat buffer,
+        which the same parameter objects then view (see ``FSDPUnit.apply_``). A change ``fn``
+        cannot make while keeping that (a shape or placement, several dtypes or devices in one
+        unit, a device off the mesh's type) raises ``ValueError`` naming the parameter."""
+        unit = self._fsdp_state.unit
+        with unit.unregistered():
+            module = super()._apply(fn, recurse)
+        unit.apply_(fn)
+        return module
+
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
@@ -593,12 +606,13 @@ def fully_shard(
         for m in modules:
             convert_unit_linears(m, slots, params, quant)
         slots, params, owned_modules = _collect_params(modules, ignored)  # owners: FP8Linears
+    # Tensors on the meta device stay there until ``to_empty`` (FSDP2's meta-device init).
     for m in owned_modules:
         for k, b in m._buffers.items():
-            if b is not None and b.device != device:
+            if b is not None and b.device != device and not b.is_meta:
                 m._buffers[k] = b.to(device)
-    if params and any(p.device != device for p in params):
-        params = [p.to(device) for p in params]
+    if params and any(p.device != device and not p.is_meta for p in params):
+        params = [p if p.is_meta else p.to(device) for p in params]
     wraps_units = any(
         isinstance(sub, FSDPModule) for m in modules for sub in m.modules() if sub is not m
     )
