@@ -248,6 +248,31 @@ def test_list_of_modules_is_one_unit_matching_fsdp2(count_collectives):
     assert count_collectives("fsdp2", _grouped) == [expected] * WORLD
 
 
+def _grouped_from_meta(rank: int, ws: int) -> list[float]:
+    with torch.device("meta"):
+        m = Net()
+    _grouped(m, DeviceMesh("cpu", list(range(ws))), fully_shard)
+    m.to_empty(device="cpu")  # moves the group's one unit once per module of the group
+    m.load_state_dict(INIT)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    per, losses = BATCH // ws, []
+    for s in range(STEPS):
+        loss = F.mse_loss(m(X[s, rank * per : (rank + 1) * per]), Y[s, rank * per : (rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / ws)
+    return losses
+
+
+def test_list_of_modules_built_on_meta_matches_reference():
+    ref = _reference()[0]
+    for losses in run_threaded(_grouped_from_meta, WORLD):
+        assert losses == pytest.approx(ref, abs=TOL)
+
+
 def _group_layout(rank: int, ws: int):
     m = _net()
     mesh = DeviceMesh("cpu", list(range(ws)))
