@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
 
 from ragged_placement import RaggedShard
+from ragged_placement._compat import TORCH_VERSION
 from ragged_placement.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from ragged_placement.planner import Granularity
 
@@ -271,6 +272,55 @@ def test_list_of_modules_built_on_meta_matches_reference():
     ref = _reference()[0]
     for losses in run_threaded(_grouped_from_meta, WORLD):
         assert losses == pytest.approx(ref, abs=TOL)
+
+
+class Trunk(Net):
+    """``Net`` whose forward stops before the head: the loss applies the head per chunk."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def _chunked_loss(m: Trunk, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = m(x)
+    parts = [F.mse_loss(m.head(c), t, reduction="sum") for c, t in zip(h.chunk(2), y.chunk(2))]
+    return sum(parts) / y.numel()
+
+
+def _chunked_head(rank: int, ws: int, runtime: str | None) -> list[float]:
+    m = Trunk()
+    m.load_state_dict(INIT)
+    if runtime is not None:
+        fs = fully_shard if runtime == "ours" else torch_fully_shard
+        mesh = DeviceMesh("cpu", list(range(ws)))
+        for block in m.blocks[:2]:
+            fs(block, mesh=mesh)
+        fs([m.blocks[2], m.head], mesh=mesh)  # the head runs after the root's forward, per chunk
+        fs(m, mesh=mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    per, losses = BATCH // ws, []
+    for s in range(STEPS):
+        loss = _chunked_loss(m, X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if runtime is not None:
+            torch.distributed.all_reduce(total)
+        losses.append(total.item() / ws)
+    return losses
+
+
+def test_list_of_modules_with_a_chunked_head_matches_reference_and_fsdp2():
+    """FSDP2's motivating case for lists: ``fully_shard([norm, head])``, head called per chunk."""
+    ref = _chunked_head(0, 1, None)
+    runtimes = ("ours", "fsdp2") if TORCH_VERSION >= (2, 13) else ("ours",)
+    for runtime in runtimes:
+        for losses in run_threaded(_chunked_head, WORLD, runtime):
+            assert losses == pytest.approx(ref, abs=TOL), runtime
 
 
 def _group_layout(rank: int, ws: int):

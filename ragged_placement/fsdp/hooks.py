@@ -215,7 +215,7 @@ class FSDPState:
             return self._cast_inputs(args, kwargs)
         self.training_state = TrainingState.FORWARD
         ctx = self.root
-        first = self._first_in_pass()
+        first = self._first_in_pass(module)
         if self.is_root and first:
             ctx.start_forward()
             for s in ctx.states:
@@ -232,13 +232,15 @@ class FSDPState:
             args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
         return args, kwargs
 
-    def _first_in_pass(self) -> bool:
-        """Whether this pre-forward starts a pass over the unit's modules (always, for one
-        module). A group's first module to run records the unit's place in the forward order,
-        prefetches the next unit and wraps its inputs for the post-backward (as FSDP2: when the
-        group runs in sequence, its first module's input gradients come after all of the
-        group's backwards); the last module to finish runs the post-forward."""
-        if self._to_run:
+    def _first_in_pass(self, module: nn.Module) -> bool:
+        """Whether ``module``'s pre-forward starts a pass over the unit's modules (always, for
+        one module). A group's first module to run records the unit's place in the forward
+        order, prefetches the next unit and wraps its inputs for the post-backward (as FSDP2:
+        when the group runs in sequence, its first module's input gradients come after all of
+        the group's backwards); the last module to finish runs the post-forward. A module that
+        already ran in the pass (a head called per chunk) starts a new one, which reduces its
+        gradients on its own, as FSDP2 does."""
+        if id(module) in self._to_run:
             return False
         self._to_run = {id(m) for m in self.modules}
         return True
