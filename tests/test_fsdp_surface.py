@@ -86,7 +86,9 @@ def _optimizer(params, sgd: bool) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR) if sgd else torch.optim.AdamW(params, lr=LR)
 
 
-def _reference(grad_scale: float = 1.0, sgd: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(
+    grad_scale: float = 1.0, sgd: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     m = _net()
     opt = _optimizer(m.parameters(), sgd)
     losses = []
@@ -181,7 +183,8 @@ def _counting(name: str, fn):
 
 def _count_collectives(rank: int, ws: int, runtime: str, shard) -> dict[str, int]:
     m = _net()
-    shard(m, DeviceMesh("cpu", list(range(ws))), fully_shard if runtime == "ours" else torch_fully_shard)
+    fs = fully_shard if runtime == "ours" else torch_fully_shard
+    shard(m, DeviceMesh("cpu", list(range(ws))), fs)
     F.mse_loss(m(X[0, :2]), Y[0, :2]).backward()  # warm-up: records the order for prefetching
     _COUNTS.pop(threading.get_ident(), None)
     F.mse_loss(m(X[1, :2]), Y[1, :2]).backward()
@@ -190,7 +193,8 @@ def _count_collectives(rank: int, ws: int, runtime: str, shard) -> dict[str, int
 
 @pytest.fixture
 def count_collectives(monkeypatch):
-    for name, method in (("all_gather", "all_gather_single"), ("reduce_scatter", "reduce_scatter_single")):
+    for name in ("all_gather", "reduce_scatter"):
+        method = f"{name}_single"
         monkeypatch.setattr(
             ProcessLocalGroup, method, _counting(name, getattr(ProcessLocalGroup, method))
         )
@@ -258,7 +262,8 @@ def _grouped_from_meta(rank: int, ws: int) -> list[float]:
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
     per, losses = BATCH // ws, []
     for s in range(STEPS):
-        loss = F.mse_loss(m(X[s, rank * per : (rank + 1) * per]), Y[s, rank * per : (rank + 1) * per])
+        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
+        loss = F.mse_loss(m(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -303,7 +308,8 @@ def _chunked_head(rank: int, ws: int, runtime: str | None) -> list[float]:
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
     per, losses = BATCH // ws, []
     for s in range(STEPS):
-        loss = _chunked_loss(m, X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per])
+        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
+        loss = _chunked_loss(m, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -326,7 +332,8 @@ def test_list_of_modules_with_a_chunked_head_matches_reference_and_fsdp2():
 def _group_layout(rank: int, ws: int):
     m = _net()
     mesh = DeviceMesh("cpu", list(range(ws)))
-    out = fully_shard([m.blocks[0], m.blocks[1]], mesh=mesh, granularity={"1.*": Granularity.matrix()})
+    matrices = {"1.*": Granularity.matrix()}
+    out = fully_shard([m.blocks[0], m.blocks[1]], mesh=mesh, granularity=matrices)
     fully_shard(m, mesh=mesh)
     assert out == [m.blocks[0], m.blocks[1]]
     assert m.blocks[0]._fsdp_state is m.blocks[1]._fsdp_state
@@ -398,7 +405,8 @@ def test_shard_placement_fn_shard0_matches_fsdp2():
 
 def _placement_fn_errors(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
-    with pytest.raises(ValueError, match=r"Shard\(dim=1\) for parameter 'fc1.weight' .*Return None or Shard\(0\)"):
+    expected = r"Shard\(dim=1\) for parameter 'fc1.weight' .*Return None or Shard\(0\)"
+    with pytest.raises(ValueError, match=expected):
         fully_shard(_net().blocks[0], mesh=mesh, shard_placement_fn=lambda p: Shard(p.ndim - 1))
     with pytest.raises(ValueError, match="shard_placement_fn must be callable"):
         fully_shard(_net().blocks[0], mesh=mesh, shard_placement_fn=Shard(0))
@@ -410,7 +418,8 @@ def _placement_fn_errors(rank: int, ws: int):
             granularity=Granularity.element(),
         )
     block = _net().blocks[0]
-    fully_shard(block, mesh=mesh, shard_placement_fn=lambda p: Shard(-1) if p.ndim == 1 else Shard(0))
+    last_if_1d = lambda p: Shard(-1) if p.ndim == 1 else Shard(0)  # noqa: E731
+    fully_shard(block, mesh=mesh, shard_placement_fn=last_if_1d)
     return True
 
 
@@ -500,11 +509,13 @@ def _mixed_with_torch(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
     m = _net()
     torch_fully_shard(m.blocks[1], mesh=mesh)
-    with pytest.raises(ValueError, match=r"submodule 'blocks\.1' \(FSDPBlock\) was sharded by torch"):
+    by_torch = r"submodule 'blocks\.1' \(FSDPBlock\) was sharded by torch"
+    with pytest.raises(ValueError, match=by_torch):
         fully_shard(m, mesh=mesh)
-    with pytest.raises(ValueError, match=r"fully_shard\(ModuleList\): its submodule '1' \(FSDPBlock\)"):
+    with pytest.raises(ValueError, match=r"fully_shard\(ModuleList\): its submodule '1' \(FSDP"):
         fully_shard([m.inp, m.blocks], mesh=mesh)
-    with pytest.raises(ValueError, match="torch.distributed.fsdp.fully_shard was already applied to this FSDPBlock"):
+    already = "torch.distributed.fsdp.fully_shard was already applied to this FSDPBlock"
+    with pytest.raises(ValueError, match=already):
         fully_shard(m.blocks[1], mesh=mesh)
     return True
 
@@ -528,9 +539,8 @@ def _load_full_state_dict(rank: int, ws: int):
             m = _net()
             _per_block()(m, DeviceMesh("cpu", list(range(ws))), fs)
             sd = {k: v.clone() for k, v in source.items()} if rank == 0 or not broadcast else {}
-            set_model_state_dict(
-                m, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
-            )
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+            set_model_state_dict(m, sd, options=options)
             out[(runtime, broadcast)] = max(
                 (_full(v) - source[k]).abs().max().item() for k, v in m.state_dict().items()
             )

@@ -17,7 +17,6 @@ from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState
 from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout
 from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot
-from ragged_placement.planner import Granularity
 from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config
 
@@ -31,10 +30,12 @@ __all__ = [
 ]
 
 
-# torch FSDP2's own policy classes: ``from torch.distributed.fsdp import MixedPrecisionPolicy`` and
-# ``from ragged_placement.fsdp import MixedPrecisionPolicy`` are the same class (its fields,
+# MixedPrecisionPolicy, OffloadPolicy and CPUOffloadPolicy are torch FSDP2's own classes,
+# re-exported: ``from torch.distributed.fsdp import MixedPrecisionPolicy`` and
+# ``from ragged_placement.fsdp import MixedPrecisionPolicy`` give the same class (its fields,
 # ``param_dtype``, ``reduce_dtype``, ``output_dtype`` and ``cast_forward_inputs``, are the same in
 # torch 2.11 and 2.13).
+
 
 class FSDPModule:
     """Mixin added to the class of every module passed to :func:`fully_shard`.
@@ -119,9 +120,9 @@ class FSDPModule:
 
         Use it where no backward with sync on follows, e.g. after a pipeline schedule whose
         micro-batches ran with sync off: ``torch.distributed.pipelining`` only drives torch's own
-        FSDP, and its schedules divide the gradients they can see by the number of micro-batches
-        before these exist, so pass ``scale=1 / n_microbatches`` for a mean-reduced loss.
-        Collective: every rank of the units' meshes must call it after running backward through
+        FSDP (see the class docstring), and its schedules divide the gradients they can see by
+        the number of micro-batches before these exist, so pass ``scale=1 / n_microbatches``
+        for a mean-reduced loss. Collective: every rank of the units' meshes must call it after running backward through
         the same units."""
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise ValueError(f"scale must be a number, got {scale!r}")
@@ -330,7 +331,7 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def _root_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """``modules`` without those nested in another of them (FSDP2 groups the roots), deduplicated."""
+    """``modules`` without those nested in another of them (FSDP2 groups the roots), once each."""
     roots: list[nn.Module] = []
     for m in modules:
         if any(m is r for r in roots):
