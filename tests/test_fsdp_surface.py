@@ -552,9 +552,45 @@ def _load_full_state_dict(rank: int, ws: int):
     return out
 
 
-def test_set_model_state_dict_full_and_broadcast_from_rank0_load_exactly():
-    for out in run_gloo(_load_full_state_dict, WORLD):
-        assert out == {(r, b): 0.0 for r in ("ours", "fsdp2") for b in (True, False)}
+def _load_optimizer_state_from_rank0(rank: int, ws: int):
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    per = BATCH // ws
+    out = {}
+    for runtime, fs in (("ours", fully_shard), ("fsdp2", torch_fully_shard)):
+        models = []
+        for step in (0, 1):  # two models whose AdamW states differ after one step each
+            m = _net()
+            _per_block()(m, DeviceMesh("cpu", list(range(ws))), fs)
+            opt = torch.optim.AdamW(m.parameters(), lr=LR)
+            x, y = X[step, rank * per : (rank + 1) * per], Y[step, rank * per : (rank + 1) * per]
+            F.mse_loss(m(x), y).backward()
+            opt.step()
+            models.append((m, opt))
+        (m, opt), (m2, opt2) = models
+        full = get_optimizer_state_dict(m, opt, options=StateDictOptions(full_state_dict=True))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(m2, opt2, full if rank == 0 else {}, options=options)
+        out[runtime] = max(
+            float((opt.state[p][k].to_local() - opt2.state[p2][k].to_local()).abs().sum())
+            for p, p2 in zip(m.parameters(), m2.parameters())
+            for k in ("exp_avg", "exp_avg_sq")
+        )
+    return out
+
+
+def _load_from_full_state_dicts(rank: int, ws: int):
+    return _load_full_state_dict(rank, ws), _load_optimizer_state_from_rank0(rank, ws)
+
+
+def test_set_model_and_optimizer_state_dict_full_and_broadcast_from_rank0_load_exactly():
+    for model, optim in run_gloo(_load_from_full_state_dicts, WORLD):
+        assert model == {(r, b): 0.0 for r in ("ours", "fsdp2") for b in (True, False)}
+        assert optim == {"ours": 0.0, "fsdp2": 0.0}
 
 
 if __name__ == "__main__":
