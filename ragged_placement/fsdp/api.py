@@ -551,11 +551,12 @@ def fully_shard(
             on the ``(mesh..., tp)`` mesh (see :mod:`ragged_placement.fsdp.mesh`).
         reshard_after_forward: ``True`` (or ``None``, FSDP2's default): free the unsharded
             parameters after forward and all-gather them again in backward; ``False``: keep
-            them until backward. The outermost (root) unit keeps them, as FSDP2 does. As FSDP2,
-            an ``int`` is the world size to reshard to after forward and must divide the shard
-            world size ``W``; ``W`` means ``True`` and ``1`` means ``False``. Other divisors
-            (keep a shard over a smaller group after forward, all-gather within it in
-            backward) are not implemented and raise ``ValueError``.
+            them until backward. The outermost (root) unit always keeps them (FSDP2 does so
+            for ``None``; with an explicit ``True`` it re-gathers the root, to the same values),
+            which changes no result. As FSDP2, an ``int`` is the world size to reshard to after
+            forward and must divide the shard world size ``W``; ``W`` means ``True`` and ``1``
+            means ``False``. Other divisors (keep a shard over a smaller group after forward,
+            all-gather within it in backward) are not implemented and raise ``ValueError``.
         shard_placement_fn: FSDP2's per-parameter placement, ``Callable[[nn.Parameter],
             Shard | None]``, called once per managed parameter. ``None`` and ``Shard(0)`` are
             this runtime's layout: RaggedShard cuts a parameter between whole dim-0 rows (the
