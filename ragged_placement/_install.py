@@ -419,6 +419,9 @@ def uninstall() -> None:
     """Restore every patched torch attribute to torch's original object (no-op if not installed).
 
     RaggedShard DTensors created before must not be used afterwards: torch does not know them.
+    DTensor's sharding caches are cleared, so no RaggedShard rule outlives the install.
     """
     with _LOCK:
-        _restore()
+        if _applied:
+            _restore()
+            _compat.clear_sharding_caches()
