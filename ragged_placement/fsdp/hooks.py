@@ -45,17 +45,23 @@ backward, as without checkpointing.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from ragged_placement.fsdp.unit import FSDPUnit
 
 __all__ = ["FSDPState", "RootContext", "TrainingState"]
+
+_SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
 
 
 class TrainingState(enum.Enum):
@@ -65,6 +71,21 @@ class TrainingState(enum.Enum):
     FORWARD = enum.auto()  # between the unit's pre-forward and post-forward
     PRE_BACKWARD = enum.auto()  # its backward started: unsharded and registered for it
     POST_BACKWARD = enum.auto()  # its gradients are reduced and it is resharded
+
+
+@contextlib.contextmanager
+def _outside_selective_checkpoint() -> Iterator[None]:
+    """Run the hooks' own tensor ops (all-gathers, casts, views of the flat buffers) outside the
+    dispatch modes of selective activation checkpointing, when a checkpointed region holds a
+    unit's hooks (``checkpoint(fsdp_block, x, context_fn=...)``): those modes cache and replay
+    ops by call index per op, and collectives the forward issues but the recomputation does not
+    (or the other way round) would shift the index of the model's own ops."""
+    with contextlib.ExitStack() as stack:
+        while (modes := _get_current_dispatch_mode_stack()) and isinstance(
+            modes[-1], _SAC_MODES
+        ):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
 
 
 def _in_backward() -> bool:
@@ -195,22 +216,37 @@ class FSDPState:
         if self.root is None:
             self._lazy_init()
         if _in_backward():
-            self._unshard_and_register()  # a no-op after this unit's pre-backward
-            return self._cast_inputs(args, kwargs)
+            return self._pre_forward_recompute(args, kwargs)
         self.training_state = TrainingState.FORWARD
         ctx = self.root
-        if self.is_root:
-            ctx.start_forward()
-            for s in ctx.states:
-                s.unit.release_dropped_grads()
-        else:
-            ctx.record_forward(self)
-        self._unshard_and_register()
-        ctx.prefetch(ctx.next_in_forward(self))
+        with _outside_selective_checkpoint():
+            if self.is_root:
+                ctx.start_forward()
+                for s in ctx.states:
+                    s.unit.release_dropped_grads()
+            else:
+                ctx.record_forward(self)
+            self._unshard_and_register()
+            ctx.prefetch(ctx.next_in_forward(self))
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
         return args, kwargs
+
+    def _pre_forward_recompute(self, args: tuple, kwargs: dict):
+        """Pre-forward of a forward recomputed in backward: unshard if needed, register."""
+        with _outside_selective_checkpoint():
+            self._unshard_and_register()  # a no-op after this unit's pre-backward
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if self._expects_nested_backward():
+            args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _expects_nested_backward(self) -> bool:
+        """Whether a recomputed forward's own graph may be backwarded (reentrant checkpointing
+        runs backward through it; non-reentrant discards it): then it gets the pre- and
+        post-backward hooks a forward gets. After this unit's pre-backward they are in place."""
+        return torch.is_grad_enabled() and self.training_state is not TrainingState.PRE_BACKWARD
 
     def _unshard_and_register(self) -> None:
         self.unit.unshard(async_op=False)
@@ -233,7 +269,8 @@ class FSDPState:
         idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
         if not idx:
             return args, kwargs
-        wrapped = _PostBackward.apply(self, *(leaves[i] for i in idx))
+        with _outside_selective_checkpoint():
+            wrapped = _PostBackward.apply(self, *(leaves[i] for i in idx))
         for i, t in zip(idx, wrapped):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
@@ -242,24 +279,30 @@ class FSDPState:
         if _in_backward():
             # A recomputation: backward is about to use the parameters; post-backward (or the
             # root's final callback) reshards.
+            if self._expects_nested_backward():
+                self._register_pre_backward(output)
             return self._cast_output(output)
         if self.is_root:
             self.root.end_forward()
         grad = torch.is_grad_enabled()
-        if (self.reshard_after_forward and not self.is_root) or not grad:
-            self.unit.reshard()
-        else:
-            # Keep the gathered buffer for backward, but expose the sharded parameters: autograd
-            # already holds the unsharded tensors it saved, and pre-backward registers them again
-            # for a recomputation.
-            self.unit.register(sharded=True)
+        with _outside_selective_checkpoint():
+            if (self.reshard_after_forward and not self.is_root) or not grad:
+                self.unit.reshard()
+            else:
+                # Keep the gathered buffer for backward, but expose the sharded parameters:
+                # autograd already holds the unsharded tensors it saved, and pre-backward
+                # registers them again for a recomputation.
+                self.unit.register(sharded=True)
         if grad:
-            leaves, _ = tree_flatten(output)
-            for t in leaves:
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+            self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
         return self._cast_output(output)
+
+    def _register_pre_backward(self, output: Any) -> None:
+        leaves, _ = tree_flatten(output)
+        for t in leaves:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(self._pre_backward)
 
     # -- backward ------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
