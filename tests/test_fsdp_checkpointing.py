@@ -62,9 +62,12 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _narrowed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``block`` on ``x`` through a full-width slice (an ``aten.slice`` for the policy to save)."""
-    return block(x.narrow(-1, 0, x.shape[-1]))
+def _narrowed_tanh(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``tanh(block(x))`` through a full-width slice of ``block(x)``: an ``aten.slice`` after
+    the block's pre-forward hook (whose all-gather, which runs in the forward only, also
+    slices) whose output backward needs, so the recomputation must replay it."""
+    y = block(x)
+    return torch.tanh(y.narrow(-1, 0, y.shape[-1]))
 
 
 class _Checkpointed(nn.Module):
@@ -79,7 +82,7 @@ class _Checkpointed(nn.Module):
         if self.mode == "selective":
             context = functools.partial(create_selective_checkpoint_contexts, _policy)
             return checkpoint(
-                _narrowed, self.block, x, use_reentrant=False, context_fn=context
+                _narrowed_tanh, self.block, x, use_reentrant=False, context_fn=context
             )
         return checkpoint(self.block, x, use_reentrant=self.mode == "reentrant")
 
@@ -160,9 +163,10 @@ def _train_sharded(rank: int, ws: int, runtime: str, mode: str | None):
 
 
 @functools.cache
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the concatenated batch, no checkpointing."""
-    m = _model(None)
+def _reference(mode: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the concatenated batch, the model of ``mode`` (whose checkpointing changes
+    nothing on one process; "selective" adds a tanh after each block)."""
+    m = _model(mode)
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -186,10 +190,13 @@ def _unwrapped(name: str) -> str:
 _NOISE_ONLY = ("attn.qkv.bias",)
 
 
-def _assert_matches_reference(losses: list[float], params: dict[str, torch.Tensor]) -> None:
-    ref_losses, ref_params = _reference()
+def _assert_matches_reference(
+    mode: str | None, losses: list[float], params: dict[str, torch.Tensor]
+) -> None:
+    ref_losses, ref_params = _reference(mode)
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     params = {_unwrapped(k): v for k, v in params.items()}
+    ref_params = {_unwrapped(k): v for k, v in ref_params.items()}
     assert params.keys() == ref_params.keys()
     for name, ref in ref_params.items():
         if not name.endswith(_NOISE_ONLY):
@@ -206,8 +213,8 @@ def _assert_same_params(ours: dict[str, torch.Tensor], theirs: dict[str, torch.T
 def test_activation_checkpointing_trains_as_one_process_and_fsdp2(mode, one_torch_thread):
     ours = run_threaded(_train_sharded, WORLD, "ours", mode)[0]
     theirs = run_threaded(_train_sharded, WORLD, "fsdp2", mode)[0]
-    _assert_matches_reference(*ours)
-    _assert_matches_reference(*theirs)
+    _assert_matches_reference(mode, *ours)
+    _assert_matches_reference(mode, *theirs)
     assert ours[0] == pytest.approx(theirs[0], abs=1e-6)
     _assert_same_params(ours[1], theirs[1])
 
@@ -288,7 +295,64 @@ def _gloo_recipe(rank: int, ws: int) -> dict[str, list[float]]:
 
 def test_activation_checkpointing_on_gloo_world_4():
     results = run_gloo(_gloo_recipe, 4)
-    ref_losses, _ = _reference()
     for key, losses in results[0].items():
+        ref_losses, _ = _reference(key.split("/")[1])
         assert losses == pytest.approx(ref_losses, abs=1e-5), key
     assert all(r == results[0] for r in results)
+
+
+# -- model.parameters() outside forward and backward --------------------------------------------
+
+
+def _optimizer_after_forward(
+    rank: int, ws: int, runtime: str, mode: str | None, reshard: bool
+) -> tuple[bool, list[float], dict[str, torch.Tensor]]:
+    """A forward with grad and no backward, then the optimizer is built, then training."""
+    m = _model(mode)
+    _shard(m, runtime, mode, DeviceMesh("cpu", list(range(ws))), reshard=reshard)
+    m(*_local_batch(0, rank, ws))
+    params = list(m.parameters())
+    all_sharded = all(isinstance(p, DTensor) for p in params)
+    losses = _train(m, torch.optim.AdamW(params, lr=LR), rank, ws)
+    return all_sharded, losses, _full_params(m)
+
+
+def test_optimizer_built_after_a_forward_trains_exactly_unlike_fsdp2(one_torch_thread):
+    for mode, reshard in ((None, True), (None, False), ("inline", True), ("wrapper_before", True)):
+        all_sharded, losses, params = run_threaded(
+            _optimizer_after_forward, WORLD, "ours", mode, reshard
+        )[0]
+        assert all_sharded, (mode, reshard)
+        _assert_matches_reference(mode, losses, params)
+    # FSDP2 leaves the root's unsharded parameters registered after forward: the optimizer
+    # steps those, which the next all-gather overwrites, so the root's parameters never train.
+    all_sharded, losses, _ = run_threaded(_optimizer_after_forward, WORLD, "fsdp2", None, True)[0]
+    assert not all_sharded
+    assert max(abs(a - b) for a, b in zip(losses, _reference()[0])) > 1e-3
+
+
+def _forward_between_backward_and_step(rank: int, ws: int, runtime: str):
+    """Each step logs a second loss with grad on (no backward) before the optimizer step: the
+    root still holds the values gathered before the step when the next forward starts."""
+    m = _model(None)
+    _shard(m, runtime, None, DeviceMesh("cpu", list(range(ws))))
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        batch = _local_batch(step, rank, ws)
+        m(*batch).backward()
+        loss = m(*batch)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / ws)
+    return losses, _full_params(m)
+
+
+def test_forward_without_backward_before_the_step_regathers_after_it(one_torch_thread):
+    _assert_matches_reference(None, *run_threaded(_forward_between_backward_and_step, WORLD, "ours")[0])
+    # FSDP2's root keeps the all-gather of that forward and the next forward reuses it: from the
+    # second step on its root parameters are one optimizer step behind.
+    losses, _ = run_threaded(_forward_between_backward_and_step, WORLD, "fsdp2")[0]
+    assert max(abs(a - b) for a, b in zip(losses, _reference()[0])) > 1e-3

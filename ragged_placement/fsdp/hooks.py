@@ -193,6 +193,8 @@ class FSDPState:
         self.root: RootContext | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
+        # The unit kept a forward's all-gather for backward (root, reshard_after_forward=False)
+        self.holds_forward_gather = False
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         for i, (slot, param) in enumerate(zip(unit.slots, unit.unsharded_params)):
             if slot.requires_grad:
@@ -223,6 +225,7 @@ class FSDPState:
             if self.is_root:
                 ctx.start_forward()
                 for s in ctx.states:
+                    s.drop_stale_gather()
                     s.unit.release_dropped_grads()
             else:
                 ctx.record_forward(self)
@@ -247,6 +250,14 @@ class FSDPState:
         runs backward through it; non-reentrant discards it): then it gets the pre- and
         post-backward hooks a forward gets. After this unit's pre-backward they are in place."""
         return torch.is_grad_enabled() and self.training_state is not TrainingState.PRE_BACKWARD
+
+    def drop_stale_gather(self) -> None:
+        """Reshard a unit still holding the all-gather of a forward no backward followed: an
+        optimizer may have stepped its sharded parameters since (in-place updates of DTensor
+        parameters leave no trace on the flat buffer's version counter)."""
+        if self.holds_forward_gather:
+            self.unit.reshard()
+            self.holds_forward_gather = False
 
     def _unshard_and_register(self) -> None:
         self.unit.unshard(async_op=False)
@@ -293,6 +304,7 @@ class FSDPState:
                 # autograd already holds the unsharded tensors it saved, and pre-backward
                 # registers them again for a recomputation.
                 self.unit.register(sharded=True)
+                self.holds_forward_gather = True
         if grad:
             self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
@@ -340,6 +352,7 @@ class FSDPState:
             else:
                 self.root.pending_reduce = unit
         unit.reshard()
+        self.holds_forward_gather = False
         self.training_state = TrainingState.POST_BACKWARD
 
     def _root_final_callback(self) -> None:
