@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as FSDP2Module
+from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor
@@ -32,7 +33,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ragged_placement.fsdp import FSDPModule, fully_shard
+from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement.models.gpt import Block
 
@@ -113,8 +114,13 @@ def _model(mode: str | None) -> GPT:
     return m
 
 
-def _shard(m: GPT, runtime: str, mode: str | None, mesh: DeviceMesh, reshard: bool = True) -> None:
+def _shard(
+    m: GPT, runtime: str, mode: str | None, mesh: DeviceMesh, reshard: bool = True, bf16: bool = False
+) -> None:
     shard = fsdp2_fully_shard if runtime == "fsdp2" else fully_shard
+    if bf16:
+        policy = FSDP2MixedPrecision if runtime == "fsdp2" else MixedPrecisionPolicy
+        shard = functools.partial(shard, mp_policy=policy(torch.bfloat16, torch.float32))
     if mode in ("wrapper_before", "wrapper_after"):
         for i, block in enumerate(m.layers):
             if mode == "wrapper_before":
@@ -155,9 +161,9 @@ def _train(m: nn.Module, opt: torch.optim.Optimizer, rank: int, ws: int) -> list
     return losses
 
 
-def _train_sharded(rank: int, ws: int, runtime: str, mode: str | None):
+def _train_sharded(rank: int, ws: int, runtime: str, mode: str | None, bf16: bool = False):
     m = _model(mode)
-    _shard(m, runtime, mode, DeviceMesh("cpu", list(range(ws))))
+    _shard(m, runtime, mode, DeviceMesh("cpu", list(range(ws))), bf16=bf16)
     losses = _train(m, torch.optim.AdamW(m.parameters(), lr=LR), rank, ws)
     return losses, _full_params(m)
 
@@ -219,6 +225,19 @@ def test_activation_checkpointing_trains_as_one_process_and_fsdp2(mode, one_torc
     _assert_same_params(ours[1], theirs[1])
 
 
+@pytest.mark.parametrize("mode", ("inline", "wrapper_before"))
+def test_activation_checkpointing_with_bf16_parameters_matches_fsdp2(mode, one_torch_thread):
+    """bf16 all-gather and compute, fp32 reduction: the recomputation casts its inputs as the
+    forward did. No one-process reference at this precision: FSDP2 is the peer (measured equal
+    to the last bit on this model)."""
+    ours = run_threaded(_train_sharded, WORLD, "ours", mode, True)[0]
+    theirs = run_threaded(_train_sharded, WORLD, "fsdp2", mode, True)[0]
+    no_checkpointing = run_threaded(_train_sharded, WORLD, "ours", None, True)[0]
+    assert ours[0] == pytest.approx(theirs[0], abs=1e-5)
+    assert ours[0] == pytest.approx(no_checkpointing[0], abs=1e-5)
+    _assert_same_params(ours[1], theirs[1])
+
+
 # -- all-gathers per unit ---------------------------------------------------------------------
 
 _FSDP2_GATHERS: dict[int, Counter] = {}
@@ -245,9 +264,11 @@ def _units(m: nn.Module, runtime: str) -> list[object]:
     ]
 
 
-def _gathers_per_step(rank: int, ws: int, runtime: str, mode: str | None) -> list[tuple[int, ...]]:
+def _gathers_per_step(
+    rank: int, ws: int, runtime: str, mode: str | None, reshard: bool
+) -> list[tuple[int, ...]]:
     m = _model(mode)
-    _shard(m, runtime, mode, DeviceMesh("cpu", list(range(ws))))
+    _shard(m, runtime, mode, DeviceMesh("cpu", list(range(ws))), reshard=reshard)
     counts = []
     for step in range(3):  # the first step records the order the later ones prefetch in
         if runtime == "ours":
@@ -269,13 +290,17 @@ def test_recomputation_gathers_each_unit_once_per_backward(monkeypatch, one_torc
         "foreach_all_gather",
         _counting_foreach_all_gather(_fsdp_param_group.foreach_all_gather),
     )
-    # root (kept unsharded after forward): 1 all-gather; blocks: one in forward, one in backward
-    expected = ((1, 1), (2, 1), (2, 1))
-    for mode in (None, *MODES):
-        for ours in run_threaded(_gathers_per_step, WORLD, "ours", mode):
-            assert ours == [expected] * 3, mode
-        for theirs in run_threaded(_gathers_per_step, WORLD, "fsdp2", mode):
-            assert theirs == [tuple(ag for ag, _ in expected)] * 3, mode
+    # (all-gathers, reduce-scatters) of the root, which keeps its parameters from forward to
+    # backward, and of the blocks: gathered in forward and again in backward unless they keep
+    # them too (reshard_after_forward=False)
+    cases = [(mode, True) for mode in (None, *MODES)]
+    cases += [(mode, False) for mode in (None, "inline", "wrapper_before")]
+    for mode, reshard in cases:
+        expected = ((1, 1), (1 + reshard, 1), (1 + reshard, 1))
+        for ours in run_threaded(_gathers_per_step, WORLD, "ours", mode, reshard):
+            assert ours == [expected] * 3, (mode, reshard)
+        for theirs in run_threaded(_gathers_per_step, WORLD, "fsdp2", mode, reshard):
+            assert theirs == [tuple(ag for ag, _ in expected)] * 3, (mode, reshard)
 
 
 # -- gloo integration -------------------------------------------------------------------------

@@ -9,12 +9,14 @@ its unit is in the iteration (as torch FSDP2's ``TrainingState``)::
 
 Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs first):
 
-* pre-forward (IDLE -> FORWARD): (root only) free the flat sharded gradients ``zero_grad()``
-  dropped; wait for ``u``'s all-gather (issue it if no prefetch did), register the unsharded
-  parameters, prefetch the next unit's all-gather (order recorded in the previous forward), and
-  wrap the floating inputs that require grad in :class:`_PostBackward` so that ``u``'s
-  post-backward runs when autograd has produced the gradients of ``u``'s inputs (by then its
-  parameter gradients are accumulated: AccumulateGrad nodes run first).
+* pre-forward (IDLE -> FORWARD): (root only) reshard units still holding the all-gather of a
+  forward that no backward followed (an optimizer may have stepped since), and free the flat
+  sharded gradients ``zero_grad()`` dropped; wait for ``u``'s all-gather (issue it if no
+  prefetch did), register the unsharded parameters, prefetch the next unit's all-gather (order
+  recorded in the previous forward), and wrap the floating inputs that require grad in
+  :class:`_PostBackward` so that ``u``'s post-backward runs when autograd has produced the
+  gradients of ``u``'s inputs (by then its parameter gradients are accumulated: AccumulateGrad
+  nodes run first).
 * post-forward (FORWARD -> IDLE): reshard (free the unsharded buffer) unless
   ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
   first); a unit that keeps its buffer still registers its *sharded* parameters, so that
@@ -32,15 +34,21 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   inputs did not require grad (e.g. the root, fed token ids) and for units a recomputation left
   unsharded, then it waits for the last reduce-scatter; every unit is IDLE and sharded again.
 
-Activation checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=False``, selective or
-not, ``checkpoint_wrapper`` inside or outside ``fully_shard``) re-runs a forward during backward.
-A forward that runs while autograd executes a backward (``torch._C._current_graph_task_id() !=
--1``, FSDP2's ``is_bw()``) is such a *recomputation*: its pre-forward only makes sure the unit is
-unsharded and registered (gathering it if no pre-backward did yet, e.g. a block recomputed as
-part of a later block's checkpointed region), and its post-forward does nothing but the output
-cast: no reshard (backward is about to use the parameters; post-backward reshards), no forward
-order recording, no prefetch, no new autograd hooks. So a recomputed unit is gathered once per
-backward, as without checkpointing.
+Activation checkpointing (``torch.utils.checkpoint``, selective or not, ``checkpoint_wrapper``
+inside or outside ``fully_shard``) re-runs a forward during backward. A forward that runs while
+autograd executes a backward (``torch._C._current_graph_task_id() != -1``, FSDP2's ``is_bw()``)
+is such a *recomputation*: its pre-forward only makes sure the unit is unsharded and registered
+(gathering it if no pre-backward did yet, e.g. a block recomputed as part of a later block's
+checkpointed region), and its post-forward reshards nothing (backward is about to use the
+parameters; post-backward reshards), records no forward order and prefetches nothing. So a
+recomputed unit is gathered once per backward, as without checkpointing. Before the unit's
+pre-backward (reentrant checkpointing runs a backward of its own through the recomputed graph)
+the recomputation hooks inputs and outputs as a forward does; after it they are in place.
+
+With a checkpointed region around a unit's hooks (``checkpoint(fsdp_block, x, context_fn=...)``)
+the hooks' own ops (all-gathers, views of the flat buffers) run outside the region's
+selective-checkpointing dispatch modes, which replay ops by per-op call index: the forward
+gathers there, the recomputation does not.
 """
 
 from __future__ import annotations
