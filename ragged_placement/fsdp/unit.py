@@ -345,7 +345,6 @@ class FSDPUnit:
         self.sharded = torch.zeros(self.chunk_numel, dtype=dtype, device=self.device)
         self._allocate_unsharded(compute)
         self.state = UnitState.SHARDED
-        self._gathered_version = -1  # ``sharded._version`` when the last all-gather was issued
         self._ag_work: dist.Work | None = None
         self._ag_send: torch.Tensor | None = None
         # Gradient buffers, one per plan segment, each allocated at the first gradient that
@@ -557,11 +556,7 @@ class FSDPUnit:
 
     # -- all-gather ------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool) -> None:
-        """Issue the all-gather into the unsharded buffer (no-op unless sharded, or unsharded
-        from sharded values that were modified since, e.g. by an optimizer step after a forward
-        that had no backward: those are gathered again)."""
-        if self.state is not UnitState.SHARDED and self.sharded._version != self._gathered_version:
-            self.reshard()
+        """Issue the all-gather into the unsharded buffer (no-op unless sharded)."""
         if self.state is not UnitState.SHARDED or not self.slots:
             return
         if self.device.type == "meta":
@@ -570,7 +565,6 @@ class FSDPUnit:
                 f"meta device: materialize the model with model.to_empty(device=...) and "
                 f"initialize it (init_weights() / reset_parameters()) before the first forward"
             )
-        self._gathered_version = self.sharded._version
         if self.fp8 is not None:
             self.fp8.allocate()
             send = self.fp8.pack(self.rank, self.sharded)  # own blocks -> FP8 + scales, no comm
