@@ -171,3 +171,46 @@ def _forward_on_meta(rank: int, ws: int):
 
 def test_forward_on_meta_and_half_meta_units_raise_naming_the_parameter():
     run_threaded(_forward_on_meta, WORLD)
+
+
+def random_init(model: nn.Module, seed: int) -> None:
+    """torchtitan-style ``init_weights`` drawing from one generator, in parameter order."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("wte.weight") or name.endswith("wpe.weight"):
+                nn.init.normal_(p, std=0.02, generator=g)
+            elif name.endswith("qkv.weight"):
+                nn.init.kaiming_uniform_(p, a=5**0.5, generator=g)
+            elif p.dim() == 2:
+                nn.init.xavier_uniform_(p, generator=g)
+            elif "ln" in name:
+                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
+            else:
+                nn.init.uniform_(p, -0.01, 0.01, generator=g)
+
+
+def _random_meta_init(rank: int, ws: int):
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    m = _meta_sharded("ours", mesh)
+    m.to_empty(device="cpu")
+    random_init(m, seed=7)
+    full = {n: p.full_tensor() for n, p in m.named_parameters()}
+    return full, _train(m, rank, ws)
+
+
+def test_random_init_of_sharded_parameters_is_the_single_device_init_for_any_world_size():
+    """The RNG contract (``ragged_placement.rng``): the full tensors ``nn.init`` gives the
+    sharded parameters are the ones it gives one unsharded model from the same generator state,
+    for any world size and units. (FSDP2 on CPU gives every rank the same local draw instead.)"""
+    ref_model = GPT(CFG)
+    random_init(ref_model, seed=7)
+    ref_losses = _train(ref_model, 0, 1)
+    ref_model = GPT(CFG)
+    random_init(ref_model, seed=7)
+    for ws in (2, 3):
+        for full, losses in run_threaded(_random_meta_init, ws):
+            for n, p in ref_model.named_parameters():
+                assert torch.equal(full[n], p.detach()), n
+            if ws == 2:
+                assert losses == pytest.approx(ref_losses, abs=1e-5)

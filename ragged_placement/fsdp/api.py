@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState
 from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout
-from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot
+from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot, build_unit
 from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config
 
@@ -618,7 +618,7 @@ def fully_shard(
     wraps_units = any(
         isinstance(sub, FSDPModule) for m in modules for sub in m.modules() if sub is not m
     )
-    unit = FSDPUnit(
+    unit = build_unit(
         slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
         split_by_submodule=wraps_units,
     )

@@ -26,6 +26,35 @@ With mixed precision the sharded chunk is cast into a ``[S]`` send buffer in ``P
 all-gather and the gradient buffer is cast to ``R`` before the reduce-scatter: those casts are the
 only element-wise passes besides the collectives.
 
+Meta-device initialization and moves (FSDP2's recipe)::
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cuda")   # each rank allocates its chunk of each unit, nothing else
+    model.init_weights()            # nn.init / copy_ on the sharded parameters
+
+A unit built from meta parameters keeps ``sharded`` on the meta device (its unsharded buffer,
+which holds no storage until unshard, is on the mesh's device). ``nn.Module._apply`` (``to_empty``,
+``to``, ``float``, ``bfloat16``, ...; ``FSDPModule._apply``) maps the unit's sharded parameters
+one at a time into a newly allocated ``sharded`` chunk (:meth:`FSDPUnit.apply_`), so a rank holds
+at most its chunk plus one parameter's result per unit, and re-points the same parameter
+objects at it: optimizers built before the move keep working and every parameter stays a view of
+the unit's buffer. A forward while the unit is still on the meta device raises ``ValueError``.
+
+The RNG contract of initialization: random ops on the sharded parameters (``nn.init.normal_``,
+``uniform_``, ``kaiming_*``, ``xavier_*``; :mod:`ragged_placement.rng`) give each rank its region
+of the full tensor that the same op draws on one device from the same generator state, so the
+full parameters equal a single-device initialization with the same seed for any world size and
+any units (every rank must start from the same generator state). torch 2.13's
+``trunc_normal_`` with bounds wider than about one standard deviation rejection-samples with
+``mask.any()``, which has no RaggedShard rule yet and raises ``NotImplementedError``. ``copy_``
+from a full plain tensor works under ``torch.distributed.tensor.experimental.implicit_replication()``
+(torch's rule for mixing plain tensors and DTensors, as under FSDP2), and ``load_state_dict``
+takes full tensors directly.
+
 With ``quant`` (block-wise FP8, :mod:`ragged_placement.fsdp.fp8`) a unit holding FP8 weights
 replaces the cast by quantizing its own blocks into a uint8 send buffer, and ``unsharded`` is the
 uint8 all-gather output (FP8 bytes, block scales and the other parameters in ``P``); the
@@ -57,7 +86,10 @@ from ragged_placement.fsdp.mesh import (
     unit_tp_mesh,
 )
 
-__all__ = ["CommStats", "FSDPUnit", "ParamSlot", "plan_unit", "resolve_granularity"]
+__all__ = [
+    "CommStats", "FSDPUnit", "MultiDtypeUnit", "ParamSlot", "build_unit", "plan_unit",
+    "resolve_granularity",
+]
 
 
 def _submodule_groups(fqns: list[str]) -> list[list[str]]:
@@ -182,12 +214,17 @@ def plan_unit(
 
 def _unit_dtype(slots: list[ParamSlot], params: list[torch.Tensor]) -> torch.dtype:
     """The one dtype of a unit's parameters (``float32`` for a unit without parameters)."""
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for slot, p in zip(slots, params):
+        by_dtype.setdefault(p.dtype, []).append(slot.fqn)
+    if len(by_dtype) > 1:
+        found = "; ".join(f"{d}: {', '.join(names[:3])}" for d, names in by_dtype.items())
         raise ValueError(
-            f"all parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}"
+            f"all parameters of one fully_shard unit must share a dtype, got {found}. Give "
+            f"the differently-typed modules units of their own (fully_shard them first), or "
+            f"cast the module to one dtype and use mp_policy for the compute dtype"
         )
-    return dtypes.pop() if dtypes else torch.float32
+    return next(iter(by_dtype), torch.float32)
 
 
 def _unit_device(
@@ -502,7 +539,7 @@ class FSDPUnit:
                     if out is p:
                         continue
                     target = (out._local_tensor.device, out.dtype)
-                    self._check_device(target[0], slot.fqn)
+                    self._check_target(*target, slot.fqn)
                     self.allocate(*target)
                     for j in range(i):  # the parameters fn left unchanged
                         self._store(j, old[j][0], target, self.slots[j].fqn)
@@ -517,7 +554,15 @@ class FSDPUnit:
         self.bind()
         self._land_moved_grads(grads)
 
-    def _check_device(self, device: torch.device, fqn: str) -> None:
+    def _check_target(self, device: torch.device, dtype: torch.dtype, fqn: str) -> None:
+        """``ValueError`` unless the unit can live on ``device`` in ``dtype``."""
+        fp8 = [s.fqn for s, q in zip(self.slots, self.quantized) if q]
+        allowed = (torch.float32, torch.bfloat16, torch.float16)
+        if fp8 and self._mp_dtypes[0] is None and dtype not in allowed:
+            raise ValueError(
+                f"cannot cast the FP8 unit holding {fp8[0]} to {dtype}: the parameters it "
+                f"all-gathers next to the FP8 weights must be float32, bfloat16 or float16"
+            )
         if device.type not in (self.mesh.device_type, "meta"):
             raise ValueError(
                 f"cannot move parameter {fqn} of a fully_shard unit to {device}: its mesh is on "
@@ -736,3 +781,156 @@ def _checked_result(out: object, before: DTensor, fqn: str, what: str) -> DTenso
             f"dtype may change"
         )
     return out
+
+
+def build_unit(
+    slots: list[ParamSlot],
+    params: list[nn.Parameter],
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    granularity,
+    quant=None,
+    split_by_submodule: bool = False,
+) -> FSDPUnit | MultiDtypeUnit:
+    """The unit of one ``fully_shard`` call (arguments as :class:`FSDPUnit`'s): an
+    :class:`FSDPUnit`, or a :class:`MultiDtypeUnit` when the parameters have several dtypes."""
+    args = (mesh, param_dtype, reduce_dtype, granularity, quant, split_by_submodule)
+    if len({p.dtype for p in params}) <= 1:
+        return FSDPUnit(slots, params, *args)
+    if quant is not None:
+        _unit_dtype(slots, params)  # FP8 units gather their other parameters in one dtype
+    return MultiDtypeUnit(slots, params, *args)
+
+
+class _SummedStats:
+    """The :class:`CommStats` of a :class:`MultiDtypeUnit`: its parts' counters, summed."""
+
+    def __init__(self, parts: list[FSDPUnit]) -> None:
+        self._parts = parts
+
+    def __getattr__(self, name: str) -> int:
+        return sum(getattr(p.stats, name) for p in self._parts)
+
+    def reset(self) -> None:
+        for p in self._parts:
+            p.stats.reset()
+
+
+class MultiDtypeUnit:
+    """A ``fully_shard`` unit whose parameters have several dtypes (fp32 norms next to bf16
+    matrices): one :class:`FSDPUnit` per dtype (the parts, in order of first appearance), each
+    with its own plan and flat buffers, driven together with the interface of one unit.
+
+    Every part stays zero-copy in its own dtype: sharded parameters view the part's sharded
+    chunk, unsharded ones its all-gather output, gradients its flat gradient buffers. Each part
+    issues its own all-gather and reduce-scatter (in its ``param_dtype`` / ``reduce_dtype``,
+    which default to the part's dtype), so a unit of ``k`` dtypes issues ``k`` of each per
+    pass where a one-dtype unit issues one; they are not coalesced across dtypes.
+    """
+
+    def __init__(self, slots, params, mesh, param_dtype, reduce_dtype, granularity, quant,
+                 split_by_submodule) -> None:
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault(p.dtype, []).append(i)
+        self.slots = slots
+        self.parts = [
+            FSDPUnit(
+                [slots[i] for i in idx], [params[i] for i in idx], mesh, param_dtype,
+                reduce_dtype, granularity, quant, split_by_submodule,
+            )
+            for idx in groups.values()
+        ]
+        self._where = [(0, 0)] * len(slots)  # slot index -> (part, index in the part)
+        for k, idx in enumerate(groups.values()):
+            for j, i in enumerate(idx):
+                self._where[i] = (k, j)
+        self.stats = _SummedStats(self.parts)
+
+    def _in_slot_order(self, attr: str) -> list:
+        return [getattr(self.parts[k], attr)[j] for k, j in self._where]
+
+    # what a unit exposes to the hooks, the API and the checkpoint code
+    dp = property(lambda self: self.parts[0].dp)
+    mesh = property(lambda self: self.parts[0].mesh)
+    rank = property(lambda self: self.parts[0].rank)
+    world_size = property(lambda self: self.parts[0].world_size)
+    device = property(lambda self: self.parts[0].device)
+    sharded_params = property(lambda self: self._in_slot_order("sharded_params"))
+    unsharded_params = property(lambda self: self._in_slot_order("unsharded_params"))
+    layouts = property(lambda self: self._in_slot_order("layouts"))
+    specs = property(lambda self: self._in_slot_order("specs"))
+
+    @property
+    def has_unsharded_grads(self) -> bool:
+        return any(p.has_unsharded_grads for p in self.parts)
+
+    def __setattr__(self, name: str, value) -> None:
+        # settings a caller gives the unit (e.g. a gradient divide factor) reach every part
+        if name in ("slots", "parts", "_where", "stats"):
+            object.__setattr__(self, name, value)
+        else:
+            for p in self.parts:
+                setattr(p, name, value)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "parts":
+            raise AttributeError(name)
+        values = [getattr(p, name) for p in self.parts]
+        try:
+            same = all(v is values[0] or bool(v == values[0]) for v in values[1:])
+        except (RuntimeError, TypeError, ValueError):  # tensors, or values with no equality
+            same = False
+        if not same:
+            raise AttributeError(
+                f"the parts of a unit with several dtypes differ in {name!r}: "
+                f"use unit.parts[k].{name}"
+            )
+        return values[0]
+
+    def register(self, *, sharded: bool) -> None:
+        for p in self.parts:
+            p.register(sharded=sharded)
+
+    def unshard(self, *, async_op: bool) -> None:
+        for p in self.parts:
+            p.unshard(async_op=True)
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        for p in self.parts:
+            p.wait_unshard()
+
+    def reshard(self) -> None:
+        for p in self.parts:
+            p.reshard()
+
+    def release_dropped_grads(self) -> None:
+        for p in self.parts:
+            p.release_dropped_grads()
+
+    def prepare_grads(self, index: int) -> None:
+        k, j = self._where[index]
+        self.parts[k].prepare_grads(j)
+
+    def reduce_grads(self) -> None:
+        for p in self.parts:
+            if p.has_unsharded_grads:
+                p.reduce_grads()
+
+    def finish_reduce(self, scale: float = 1.0) -> None:
+        for p in self.parts:
+            p.finish_reduce(scale)
+
+    @contextlib.contextmanager
+    def unregistered(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for p in self.parts:
+                stack.enter_context(p.unregistered())
+            yield
+
+    def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for p in self.parts:
+            p.apply_(fn)
