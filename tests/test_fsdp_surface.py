@@ -279,6 +279,44 @@ def test_list_of_modules_built_on_meta_matches_reference():
         assert losses == pytest.approx(ref, abs=TOL)
 
 
+class CheckpointedNet(Net):
+    """``Net`` whose blocks run under non-reentrant activation checkpointing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+
+def _grouped_checkpointed(rank: int, ws: int, runtime: str) -> list[float]:
+    m = CheckpointedNet()
+    m.load_state_dict(INIT)
+    fs = fully_shard if runtime == "ours" else torch_fully_shard
+    _grouped(m, DeviceMesh("cpu", list(range(ws))), fs)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    per, losses = BATCH // ws, []
+    for s in range(STEPS):
+        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / ws)
+    return losses
+
+
+def test_list_of_modules_under_activation_checkpointing_matches_reference_and_fsdp2():
+    ref = _reference()[0]
+    for runtime in ("ours", "fsdp2"):
+        for losses in run_threaded(_grouped_checkpointed, WORLD, runtime):
+            assert losses == pytest.approx(ref, abs=TOL), runtime
+
+
 class Trunk(Net):
     """``Net`` whose forward stops before the head: the loss applies the head per chunk."""
 
