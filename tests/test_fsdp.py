@@ -323,7 +323,7 @@ def _bad_arguments(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
     m = _model()
     with pytest.raises(ValueError, match="reshard_after_forward"):
-        fully_shard(m, mesh=mesh, reshard_after_forward=1)
+        fully_shard(m, mesh=mesh, reshard_after_forward=3)
     with pytest.raises(ValueError, match="mp_policy"):
         fully_shard(m, mesh=mesh, mp_policy=torch.bfloat16)
     with pytest.raises(ValueError, match="module"):

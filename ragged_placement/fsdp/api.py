@@ -3,45 +3,59 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.tensor import DTensor, Shard
 
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState
 from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout
 from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot, build_unit
+from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+]
 
 
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """Dtypes of the unsharded parameters and of the gradient reduction (as torch FSDP2's).
-
-    Args:
-        param_dtype: dtype of the all-gather and of the unsharded parameters used in forward and
-            backward; ``None`` keeps the parameters' dtype. Sharded parameters (what the
-            optimizer sees) always keep their original dtype.
-        reduce_dtype: dtype of the gradient reduce-scatter; ``None`` uses ``param_dtype``.
-        output_dtype: if set, floating outputs of the module are cast to it.
-        cast_forward_inputs: cast floating inputs of the module's forward to ``param_dtype``.
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
+# MixedPrecisionPolicy, OffloadPolicy and CPUOffloadPolicy are torch FSDP2's own classes,
+# re-exported: ``from torch.distributed.fsdp import MixedPrecisionPolicy`` and
+# ``from ragged_placement.fsdp import MixedPrecisionPolicy`` give the same class (its fields,
+# ``param_dtype``, ``reduce_dtype``, ``output_dtype`` and ``cast_forward_inputs``, are the same in
+# torch 2.11 and 2.13).
 
 
 class FSDPModule:
-    """Mixin added to the class of every module passed to :func:`fully_shard`."""
+    """Mixin added to the class of every module passed to :func:`fully_shard`.
+
+    It carries torch FSDP2's ``FSDPModule`` methods: those this runtime honours exactly work,
+    the others raise ``NotImplementedError`` naming themselves (never an ``AttributeError``
+    or a silent no-op).
+
+    It does not derive from ``torch.distributed.fsdp.FSDPModule``, so
+    ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` is ``False`` (import ``FSDPModule``
+    from here instead). torch's code that branches on that ``isinstance`` goes on to FSDP2's
+    private state, which this runtime does not have: ``torch.distributed.pipelining``'s stages
+    then call ``fully_shard.state(m)._state_ctx.all_states`` and each state's
+    ``_fsdp_param_groups`` (an ``AttributeError`` here, where today pipelining drives these
+    modules as plain modules, see :meth:`reduce_gradients`), torch's ``FSDPModule._apply`` and
+    ``__new__`` assume FSDP2's parameter groups and class layout, and dynamo's
+    ``torch.compile`` package pickler looks the class up in FSDP2's class table.
+    ``clip_grad_norm_`` and ``torch.distributed.checkpoint`` do not branch on it and work on
+    these modules' DTensor parameters as they are.
+    """
 
     _fsdp_state: FSDPState
 
@@ -52,17 +66,22 @@ class FSDPModule:
 
     def fsdp_units(self) -> Iterator[tuple[str, FSDPUnit]]:
         """``(module name, unit)`` for this module and every ``fully_shard`` module below it."""
+        seen: set[int] = set()  # the modules of a fully_shard([a, b]) group share one unit
         for name, m in self.named_modules():
-            if isinstance(m, FSDPModule):
+            if isinstance(m, FSDPModule) and id(m._fsdp_state) not in seen:
+                seen.add(id(m._fsdp_state))
                 yield name, m._fsdp_state.unit
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters and register the unsharded ones; with
-        ``async_op=True`` only issue the all-gather (the next forward waits for it)."""
+        ``async_op=True`` only issue the all-gather and return a handle whose ``wait()``
+        finishes it (the next forward waits for it too), as FSDP2."""
         unit = self._fsdp_state.unit
         unit.unshard(async_op=async_op)
-        if not async_op:
-            unit.register(sharded=False)
+        if async_op:
+            return UnshardHandle(unit)
+        unit.register(sharded=False)
+        return None
 
     def reshard(self) -> None:
         """Free this unit's unsharded parameters and register the sharded ones."""
@@ -101,9 +120,9 @@ class FSDPModule:
 
         Use it where no backward with sync on follows, e.g. after a pipeline schedule whose
         micro-batches ran with sync off: ``torch.distributed.pipelining`` only drives torch's own
-        FSDP, and its schedules divide the gradients they can see by the number of micro-batches
-        before these exist, so pass ``scale=1 / n_microbatches`` for a mean-reduced loss.
-        Collective: every rank of the units' meshes must call it after running backward through
+        FSDP (see the class docstring), and its schedules divide the gradients they can see by
+        the number of micro-batches before these exist, so pass ``scale=1 / n_microbatches``
+        for a mean-reduced loss. Collective: every rank of the units' meshes must call it after running backward through
         the same units."""
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise ValueError(f"scale must be a number, got {scale!r}")
@@ -115,14 +134,58 @@ class FSDPModule:
                     unit.finish_reduce(scale=float(scale))
 
     def set_reshard_after_forward(
-        self, reshard_after_forward: bool, *, recurse: bool = True
+        self, reshard_after_forward: bool | int | None, *, recurse: bool = True
     ) -> None:
-        """Whether units free their unsharded parameters after forward (root units never do)."""
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        """Whether units free their unsharded parameters after forward (root units never do);
+        the values :func:`fully_shard` takes, checked against each unit's shard world size."""
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
-                m._fsdp_state.reshard_after_forward = reshard_after_forward
+                state = m._fsdp_state
+                state.reshard_after_forward = _resolve_reshard_after_forward(
+                    reshard_after_forward, state.unit.dp.shard_size
+                )
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted as FSDP2 (pipeline schedules call it): every backward here finishes its
+        reduce-scatters before it returns, so there is nothing to defer to a last one."""
+        _check_bool("is_last_backward", is_last_backward)
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Only ``True`` (what the units always do): keeping the unsharded parameters across
+        backwards is not implemented."""
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        if not reshard_after_backward:
+            raise NotImplementedError(
+                "set_reshard_after_backward(False) is not implemented: units always reshard "
+                "after backward (for gradient accumulation use set_requires_gradient_sync(False))"
+            )
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Only ``True`` (HSDP's all-reduce always follows the reduce-scatter)."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        if not requires_all_reduce:
+            raise NotImplementedError(
+                "set_requires_all_reduce(False) is not implemented: use "
+                "set_requires_gradient_sync(False), which skips reduce-scatter and all-reduce"
+            )
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's summed gradients by ``factor`` instead of the data-parallel world
+        size (``1.0``: the plain sum). Not recursive, as FSDP2."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"factor must be a positive number, got {factor!r}")
+        self._fsdp_state.unit.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's deprecated name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted as FSDP2: the collectives here always sum; the division (by the world size
+        or :meth:`set_gradient_divide_factor`'s factor) follows them."""
+        _check_bool("enable", enable)
 
     def load_state_dict(
         self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False
@@ -154,6 +217,56 @@ class FSDPModule:
             )
         result.missing_keys[:] = [k for k in missing if k in expected]
         return result
+
+
+def _not_implemented(name: str):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"FSDPModule.{name} (torch FSDP2) is not implemented by ragged_placement's fully_shard"
+        )
+
+    method.__name__ = name
+    method.__doc__ = f"torch FSDP2's ``{name}``: raises ``NotImplementedError`` here."
+    return method
+
+
+# torch FSDP2's FSDPModule methods (2.11 - 2.13) without a counterpart here: they say so.
+for _name in (
+    "reset_iter_state",
+    "set_modules_to_forward_prefetch",
+    "set_modules_to_backward_prefetch",
+    "set_custom_all_gather",
+    "set_custom_reduce_scatter",
+    "set_all_reduce_hook",
+    "set_post_optim_event",
+    "set_reduce_scatter_unused_params",
+    "set_reduce_scatter_max_input_buffers",
+    "set_separate_reduce_scatter_group",
+    "set_unshard_in_backward",
+    "set_allocate_memory_from_process_group_for_comm",
+    "set_symm_mem_for_comm",
+):
+    setattr(FSDPModule, _name, _not_implemented(_name))
+del _name
+
+
+class UnshardHandle:
+    """What :meth:`FSDPModule.unshard` returns with ``async_op=True`` (as FSDP2's)."""
+
+    def __init__(self, unit: FSDPUnit) -> None:
+        self._unit: FSDPUnit | None = unit
+
+    def wait(self) -> None:
+        """Finish the all-gather and register the unsharded parameters."""
+        if self._unit is not None:
+            self._unit.wait_unshard()
+            self._unit.register(sharded=False)
+            self._unit = None
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def _slot_keys(prefix: str, slot: ParamSlot, root: nn.Module) -> list[str]:
@@ -217,43 +330,191 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, handle.current_device())
 
 
+def _root_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """``modules`` without those nested in another of them (FSDP2 groups the roots), once each."""
+    roots: list[nn.Module] = []
+    for m in modules:
+        if any(m is r for r in roots):
+            continue
+        if not any(m is not o and any(m is d for d in o.modules()) for o in modules):
+            roots.append(m)
+    return roots
+
+
+def _check_modules(module: object) -> list[nn.Module]:
+    """The modules of one unit (``module`` or the roots of a list of modules), validated."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("module must be an nn.Module or a non-empty list of nn.Modules, got []")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise ValueError(
+                f"module must be an nn.Module or a list of nn.Modules, got {type(m).__name__}"
+            )
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
+        if isinstance(m, TorchFSDPModule):
+            raise ValueError(
+                f"torch.distributed.fsdp.fully_shard was already applied to this "
+                f"{type(m).__name__}: ragged_placement's fully_shard and torch's cannot share a "
+                f"module; shard the whole model with one of them"
+            )
+    return _root_modules(modules)
+
+
+def _resolve_reshard_after_forward(value: object, shard_size: int) -> bool:
+    """FSDP2's ``reshard_after_forward`` as this runtime's bool (see :func:`fully_shard`)."""
+    if value is None or isinstance(value, bool):
+        return value is not False
+    if not isinstance(value, int):
+        raise ValueError(
+            f"reshard_after_forward must be a bool, None or an int, got {value!r}"
+        )
+    if value < 1 or value > shard_size or shard_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must be a factor of the shard world size "
+            f"{shard_size} (the world size to reshard to after forward)"
+        )
+    if value == shard_size:
+        return True
+    if value == 1:
+        return False
+    raise ValueError(
+        f"reshard_after_forward={value} (reshard to {value}-rank groups after forward and "
+        f"all-gather over them in backward) is not implemented: pass True (= {shard_size}, "
+        f"free the unsharded parameters and all-gather over all {shard_size} ranks in backward) "
+        f"or False (= 1, keep them until backward)"
+    )
+
+
+def _check_offload_policy(offload_policy: object, mesh: DeviceMesh) -> None:
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(
+            f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got {offload_policy!r}"
+        )
+    if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
+        raise NotImplementedError(
+            f"offload_policy={offload_policy!r} on a {mesh.device_type} mesh: this runtime does "
+            f"not offload sharded parameters to CPU yet; use OffloadPolicy() (no offload) or a "
+            f"cpu mesh"
+        )
+
+
+def _torch_fsdp_error(root: nn.Module, path: str, child: nn.Module) -> ValueError:
+    return ValueError(
+        f"fully_shard({type(root).__name__}): its submodule {path!r} ({type(child).__name__}) was "
+        f"sharded by torch.distributed.fsdp.fully_shard; ragged_placement's fully_shard and "
+        f"torch's cannot be mixed in one model: shard every module with one of them"
+    )
+
+
 def _collect_params(
-    module: nn.Module,
+    modules: Sequence[nn.Module], ignored: set[int]
 ) -> tuple[list[ParamSlot], list[nn.Parameter], list[nn.Module]]:
-    """Parameters of ``module`` not owned by a ``fully_shard`` module below it, deduplicated."""
+    """Parameters of ``modules`` not owned by a ``fully_shard`` module below them and not in
+    ``ignored`` (ids), deduplicated. With several modules, names start with the module's index
+    in the list (``"1.weight"``)."""
     slots: dict[int, ParamSlot] = {}
     params: dict[int, nn.Parameter] = {}
     owned_modules: list[nn.Module] = []
-    stack = [("", module)]
-    while stack:
-        prefix, m = stack.pop()
-        owned_modules.append(m)
-        for attr, p in m._parameters.items():
-            if p is None:
+    seen: set[int] = set()
+    for i, module in enumerate(modules):
+        base = f"{i}." if len(modules) > 1 else ""
+        stack = [(base, module)]
+        while stack:
+            prefix, m = stack.pop()
+            if id(m) in seen:
                 continue
-            if id(p) in slots:
-                slots[id(p)].owners.append((m, attr))
-            else:
-                # A tensor-parallel DTensor is planned on its TP-local shape.
-                shape = p._local_tensor.shape if isinstance(p, DTensor) else p.shape
-                slots[id(p)] = ParamSlot(f"{prefix}{attr}", [(m, attr)], shape, p.requires_grad)
-                params[id(p)] = p
-        for name, child in reversed(list(m._modules.items())):
-            if child is not None and not isinstance(child, FSDPModule):
+            seen.add(id(m))
+            owned_modules.append(m)
+            for attr, p in m._parameters.items():
+                if p is None or id(p) in ignored:
+                    continue
+                if id(p) in slots:
+                    slots[id(p)].owners.append((m, attr))
+                else:
+                    # A tensor-parallel DTensor is planned on its TP-local shape.
+                    shape = p._local_tensor.shape if isinstance(p, DTensor) else p.shape
+                    slots[id(p)] = ParamSlot(f"{prefix}{attr}", [(m, attr)], shape, p.requires_grad)
+                    params[id(p)] = p
+            for name, child in reversed(list(m._modules.items())):
+                if child is None or isinstance(child, FSDPModule):
+                    continue
+                if isinstance(child, TorchFSDPModule):
+                    raise _torch_fsdp_error(module, f"{prefix[len(base):]}{name}", child)
                 stack.append((f"{prefix}{name}.", child))
     order = list(slots)
     return [slots[i] for i in order], [params[i] for i in order], owned_modules
 
 
+def _check_ignored_params(ignored_params: object) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
+        isinstance(p, nn.Parameter) for p in ignored_params
+    ):
+        raise ValueError(
+            f"ignored_params must be a set of nn.Parameters, got {type(ignored_params).__name__}"
+        )
+    return {id(p) for p in ignored_params}
+
+
+def _check_shard_placements(
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    slots: list[ParamSlot],
+    params: list[nn.Parameter],
+    granularity,
+) -> None:
+    """Check FSDP2's ``shard_placement_fn`` against the planner's granularities (see
+    :func:`fully_shard`): ``None`` and ``Shard(0)`` are what the runtime does, others raise."""
+    if shard_placement_fn is None:
+        return
+    if not callable(shard_placement_fn):
+        raise ValueError(f"shard_placement_fn must be callable, got {shard_placement_fn!r}")
+    for slot, p in zip(slots, params):
+        result = shard_placement_fn(p)
+        if result is None:
+            continue
+        if type(result) is not Shard:
+            raise ValueError(
+                f"shard_placement_fn returned {result!r} for parameter {slot.fqn!r}: fully_shard "
+                f"takes None or Shard(dim) (a per-parameter mesh is not supported)"
+            )
+        ndim = max(len(slot.shape), 1)
+        dim = result.dim + ndim if result.dim < 0 else result.dim
+        if not 0 <= dim < ndim:
+            raise ValueError(
+                f"shard_placement_fn returned {result!r} for parameter {slot.fqn!r} of shape "
+                f"{tuple(slot.shape)}: dim out of range"
+            )
+        if dim != 0:
+            raise ValueError(
+                f"shard_placement_fn returned {result!r} for parameter {slot.fqn!r} of shape "
+                f"{tuple(slot.shape)}: a RaggedShard local tensor is a run of whole dim-0 rows, so "
+                f"a slice along dim {dim} cannot be expressed. Return None or Shard(0): uneven "
+                f"dim-0 sizes (FSDP2's reason for Shard(dim > 0), e.g. fewer experts than ranks) "
+                f"are planned without padding"
+            )
+        gran = resolve_policy(granularity, slot.fqn, tuple(slot.shape))
+        if gran.kind == "element" and len(slot.shape) >= 2:
+            raise ValueError(
+                f"shard_placement_fn returned Shard(0) for parameter {slot.fqn!r}, but "
+                f"granularity gives it {gran}, which cuts inside dim-0 rows: drop one of them"
+            )
+
+
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = True,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
     granularity=None,
     quant: BlockFP8Config | None = None,
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh`` as one FSDP unit (call on inner modules first).
 
     The parameters of ``module`` that no inner ``fully_shard`` module owns are packed by
@@ -266,18 +527,56 @@ def fully_shard(
     output projection), its layout follows its submodules where that pads no more, so that a
     submodule's gradient buffer is only allocated when backward reaches it.
 
+    The arguments shared with ``torch.distributed.fsdp.fully_shard`` take FSDP2's values, so
+    changing the import is enough; where FSDP2 allows a value this runtime cannot honour exactly,
+    it raises (never a silent difference). Mixing this ``fully_shard`` and torch's in one model
+    is refused with a ``ValueError`` naming the module where this side can see it: torch's on a
+    module below this call, or on ``module`` itself. Torch's ``fully_shard`` over a module that
+    this one sharded fails inside torch (on torch 2.13: ``TypeError`` from
+    ``DeviceMesh._concatenate``, as it takes the RaggedShard parameters for tensor-parallel ones)
+    before any code of this package runs.
+
     Args:
         module: the module to shard; its class is swapped to a subclass that also derives from
-            :class:`FSDPModule` (as torch FSDP2 does). Returned for convenience.
+            :class:`FSDPModule` (as torch FSDP2 does). Returned for convenience. A list of
+            modules forms one unit (one all-gather before the first of them runs forward, one
+            reduce-scatter after all of their backwards; modules nested in another of the
+            list belong to it); their parameter names, as seen by ``granularity``, start with
+            the module's index in the list (``"0.weight"``). The list is returned.
         mesh: a 1-D device mesh; ``None`` builds one over the default process group (``cuda``
             for NCCL, else ``cpu``). A 2-D ``(replicate, shard)`` mesh gives HSDP: the unit is
             sharded over dim 1 and its gradients are also all-reduced over dim 0. Parameters
             that are DTensors on a tensor-parallel mesh (``parallelize_module`` on a sibling
             sub-mesh of the same root) are planned on their TP-local shape and become DTensors
             on the ``(mesh..., tp)`` mesh (see :mod:`ragged_placement.fsdp.mesh`).
-        reshard_after_forward: free the unsharded parameters after forward and all-gather them
-            again in backward. The outermost (root) unit keeps them, as FSDP2 does.
-        mp_policy: parameter / reduction dtypes, see :class:`MixedPrecisionPolicy`.
+        reshard_after_forward: ``True`` (or ``None``, FSDP2's default): free the unsharded
+            parameters after forward and all-gather them again in backward; ``False``: keep
+            them until backward. The outermost (root) unit always keeps them (FSDP2 does so
+            for ``None``; with an explicit ``True`` it re-gathers the root, to the same values),
+            which changes no result. As FSDP2, an ``int`` is the world size to reshard to after
+            forward and must divide the shard world size ``W``; ``W`` means ``True`` and ``1``
+            means ``False``. Other divisors (keep a shard over a smaller group after forward,
+            all-gather within it in backward) are not implemented and raise ``ValueError``.
+        shard_placement_fn: FSDP2's per-parameter placement, ``Callable[[nn.Parameter],
+            Shard | None]``, called once per managed parameter. ``None`` and ``Shard(0)`` are
+            this runtime's layout: RaggedShard cuts a parameter between whole dim-0 rows (the
+            planner's ``row`` or a coarser granularity). ``Shard(d)`` for ``d > 0`` (a slice of
+            dim ``d`` on every rank) cannot be expressed by a run of rows and raises
+            ``ValueError``, as does a ``Shard(0)`` for a parameter that ``granularity`` cuts
+            inside rows; layout choices beyond FSDP2's go through ``granularity``.
+        mp_policy: parameter / reduction dtypes: torch's
+            :class:`torch.distributed.fsdp.MixedPrecisionPolicy` (``MixedPrecisionPolicy`` of
+            this package is the same class). ``param_dtype`` is the dtype of the all-gather and
+            of the unsharded parameters (the sharded ones, which the optimizer sees, keep their
+            dtype), ``reduce_dtype`` that of the gradient reduce-scatter (default
+            ``param_dtype``), ``output_dtype`` casts floating outputs, ``cast_forward_inputs``
+            casts floating inputs to ``param_dtype``.
+        offload_policy: torch's :class:`~torch.distributed.fsdp.OffloadPolicy` (no offload).
+            :class:`~torch.distributed.fsdp.CPUOffloadPolicy` is honoured on a ``cpu`` mesh,
+            where sharded parameters, gradients and optimizer states already live on CPU; on
+            other meshes it raises ``NotImplementedError``.
+        ignored_params: parameters left unsharded and unmanaged, as FSDP2: not planned, not
+            moved to the mesh's device, their gradients not reduced (each rank keeps its own).
         granularity: the planner's policy: ``None``, a callable ``(name, shape) -> Granularity``
             or a ``{fnmatch pattern: Granularity}`` dict over parameter names in ``module``.
         quant: block-wise FP8 training (:class:`~ragged_placement.quant.BlockFP8Config`): the
@@ -286,22 +585,29 @@ def fully_shard(
             rank quantizes its own blocks, and the unit's one all-gather moves FP8 bytes and
             block scales; master weights stay in the sharded buffer. See
             :mod:`ragged_placement.fsdp.fp8`.
+
+    Raises:
+        ValueError: ``module`` is not a module (or list of them), was sharded already by this
+            ``fully_shard`` or torch's, or holds a module torch's sharded; an argument has a
+            wrong type or a value this runtime cannot honour exactly (named in the message).
     """
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    modules = _check_modules(module)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+        raise ValueError(
+            f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {mp_policy!r}"
+        )
+    ignored = _check_ignored_params(ignored_params)
     mesh = mesh if mesh is not None else _default_mesh()
-    DataParallelMesh.of(mesh)
+    dp = DataParallelMesh.of(mesh)
+    reshard = _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)
+    _check_offload_policy(offload_policy, mesh)
     device = _mesh_device(mesh)
-    slots, params, owned_modules = _collect_params(module)
+    slots, params, owned_modules = _collect_params(modules, ignored)
+    _check_shard_placements(shard_placement_fn, slots, params, granularity)
     if check_quant(quant) is not None:
-        convert_unit_linears(module, slots, params, quant)
-        slots, params, owned_modules = _collect_params(module)  # owners are the FP8Linears now
+        for m in modules:
+            convert_unit_linears(m, slots, params, quant)
+        slots, params, owned_modules = _collect_params(modules, ignored)  # owners: FP8Linears
     # Tensors on the meta device stay there until ``to_empty`` (FSDP2's meta-device init).
     for m in owned_modules:
         for k, b in m._buffers.items():
@@ -309,11 +615,15 @@ def fully_shard(
                 m._buffers[k] = b.to(device)
     if params and any(p.device != device and not p.is_meta for p in params):
         params = [p if p.is_meta else p.to(device) for p in params]
-    wraps_units = any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)
+    wraps_units = any(
+        isinstance(sub, FSDPModule) for m in modules for sub in m.modules() if sub is not m
+    )
     unit = build_unit(
         slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
         split_by_submodule=wraps_units,
     )
-    module._fsdp_state = FSDPState(module, unit, reshard_after_forward, mp_policy)
-    module.__class__ = _fsdp_class(type(module))
+    state = FSDPState(modules, unit, reshard, mp_policy)
+    for m in modules:
+        m._fsdp_state = state
+        m.__class__ = _fsdp_class(type(m))
     return module

@@ -1,38 +1,109 @@
 """Forward/backward hooks of FSDP units and the per-root state that orders them.
 
+Each ``fully_shard`` call owns one :class:`FSDPState`, whose :class:`TrainingState` says where
+its unit is in the iteration (as torch FSDP2's ``TrainingState``)::
+
+    IDLE --pre-forward--> FORWARD --post-forward--> IDLE --pre-backward--> PRE_BACKWARD
+      ^                                                                        |
+      +---- root's final callback <---- POST_BACKWARD <-----post-backward------+
+
 Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs first):
 
-* forward pre-hook: (root only) free the flat sharded gradients ``zero_grad()`` dropped; wait
-  for ``u``'s all-gather (issue it if no prefetch did), register the unsharded parameters,
-  prefetch the next unit's all-gather (order recorded in the previous forward), and wrap the
-  floating inputs that require grad in :class:`_PostBackward` so that ``u``'s post-backward runs
-  when autograd has produced the gradients of ``u``'s inputs (by then its parameter gradients
-  are accumulated: AccumulateGrad nodes run first).
-* forward post-hook: reshard (free the unsharded buffer) unless ``reshard_after_forward`` is off
-  or ``u`` is the root (whose parameters backward needs first), and hook the outputs.
-* pre-backward (a hook on ``u``'s outputs): re-gather and prefetch the all-gather of the unit
-  whose backward runs next (on GPUs). The first gradient reaching a parameter of one of ``u``'s
-  plan segments (a hook on each parameter) allocates the segment's zeroed flat gradient buffer
-  and presets its parameters' ``.grad`` to views of it, so AccumulateGrad adds into it in place.
-* post-backward: issue the reduce-scatter (async on GPUs, where the previous unit's is finished
-  first, so at most one is in flight; finished at once on CPU), reshard.
+* pre-forward (IDLE -> FORWARD): (root only) reshard units still holding the all-gather of a
+  forward that no backward followed (an optimizer may have stepped since), and free the flat
+  sharded gradients ``zero_grad()`` dropped; wait for ``u``'s all-gather (issue it if no
+  prefetch did), register the unsharded parameters, prefetch the next unit's all-gather (order
+  recorded in the previous forward), and wrap the floating inputs that require grad in
+  :class:`_PostBackward` so that ``u``'s post-backward runs when autograd has produced the
+  gradients of ``u``'s inputs (by then its parameter gradients are accumulated: AccumulateGrad
+  nodes run first).
+* post-forward (FORWARD -> IDLE): reshard (free the unsharded buffer) unless
+  ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
+  first); a unit that keeps its buffer still registers its *sharded* parameters, so that
+  ``model.parameters()`` outside forward and backward are always the sharded ones (autograd holds
+  the unsharded tensors it saved). Hook the outputs.
+* pre-backward (a hook on ``u``'s outputs; -> PRE_BACKWARD, once per backward of ``u``):
+  re-gather, register the unsharded parameters (a recomputed forward reads them from the module)
+  and prefetch the all-gather of the unit whose backward runs next (on GPUs). The first gradient
+  reaching a parameter of one of ``u``'s plan segments (a hook on each parameter) allocates the
+  segment's zeroed flat gradient buffer and presets its parameters' ``.grad`` to views of it, so
+  AccumulateGrad adds into it in place.
+* post-backward (-> POST_BACKWARD): issue the reduce-scatter (async on GPUs, where the previous
+  unit's is finished first, so at most one is in flight; finished at once on CPU), reshard.
 * the root queues a callback that runs when autograd finishes: post-backward for units whose
-  inputs did not require grad (e.g. the root, fed token ids), then it waits for the last
-  reduce-scatter.
+  inputs did not require grad (e.g. the root, fed token ids) and for units a recomputation left
+  unsharded, then it waits for the last reduce-scatter; every unit is IDLE and sharded again.
+
+A ``fully_shard([a, b])`` unit has these hooks on each of its modules: the first module of a
+pass gathers the unit, records its place in the forward order and wraps its inputs for the
+post-backward; the others only make sure the unit is gathered (and cast); the last one to finish
+runs the post-forward (as FSDP2's group hooks).
+
+Activation checkpointing (``torch.utils.checkpoint``, selective or not, ``checkpoint_wrapper``
+inside or outside ``fully_shard``) re-runs a forward during backward. A forward that runs while
+autograd executes a backward (``torch._C._current_graph_task_id() != -1``, FSDP2's ``is_bw()``)
+is such a *recomputation*: its pre-forward only makes sure the unit is unsharded and registered
+(gathering it if no pre-backward did yet, e.g. a block recomputed as part of a later block's
+checkpointed region), and its post-forward reshards nothing (backward is about to use the
+parameters; post-backward reshards), records no forward order and prefetches nothing. So a
+recomputed unit is gathered once per backward, as without checkpointing. Before the unit's
+pre-backward (reentrant checkpointing runs a backward of its own through the recomputed graph)
+the recomputation hooks inputs and outputs as a forward does; after it they are in place.
+
+With a checkpointed region around a unit's hooks (``checkpoint(fsdp_block, x, context_fn=...)``)
+the hooks' own ops (all-gathers, views of the flat buffers) run outside the region's
+selective-checkpointing dispatch modes, which replay ops by per-op call index: the forward
+gathers there, the recomputation does not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from ragged_placement.fsdp.unit import FSDPUnit
 
-__all__ = ["FSDPState", "RootContext"]
+__all__ = ["FSDPState", "RootContext", "TrainingState"]
+
+_SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+
+
+class TrainingState(enum.Enum):
+    """Where one unit is in the current iteration (see the module docstring's diagram)."""
+
+    IDLE = enum.auto()  # outside forward and backward, or between a forward and its backward
+    FORWARD = enum.auto()  # between the unit's pre-forward and post-forward
+    PRE_BACKWARD = enum.auto()  # its backward started: unsharded and registered for it
+    POST_BACKWARD = enum.auto()  # its gradients are reduced and it is resharded
+
+
+@contextlib.contextmanager
+def _outside_selective_checkpoint() -> Iterator[None]:
+    """Run the hooks' own tensor ops (all-gathers, casts, views of the flat buffers) outside the
+    dispatch modes of selective activation checkpointing, when a checkpointed region holds a
+    unit's hooks (``checkpoint(fsdp_block, x, context_fn=...)``): those modes cache and replay
+    ops by call index per op, and collectives the forward issues but the recomputation does not
+    (or the other way round) would shift the index of the model's own ops."""
+    with contextlib.ExitStack() as stack:
+        while (modes := _get_current_dispatch_mode_stack()) and isinstance(
+            modes[-1], _SAC_MODES
+        ):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
+
+
+def _in_backward() -> bool:
+    """Whether autograd is executing a backward on this thread (a forward now recomputes)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class RootContext:
@@ -62,6 +133,19 @@ class RootContext:
         if backward and unit.device.type == "cpu":
             return
         unit.unshard(async_op=True)
+
+    def start_forward(self) -> None:
+        """The root's forward begins: record the order of the units' forwards afresh."""
+        self.finish_pending_reduce()
+        self._recording = []
+
+    def record_forward(self, state: FSDPState) -> None:
+        self._recording.append(state)
+
+    def end_forward(self) -> None:
+        """The root's forward ended: its recording is the order used to prefetch."""
+        self.forward_order = self._recording
+        self._recording = []  # a unit run on its own later must not extend forward_order
 
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is not None:
@@ -109,33 +193,44 @@ def _map_float_tensors(fn, tree: Any) -> Any:
 
 
 class FSDPState:
-    """The hooks and flags of one ``fully_shard`` call."""
+    """The hooks and the :class:`TrainingState` of one ``fully_shard`` call."""
 
     def __init__(
-        self, module: nn.Module, unit: FSDPUnit, reshard_after_forward: bool, mp_policy
+        self,
+        module: nn.Module | Sequence[nn.Module],
+        unit: FSDPUnit,
+        reshard_after_forward: bool,
+        mp_policy,
     ) -> None:
-        self.module = module
+        # ``fully_shard([a, b])``: one unit, hooks on every module of the group (_first_in_pass)
+        self.modules = list(module) if isinstance(module, (list, tuple)) else [module]
+        self.module = self.modules[0]
+        self._to_run: set[int] = set()  # ids of the group's modules yet to run in this pass
         self.unit = unit
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.requires_gradient_sync = True
         self.root: RootContext | None = None
         self.is_root = False
-        self._needs_post_backward = False
-        self._backward_started = False
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        self.training_state = TrainingState.IDLE
+        # The unit kept a forward's all-gather for backward (root, reshard_after_forward=False)
+        self.holds_forward_gather = False
+        for m in self.modules:
+            m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         for i, (slot, param) in enumerate(zip(unit.slots, unit.unsharded_params)):
             if slot.requires_grad:
                 param.register_hook(lambda grad, i=i: self._on_grad(i))
-        module.register_forward_hook(self._post_forward, prepend=False)
+        for m in self.modules:
+            m.register_forward_hook(self._post_forward, prepend=False)
 
     # -- lazy root init ----------------------------------------------------------------------
     def _lazy_init(self) -> None:
-        states = [self] + [
-            m._fsdp_state
-            for m in self.module.modules()
-            if m is not self.module and getattr(m, "_fsdp_state", None) is not None
-        ]
+        states = [self]
+        for top in self.modules:
+            for m in top.modules():
+                s = getattr(m, "_fsdp_state", None)
+                if s is not None and all(s is not t for t in states):
+                    states.append(s)
         ctx = RootContext(states)
         for s in states:
             s.root = ctx
@@ -145,64 +240,137 @@ class FSDPState:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.root is None:
             self._lazy_init()
+        if _in_backward():
+            return self._pre_forward_recompute(args, kwargs)
+        self.training_state = TrainingState.FORWARD
         ctx = self.root
-        if self.is_root:
-            ctx.finish_pending_reduce()
-            ctx._recording = []
-            for s in ctx.states:
-                s.unit.release_dropped_grads()
-        else:
-            ctx._recording.append(self)
+        first = self._first_in_pass(module)
+        with _outside_selective_checkpoint():
+            if self.is_root and first:
+                ctx.start_forward()
+                for s in ctx.states:
+                    s.drop_stale_gather()
+                    s.unit.release_dropped_grads()
+                    if s is not self:
+                        s._to_run.clear()  # a pass an exception cut short must not gate this one
+            elif first:
+                ctx.record_forward(self)
+            self._unshard_and_register()
+            if first:
+                ctx.prefetch(ctx.next_in_forward(self))
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if torch.is_grad_enabled() and first:
+            args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _first_in_pass(self, module: nn.Module) -> bool:
+        """Whether ``module``'s pre-forward starts a pass over the unit's modules (always, for
+        one module). A group's first module to run records the unit's place in the forward
+        order, prefetches the next unit and wraps its inputs for the post-backward (as FSDP2:
+        when the group runs in sequence, its first module's input gradients come after all of
+        the group's backwards); the last module to finish runs the post-forward. A module that
+        already ran in the pass (a head called per chunk) starts a new one, which reduces its
+        gradients on its own, as FSDP2 does."""
+        if id(module) in self._to_run:
+            return False
+        self._to_run = {id(m) for m in self.modules}
+        return True
+
+    def _pre_forward_recompute(self, args: tuple, kwargs: dict):
+        """Pre-forward of a forward recomputed in backward: unshard if needed, register."""
+        with _outside_selective_checkpoint():
+            self._unshard_and_register()  # a no-op after this unit's pre-backward
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if self._expects_nested_backward():
+            args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _expects_nested_backward(self) -> bool:
+        """Whether a recomputed forward's own graph may be backwarded (reentrant checkpointing
+        runs backward through it; non-reentrant discards it): then it gets the pre- and
+        post-backward hooks a forward gets. After this unit's pre-backward they are in place."""
+        return torch.is_grad_enabled() and self.training_state is not TrainingState.PRE_BACKWARD
+
+    def drop_stale_gather(self) -> None:
+        """Reshard a unit still holding the all-gather of a forward no backward followed: an
+        optimizer may have stepped its sharded parameters since (in-place updates of DTensor
+        parameters leave no trace on the flat buffer's version counter)."""
+        if self.holds_forward_gather:
+            self.unit.reshard()
+            self.holds_forward_gather = False
+
+    def _unshard_and_register(self) -> None:
         self.unit.unshard(async_op=False)
         self.unit.wait_unshard()
         self.unit.register(sharded=False)
-        ctx.prefetch(ctx.next_in_forward(self))
+
+    def _cast_inputs(self, args: tuple, kwargs: dict):
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _map_float_tensors(lambda t: t.to(mp.param_dtype), (args, kwargs))
-        if torch.is_grad_enabled():
-            args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
         return args, kwargs
+
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            output = _map_float_tensors(lambda t: t.to(self.mp_policy.output_dtype), output)
+        return output
 
     def _wrap_inputs_for_post_backward(self, args: tuple, kwargs: dict):
         leaves, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
         if not idx:
             return args, kwargs
-        wrapped = _PostBackward.apply(self, *(leaves[i] for i in idx))
+        with _outside_selective_checkpoint():
+            wrapped = _PostBackward.apply(self, *(leaves[i] for i in idx))
         for i, t in zip(idx, wrapped):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any):
-        ctx = self.root
+        if _in_backward():
+            # A recomputation: backward is about to use the parameters; post-backward (or the
+            # root's final callback) reshards.
+            if self._expects_nested_backward():
+                self._register_pre_backward(output)
+            return self._cast_output(output)
         grad = torch.is_grad_enabled()
+        self._to_run.discard(id(module))
+        if self._to_run:  # more of the group's modules to run: keep the unit gathered
+            if grad:
+                self._register_pre_backward(output)
+            return self._cast_output(output)
         if self.is_root:
-            ctx.forward_order = ctx._recording
-        if (self.reshard_after_forward and not self.is_root) or not grad:
-            self.unit.reshard()
+            self.root.end_forward()
+        with _outside_selective_checkpoint():
+            if (self.reshard_after_forward and not self.is_root) or not grad:
+                self.unit.reshard()
+            else:
+                # Keep the gathered buffer for backward, but expose the sharded parameters:
+                # autograd already holds the unsharded tensors it saved, and pre-backward
+                # registers them again for a recomputation.
+                self.unit.register(sharded=True)
+                self.holds_forward_gather = True
         if grad:
-            self._needs_post_backward = True
-            self._backward_started = False
-            leaves, _ = tree_flatten(output)
-            for t in leaves:
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
-        if self.mp_policy.output_dtype is not None:
-            output = _map_float_tensors(lambda t: t.to(self.mp_policy.output_dtype), output)
-        return output
+            self._register_pre_backward(output)
+        self.training_state = TrainingState.IDLE
+        return self._cast_output(output)
+
+    def _register_pre_backward(self, output: Any) -> None:
+        leaves, _ = tree_flatten(output)
+        for t in leaves:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(self._pre_backward)
 
     # -- backward ------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self._backward_started:
-            return
-        self._backward_started = True
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return  # another output of this unit got its gradient first
+        self.training_state = TrainingState.PRE_BACKWARD
         ctx = self.root
         if not ctx.callback_queued:
             ctx.callback_queued = True
             Variable._execution_engine.queue_callback(self._root_final_callback)
-        self.unit.unshard(async_op=False)
-        self.unit.wait_unshard()
+        self._unshard_and_register()
         ctx.prefetch(ctx.next_in_backward(self), backward=True)
 
     def _on_grad(self, index: int) -> None:
@@ -214,13 +382,10 @@ class FSDPState:
     def post_backward(self) -> None:
         """Reduce-scatter this unit's gradients (unless gradient sync is off) and reshard.
 
-        Runs once per backward that accumulated gradients into the unit, so schedules that run
-        several forwards before their backwards (pipeline parallel micro-batches) reduce every
-        micro-batch's gradients."""
+        Runs for every backward through the unit's inputs, so schedules that run several
+        forwards before their backwards (pipeline parallel micro-batches) reduce every
+        micro-batch's gradients; a second call without new gradients only reshards."""
         unit = self.unit
-        if not self._needs_post_backward and not unit.has_unsharded_grads:
-            return
-        self._needs_post_backward = False
         if unit.has_unsharded_grads and self.requires_gradient_sync:
             self.root.finish_pending_reduce()
             unit.reduce_grads()
@@ -232,11 +397,13 @@ class FSDPState:
             else:
                 self.root.pending_reduce = unit
         unit.reshard()
+        self.holds_forward_gather = False
+        self.training_state = TrainingState.POST_BACKWARD
 
     def _root_final_callback(self) -> None:
         ctx = self.root
         for s in reversed(ctx.states):
             s.post_backward()
-            s._backward_started = False
+            s.training_state = TrainingState.IDLE
         ctx.finish_pending_reduce()
         ctx.callback_queued = False

@@ -337,6 +337,8 @@ class FSDPUnit:
         self.unsharded_params: list[nn.Parameter] = []
         self.fp8: FP8UnitGather | None = None
         self.stats = CommStats()
+        # FSDPModule.set_gradient_divide_factor; None: the data-parallel world size
+        self.gradient_divide_factor: float | None = None
         locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
         device = _unit_device(slots, locals_, mesh)
         self.allocate(device, dtype)
@@ -749,10 +751,11 @@ class FSDPUnit:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dp.replicate_group)
             self.stats.all_reduces += 1
             self.stats.all_reduce_bytes += out.numel() * out.element_size()
+        divisor = self.gradient_divide_factor or self.world_size * self.dp.replicate_size
         if scale == 1.0:  # a division: bitwise what FSDP2's averaging gives
-            out.div_(self.world_size * self.dp.replicate_size)
+            out.div_(divisor)
         else:
-            out.mul_(scale / (self.world_size * self.dp.replicate_size))
+            out.mul_(scale / divisor)
         if out.dtype != self.orig_dtype:
             out = out.to(self.orig_dtype)
         self.release_dropped_grads()
