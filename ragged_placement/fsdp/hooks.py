@@ -30,6 +30,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ragged_placement.fsdp._dynamo import dynamo_disable
 from ragged_placement.fsdp.unit import FSDPUnit
 
 __all__ = ["FSDPState", "RootContext"]
@@ -142,6 +143,7 @@ class FSDPState:
             s.is_root = s is self
 
     # -- forward -------------------------------------------------------------------------------
+    @dynamo_disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.root is None:
             self._lazy_init()
@@ -174,6 +176,7 @@ class FSDPState:
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 
+    @dynamo_disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any):
         ctx = self.root
         grad = torch.is_grad_enabled()
@@ -193,6 +196,7 @@ class FSDPState:
         return output
 
     # -- backward ------------------------------------------------------------------------------
+    @dynamo_disable
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self._backward_started:
             return
@@ -205,12 +209,14 @@ class FSDPState:
         self.unit.wait_unshard()
         ctx.prefetch(ctx.next_in_backward(self), backward=True)
 
+    @dynamo_disable
     def _on_grad(self, index: int) -> None:
         # Runs before AccumulateGrad of unsharded parameter ``index``. A segment's gradient
         # buffer is allocated at its first gradient, not at pre-backward, where it would sit on
         # the activation peak.
         self.unit.prepare_grads(index)
 
+    @dynamo_disable
     def post_backward(self) -> None:
         """Reduce-scatter this unit's gradients (unless gradient sync is off) and reshard.
 
@@ -233,6 +239,7 @@ class FSDPState:
                 self.root.pending_reduce = unit
         unit.reshard()
 
+    @dynamo_disable
     def _root_final_callback(self) -> None:
         ctx = self.root
         for s in reversed(ctx.states):
