@@ -1,28 +1,51 @@
 """Forward/backward hooks of FSDP units and the per-root state that orders them.
 
+Each ``fully_shard`` call owns one :class:`FSDPState`, whose :class:`TrainingState` says where
+its unit is in the iteration (as torch FSDP2's ``TrainingState``)::
+
+    IDLE --pre-forward--> FORWARD --post-forward--> IDLE --pre-backward--> PRE_BACKWARD
+      ^                                                                        |
+      +---- root's final callback <---- POST_BACKWARD <-----post-backward------+
+
 Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs first):
 
-* forward pre-hook: (root only) free the flat sharded gradients ``zero_grad()`` dropped; wait
-  for ``u``'s all-gather (issue it if no prefetch did), register the unsharded parameters,
-  prefetch the next unit's all-gather (order recorded in the previous forward), and wrap the
-  floating inputs that require grad in :class:`_PostBackward` so that ``u``'s post-backward runs
-  when autograd has produced the gradients of ``u``'s inputs (by then its parameter gradients
-  are accumulated: AccumulateGrad nodes run first).
-* forward post-hook: reshard (free the unsharded buffer) unless ``reshard_after_forward`` is off
-  or ``u`` is the root (whose parameters backward needs first), and hook the outputs.
-* pre-backward (a hook on ``u``'s outputs): re-gather and prefetch the all-gather of the unit
-  whose backward runs next (on GPUs). The first gradient reaching a parameter of one of ``u``'s
-  plan segments (a hook on each parameter) allocates the segment's zeroed flat gradient buffer
-  and presets its parameters' ``.grad`` to views of it, so AccumulateGrad adds into it in place.
-* post-backward: issue the reduce-scatter (async on GPUs, where the previous unit's is finished
-  first, so at most one is in flight; finished at once on CPU), reshard.
+* pre-forward (IDLE -> FORWARD): (root only) free the flat sharded gradients ``zero_grad()``
+  dropped; wait for ``u``'s all-gather (issue it if no prefetch did), register the unsharded
+  parameters, prefetch the next unit's all-gather (order recorded in the previous forward), and
+  wrap the floating inputs that require grad in :class:`_PostBackward` so that ``u``'s
+  post-backward runs when autograd has produced the gradients of ``u``'s inputs (by then its
+  parameter gradients are accumulated: AccumulateGrad nodes run first).
+* post-forward (FORWARD -> IDLE): reshard (free the unsharded buffer) unless
+  ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
+  first); a unit that keeps its buffer still registers its *sharded* parameters, so that
+  ``model.parameters()`` outside forward and backward are always the sharded ones (autograd holds
+  the unsharded tensors it saved). Hook the outputs.
+* pre-backward (a hook on ``u``'s outputs; -> PRE_BACKWARD, once per backward of ``u``):
+  re-gather, register the unsharded parameters (a recomputed forward reads them from the module)
+  and prefetch the all-gather of the unit whose backward runs next (on GPUs). The first gradient
+  reaching a parameter of one of ``u``'s plan segments (a hook on each parameter) allocates the
+  segment's zeroed flat gradient buffer and presets its parameters' ``.grad`` to views of it, so
+  AccumulateGrad adds into it in place.
+* post-backward (-> POST_BACKWARD): issue the reduce-scatter (async on GPUs, where the previous
+  unit's is finished first, so at most one is in flight; finished at once on CPU), reshard.
 * the root queues a callback that runs when autograd finishes: post-backward for units whose
-  inputs did not require grad (e.g. the root, fed token ids), then it waits for the last
-  reduce-scatter.
+  inputs did not require grad (e.g. the root, fed token ids) and for units a recomputation left
+  unsharded, then it waits for the last reduce-scatter; every unit is IDLE and sharded again.
+
+Activation checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=False``, selective or
+not, ``checkpoint_wrapper`` inside or outside ``fully_shard``) re-runs a forward during backward.
+A forward that runs while autograd executes a backward (``torch._C._current_graph_task_id() !=
+-1``, FSDP2's ``is_bw()``) is such a *recomputation*: its pre-forward only makes sure the unit is
+unsharded and registered (gathering it if no pre-backward did yet, e.g. a block recomputed as
+part of a later block's checkpointed region), and its post-forward does nothing but the output
+cast: no reshard (backward is about to use the parameters; post-backward reshards), no forward
+order recording, no prefetch, no new autograd hooks. So a recomputed unit is gathered once per
+backward, as without checkpointing.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import torch
@@ -33,7 +56,21 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ragged_placement.fsdp._dynamo import dynamo_disable
 from ragged_placement.fsdp.unit import FSDPUnit
 
-__all__ = ["FSDPState", "RootContext"]
+__all__ = ["FSDPState", "RootContext", "TrainingState"]
+
+
+class TrainingState(enum.Enum):
+    """Where one unit is in the current iteration (see the module docstring's diagram)."""
+
+    IDLE = enum.auto()  # outside forward and backward, or between a forward and its backward
+    FORWARD = enum.auto()  # between the unit's pre-forward and post-forward
+    PRE_BACKWARD = enum.auto()  # its backward started: unsharded and registered for it
+    POST_BACKWARD = enum.auto()  # its gradients are reduced and it is resharded
+
+
+def _in_backward() -> bool:
+    """Whether autograd is executing a backward on this thread (a forward now recomputes)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class RootContext:
@@ -63,6 +100,19 @@ class RootContext:
         if backward and unit.device.type == "cpu":
             return
         unit.unshard(async_op=True)
+
+    def start_forward(self) -> None:
+        """The root's forward begins: record the order of the units' forwards afresh."""
+        self.finish_pending_reduce()
+        self._recording = []
+
+    def record_forward(self, state: FSDPState) -> None:
+        self._recording.append(state)
+
+    def end_forward(self) -> None:
+        """The root's forward ended: its recording is the order used to prefetch."""
+        self.forward_order = self._recording
+        self._recording = []  # a unit run on its own later must not extend forward_order
 
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is not None:
@@ -110,7 +160,7 @@ def _map_float_tensors(fn, tree: Any) -> Any:
 
 
 class FSDPState:
-    """The hooks and flags of one ``fully_shard`` call."""
+    """The hooks and the :class:`TrainingState` of one ``fully_shard`` call."""
 
     def __init__(
         self, module: nn.Module, unit: FSDPUnit, reshard_after_forward: bool, mp_policy
@@ -122,8 +172,7 @@ class FSDPState:
         self.requires_gradient_sync = True
         self.root: RootContext | None = None
         self.is_root = False
-        self._needs_post_backward = False
-        self._backward_started = False
+        self.training_state = TrainingState.IDLE
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         for i, (slot, param) in enumerate(zip(unit.slots, unit.unsharded_params)):
             if slot.requires_grad:
@@ -147,24 +196,39 @@ class FSDPState:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.root is None:
             self._lazy_init()
+        if _in_backward():
+            self._unshard_and_register()  # a no-op after this unit's pre-backward
+            return self._cast_inputs(args, kwargs)
+        self.training_state = TrainingState.FORWARD
         ctx = self.root
         if self.is_root:
-            ctx.finish_pending_reduce()
-            ctx._recording = []
+            ctx.start_forward()
             for s in ctx.states:
                 s.unit.release_dropped_grads()
         else:
-            ctx._recording.append(self)
-        self.unit.unshard(async_op=False)
-        self.unit.wait_unshard()
-        self.unit.register(sharded=False)
+            ctx.record_forward(self)
+        self._unshard_and_register()
         ctx.prefetch(ctx.next_in_forward(self))
-        mp = self.mp_policy
-        if mp.cast_forward_inputs and mp.param_dtype is not None:
-            args, kwargs = _map_float_tensors(lambda t: t.to(mp.param_dtype), (args, kwargs))
+        args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
         return args, kwargs
+
+    def _unshard_and_register(self) -> None:
+        self.unit.unshard(async_op=False)
+        self.unit.wait_unshard()
+        self.unit.register(sharded=False)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict):
+        mp = self.mp_policy
+        if mp.cast_forward_inputs and mp.param_dtype is not None:
+            args, kwargs = _map_float_tensors(lambda t: t.to(mp.param_dtype), (args, kwargs))
+        return args, kwargs
+
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            output = _map_float_tensors(lambda t: t.to(self.mp_policy.output_dtype), output)
+        return output
 
     def _wrap_inputs_for_post_backward(self, args: tuple, kwargs: dict):
         leaves, spec = tree_flatten((args, kwargs))
@@ -178,35 +242,39 @@ class FSDPState:
 
     @dynamo_disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any):
-        ctx = self.root
-        grad = torch.is_grad_enabled()
+        if _in_backward():
+            # A recomputation: backward is about to use the parameters; post-backward (or the
+            # root's final callback) reshards.
+            return self._cast_output(output)
         if self.is_root:
-            ctx.forward_order = ctx._recording
+            self.root.end_forward()
+        grad = torch.is_grad_enabled()
         if (self.reshard_after_forward and not self.is_root) or not grad:
             self.unit.reshard()
+        else:
+            # Keep the gathered buffer for backward, but expose the sharded parameters: autograd
+            # already holds the unsharded tensors it saved, and pre-backward registers them again
+            # for a recomputation.
+            self.unit.register(sharded=True)
         if grad:
-            self._needs_post_backward = True
-            self._backward_started = False
             leaves, _ = tree_flatten(output)
             for t in leaves:
                 if torch.is_tensor(t) and t.requires_grad:
                     t.register_hook(self._pre_backward)
-        if self.mp_policy.output_dtype is not None:
-            output = _map_float_tensors(lambda t: t.to(self.mp_policy.output_dtype), output)
-        return output
+        self.training_state = TrainingState.IDLE
+        return self._cast_output(output)
 
     # -- backward ------------------------------------------------------------------------------
     @dynamo_disable
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self._backward_started:
-            return
-        self._backward_started = True
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return  # another output of this unit got its gradient first
+        self.training_state = TrainingState.PRE_BACKWARD
         ctx = self.root
         if not ctx.callback_queued:
             ctx.callback_queued = True
             Variable._execution_engine.queue_callback(self._root_final_callback)
-        self.unit.unshard(async_op=False)
-        self.unit.wait_unshard()
+        self._unshard_and_register()
         ctx.prefetch(ctx.next_in_backward(self), backward=True)
 
     @dynamo_disable
@@ -220,13 +288,10 @@ class FSDPState:
     def post_backward(self) -> None:
         """Reduce-scatter this unit's gradients (unless gradient sync is off) and reshard.
 
-        Runs once per backward that accumulated gradients into the unit, so schedules that run
-        several forwards before their backwards (pipeline parallel micro-batches) reduce every
-        micro-batch's gradients."""
+        Runs for every backward through the unit's inputs, so schedules that run several
+        forwards before their backwards (pipeline parallel micro-batches) reduce every
+        micro-batch's gradients; a second call without new gradients only reshards."""
         unit = self.unit
-        if not self._needs_post_backward and not unit.has_unsharded_grads:
-            return
-        self._needs_post_backward = False
         if unit.has_unsharded_grads and self.requires_gradient_sync:
             self.root.finish_pending_reduce()
             unit.reduce_grads()
@@ -238,12 +303,13 @@ class FSDPState:
             else:
                 self.root.pending_reduce = unit
         unit.reshard()
+        self.training_state = TrainingState.POST_BACKWARD
 
     @dynamo_disable
     def _root_final_callback(self) -> None:
         ctx = self.root
         for s in reversed(ctx.states):
             s.post_backward()
-            s._backward_started = False
+            s.training_state = TrainingState.IDLE
         ctx.finish_pending_reduce()
         ctx.callback_queued = False
