@@ -9,12 +9,14 @@ its unit is in the iteration (as torch FSDP2's ``TrainingState``)::
 
 Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs first):
 
-* pre-forward (IDLE -> FORWARD): (root only) free the flat sharded gradients ``zero_grad()``
-  dropped; wait for ``u``'s all-gather (issue it if no prefetch did), register the unsharded
-  parameters, prefetch the next unit's all-gather (order recorded in the previous forward), and
-  wrap the floating inputs that require grad in :class:`_PostBackward` so that ``u``'s
-  post-backward runs when autograd has produced the gradients of ``u``'s inputs (by then its
-  parameter gradients are accumulated: AccumulateGrad nodes run first).
+* pre-forward (IDLE -> FORWARD): (root only) reshard units still holding the all-gather of a
+  forward that no backward followed (an optimizer may have stepped since), and free the flat
+  sharded gradients ``zero_grad()`` dropped; wait for ``u``'s all-gather (issue it if no
+  prefetch did), register the unsharded parameters, prefetch the next unit's all-gather (order
+  recorded in the previous forward), and wrap the floating inputs that require grad in
+  :class:`_PostBackward` so that ``u``'s post-backward runs when autograd has produced the
+  gradients of ``u``'s inputs (by then its parameter gradients are accumulated: AccumulateGrad
+  nodes run first).
 * post-forward (FORWARD -> IDLE): reshard (free the unsharded buffer) unless
   ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
   first); a unit that keeps its buffer still registers its *sharded* parameters, so that
@@ -32,31 +34,43 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   inputs did not require grad (e.g. the root, fed token ids) and for units a recomputation left
   unsharded, then it waits for the last reduce-scatter; every unit is IDLE and sharded again.
 
-Activation checkpointing (``torch.utils.checkpoint`` with ``use_reentrant=False``, selective or
-not, ``checkpoint_wrapper`` inside or outside ``fully_shard``) re-runs a forward during backward.
-A forward that runs while autograd executes a backward (``torch._C._current_graph_task_id() !=
--1``, FSDP2's ``is_bw()``) is such a *recomputation*: its pre-forward only makes sure the unit is
-unsharded and registered (gathering it if no pre-backward did yet, e.g. a block recomputed as
-part of a later block's checkpointed region), and its post-forward does nothing but the output
-cast: no reshard (backward is about to use the parameters; post-backward reshards), no forward
-order recording, no prefetch, no new autograd hooks. So a recomputed unit is gathered once per
-backward, as without checkpointing.
+Activation checkpointing (``torch.utils.checkpoint``, selective or not, ``checkpoint_wrapper``
+inside or outside ``fully_shard``) re-runs a forward during backward. A forward that runs while
+autograd executes a backward (``torch._C._current_graph_task_id() != -1``, FSDP2's ``is_bw()``)
+is such a *recomputation*: its pre-forward only makes sure the unit is unsharded and registered
+(gathering it if no pre-backward did yet, e.g. a block recomputed as part of a later block's
+checkpointed region), and its post-forward reshards nothing (backward is about to use the
+parameters; post-backward reshards), records no forward order and prefetches nothing. So a
+recomputed unit is gathered once per backward, as without checkpointing. Before the unit's
+pre-backward (reentrant checkpointing runs a backward of its own through the recomputed graph)
+the recomputation hooks inputs and outputs as a forward does; after it they are in place.
+
+With a checkpointed region around a unit's hooks (``checkpoint(fsdp_block, x, context_fn=...)``)
+the hooks' own ops (all-gathers, views of the flat buffers) run outside the region's
+selective-checkpointing dispatch modes, which replay ops by per-op call index: the forward
+gathers there, the recomputation does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from ragged_placement.fsdp._dynamo import dynamo_disable
 from ragged_placement.fsdp.unit import FSDPUnit
 
 __all__ = ["FSDPState", "RootContext", "TrainingState"]
+
+_SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
 
 
 class TrainingState(enum.Enum):
@@ -66,6 +80,21 @@ class TrainingState(enum.Enum):
     FORWARD = enum.auto()  # between the unit's pre-forward and post-forward
     PRE_BACKWARD = enum.auto()  # its backward started: unsharded and registered for it
     POST_BACKWARD = enum.auto()  # its gradients are reduced and it is resharded
+
+
+@contextlib.contextmanager
+def _outside_selective_checkpoint() -> Iterator[None]:
+    """Run the hooks' own tensor ops (all-gathers, casts, views of the flat buffers) outside the
+    dispatch modes of selective activation checkpointing, when a checkpointed region holds a
+    unit's hooks (``checkpoint(fsdp_block, x, context_fn=...)``): those modes cache and replay
+    ops by call index per op, and collectives the forward issues but the recomputation does not
+    (or the other way round) would shift the index of the model's own ops."""
+    with contextlib.ExitStack() as stack:
+        while (modes := _get_current_dispatch_mode_stack()) and isinstance(
+            modes[-1], _SAC_MODES
+        ):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
 
 
 def _in_backward() -> bool:
@@ -173,6 +202,8 @@ class FSDPState:
         self.root: RootContext | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
+        # The unit kept a forward's all-gather for backward (root, reshard_after_forward=False)
+        self.holds_forward_gather = False
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         for i, (slot, param) in enumerate(zip(unit.slots, unit.unsharded_params)):
             if slot.requires_grad:
@@ -197,22 +228,46 @@ class FSDPState:
         if self.root is None:
             self._lazy_init()
         if _in_backward():
-            self._unshard_and_register()  # a no-op after this unit's pre-backward
-            return self._cast_inputs(args, kwargs)
+            return self._pre_forward_recompute(args, kwargs)
         self.training_state = TrainingState.FORWARD
         ctx = self.root
-        if self.is_root:
-            ctx.start_forward()
-            for s in ctx.states:
-                s.unit.release_dropped_grads()
-        else:
-            ctx.record_forward(self)
-        self._unshard_and_register()
-        ctx.prefetch(ctx.next_in_forward(self))
+        with _outside_selective_checkpoint():
+            if self.is_root:
+                ctx.start_forward()
+                for s in ctx.states:
+                    s.drop_stale_gather()
+                    s.unit.release_dropped_grads()
+            else:
+                ctx.record_forward(self)
+            self._unshard_and_register()
+            ctx.prefetch(ctx.next_in_forward(self))
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
         return args, kwargs
+
+    def _pre_forward_recompute(self, args: tuple, kwargs: dict):
+        """Pre-forward of a forward recomputed in backward: unshard if needed, register."""
+        with _outside_selective_checkpoint():
+            self._unshard_and_register()  # a no-op after this unit's pre-backward
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if self._expects_nested_backward():
+            args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _expects_nested_backward(self) -> bool:
+        """Whether a recomputed forward's own graph may be backwarded (reentrant checkpointing
+        runs backward through it; non-reentrant discards it): then it gets the pre- and
+        post-backward hooks a forward gets. After this unit's pre-backward they are in place."""
+        return torch.is_grad_enabled() and self.training_state is not TrainingState.PRE_BACKWARD
+
+    def drop_stale_gather(self) -> None:
+        """Reshard a unit still holding the all-gather of a forward no backward followed: an
+        optimizer may have stepped its sharded parameters since (in-place updates of DTensor
+        parameters leave no trace on the flat buffer's version counter)."""
+        if self.holds_forward_gather:
+            self.unit.reshard()
+            self.holds_forward_gather = False
 
     def _unshard_and_register(self) -> None:
         self.unit.unshard(async_op=False)
@@ -235,7 +290,8 @@ class FSDPState:
         idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
         if not idx:
             return args, kwargs
-        wrapped = _PostBackward.apply(self, *(leaves[i] for i in idx))
+        with _outside_selective_checkpoint():
+            wrapped = _PostBackward.apply(self, *(leaves[i] for i in idx))
         for i, t in zip(idx, wrapped):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
@@ -245,24 +301,31 @@ class FSDPState:
         if _in_backward():
             # A recomputation: backward is about to use the parameters; post-backward (or the
             # root's final callback) reshards.
+            if self._expects_nested_backward():
+                self._register_pre_backward(output)
             return self._cast_output(output)
         if self.is_root:
             self.root.end_forward()
         grad = torch.is_grad_enabled()
-        if (self.reshard_after_forward and not self.is_root) or not grad:
-            self.unit.reshard()
-        else:
-            # Keep the gathered buffer for backward, but expose the sharded parameters: autograd
-            # already holds the unsharded tensors it saved, and pre-backward registers them again
-            # for a recomputation.
-            self.unit.register(sharded=True)
+        with _outside_selective_checkpoint():
+            if (self.reshard_after_forward and not self.is_root) or not grad:
+                self.unit.reshard()
+            else:
+                # Keep the gathered buffer for backward, but expose the sharded parameters:
+                # autograd already holds the unsharded tensors it saved, and pre-backward
+                # registers them again for a recomputation.
+                self.unit.register(sharded=True)
+                self.holds_forward_gather = True
         if grad:
-            leaves, _ = tree_flatten(output)
-            for t in leaves:
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+            self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
         return self._cast_output(output)
+
+    def _register_pre_backward(self, output: Any) -> None:
+        leaves, _ = tree_flatten(output)
+        for t in leaves:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(self._pre_backward)
 
     # -- backward ------------------------------------------------------------------------------
     @dynamo_disable
@@ -303,6 +366,7 @@ class FSDPState:
             else:
                 self.root.pending_reduce = unit
         unit.reshard()
+        self.holds_forward_gather = False
         self.training_state = TrainingState.POST_BACKWARD
 
     @dynamo_disable

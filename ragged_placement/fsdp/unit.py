@@ -271,7 +271,6 @@ class FSDPUnit:
                     t = DTensor(t, tp, requires_grad=False)
                 self.unsharded_params.append(nn.Parameter(t, requires_grad=slot.requires_grad))
         self.state = UnitState.SHARDED
-        self._gathered_version = -1  # ``sharded._version`` when the last all-gather was issued
         self._ag_work: dist.Work | None = None
         self._ag_send: torch.Tensor | None = None
         # Gradient buffers, one per plan segment, each allocated at the first gradient that
@@ -301,14 +300,9 @@ class FSDPUnit:
 
     # -- all-gather ------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool) -> None:
-        """Issue the all-gather into the unsharded buffer (no-op unless sharded, or unsharded
-        from sharded values that were modified since, e.g. by an optimizer step after a forward
-        that had no backward: those are gathered again)."""
-        if self.state is not UnitState.SHARDED and self.sharded._version != self._gathered_version:
-            self.reshard()
+        """Issue the all-gather into the unsharded buffer (no-op unless sharded)."""
         if self.state is not UnitState.SHARDED or not self.slots:
             return
-        self._gathered_version = self.sharded._version
         if self.fp8 is not None:
             self.fp8.allocate()
             send = self.fp8.pack(self.rank, self.sharded)  # own blocks -> FP8 + scales, no comm
