@@ -108,18 +108,23 @@ def _reference(steps: int) -> _Run:
 
 def _train(
     rank: int, ws: int, runtime: str, compile_mode: str | None, backend, steps: int,
-    checkpoint: bool = False,
+    checkpoint: str | None = None,
 ) -> _Run:
+    """``checkpoint``: ``checkpoint_wrapper`` on every block ``"before"`` ``fully_shard``
+    (torchtitan's order: the recomputation is inside the compiled block) or ``"after"`` it and
+    the compile (the compiled block runs again in backward)."""
     m = _model()
     mesh = DeviceMesh("cpu", list(range(ws)))
     shard = fsdp2_fully_shard if runtime == "fsdp2" else fully_shard
-    if checkpoint:  # torchtitan's order: activation checkpointing, fully_shard, compile
+    if checkpoint == "before":
         for i, block in enumerate(m.layers):
             m.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    for block in m.layers:
+    for i, block in enumerate(m.layers):
         shard(block, mesh=mesh)
         if compile_mode == "block":
             block.compile(backend=backend)  # torchtitan's order: fully_shard, then compile
+        if checkpoint == "after":
+            m.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     shard(m, mesh=mesh)
     model = torch.compile(m, backend=backend) if compile_mode == "model" else m
     opt = _optimizer(m)
@@ -149,7 +154,7 @@ class _Compiled:
 
 
 def _compiled(
-    runtime: str, compile_mode: str, backend: str, steps: int = STEPS, checkpoint: bool = False
+    runtime: str, compile_mode: str, backend: str, steps: int = STEPS, checkpoint: str | None = None
 ) -> _Compiled:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -207,14 +212,17 @@ def test_whole_model_compile_matches_fsdp2_counts_and_is_eager_exact(one_torch_t
         _assert_close(run, theirs.runs[0], 1e-5)
 
 
-def test_per_block_compile_with_activation_checkpointing_matches_fsdp2(one_torch_thread):
-    """checkpoint_wrapper, fully_shard, block.compile(): the recomputation runs inside the compiled
-    block (no extra all-gather), the counts equal FSDP2's and training is exact."""
-    ours = _compiled("ours", "block", "aot_eager", checkpoint=True)
-    theirs = _compiled("fsdp2", "block", "aot_eager", checkpoint=True)
+@pytest.mark.parametrize("checkpoint", ["before", "after"])
+def test_per_block_compile_with_activation_checkpointing_matches_fsdp2(one_torch_thread, checkpoint):
+    """checkpoint_wrapper before fully_shard and compile: the recomputation is part of the
+    compiled block; after them: the compiled block runs again in backward (one more call per
+    block per step, no new graph). Counts equal FSDP2's, training is exact."""
+    ours = _compiled("ours", "block", "aot_eager", checkpoint=checkpoint)
+    theirs = _compiled("fsdp2", "block", "aot_eager", checkpoint=checkpoint)
+    calls = CFG.n_layer * STEPS * (2 if checkpoint == "after" else 1)
     assert ours.graphs == theirs.graphs == Counter({r: 1 for r in range(WORLD)})
     assert ours.graph_breaks == theirs.graph_breaks == 0
-    assert ours.calls == theirs.calls == Counter({r: CFG.n_layer * STEPS for r in range(WORLD)})
+    assert ours.calls == theirs.calls == Counter({r: calls for r in range(WORLD)})
     ref = _reference(STEPS)
     for run in ours.runs:
         _assert_close(run, ref, 1e-5)
