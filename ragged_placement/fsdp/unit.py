@@ -1,8 +1,13 @@
 """One FSDP unit: the flat buffers of the parameters one ``fully_shard`` call owns.
 
-Layout (from :func:`ragged_placement.planner.plan`): the unit's parameters are packed, in plan
-order, into one global flat buffer of ``S * world_size`` elements (``S`` = ``plan.chunk_numel``);
-rank ``r`` owns the equal chunk ``[r*S, (r+1)*S)``. Because the planner cuts only on row (or
+Layout (from :func:`ragged_placement.planner.plan_segmented`): the unit's parameters are packed,
+in plan order, into one global flat buffer of ``S * world_size`` elements (``S`` =
+``plan.chunk_numel``); rank ``r`` owns the equal chunk ``[r*S, (r+1)*S)``. Where equal chunks
+would pad (more than 1%, or more than per-parameter ``Shard(0)``) the planner returns uneven
+chunks instead (:class:`~ragged_placement.planner.UnevenPlan`): the buffer holds exactly the
+parameters (``plan.buffer_numel``), rank ``r`` owns ``[rank_starts[r], rank_starts[r+1])``, every
+rank's sharded buffer has the largest chunk's size and uses its first ``plan.rank_numel(r)``
+elements, and the collectives are the uneven ones of :mod:`ragged_placement._compat`. Because the planner cuts only on row (or
 coarser) boundaries, each parameter's part of a chunk is a :class:`RaggedShard` local tensor.
 
 Buffers a unit holds (``W`` = world size, ``P`` = ``param_dtype``, ``R`` = ``reduce_dtype``):
@@ -192,9 +197,10 @@ class FSDPUnit:
                 granularity=granularity,
                 dtype=self.orig_dtype,
                 groups=_submodule_groups([s.fqn for s in slots]) if split_by_submodule else None,
+                uneven=not any(quantized),  # the FP8 gather packs equal chunks
             )
             self.plan.check_consistent(self.group)
-        S, W = (self.plan.chunk_numel if slots else 0), self.world_size
+        S = self.plan.chunk_numel if slots else 0
         self.chunk_numel = S
 
         self.sharded = torch.zeros(S, dtype=self.orig_dtype, device=self.device)
@@ -251,7 +257,9 @@ class FSDPUnit:
             self.unsharded_params = self.fp8.params
             self.unsharded_specs = [None] * len(slots)
         else:
-            self.unsharded = torch.empty(S * W, dtype=self.param_dtype, device=self.device)
+            self.unsharded = torch.empty(
+                self.plan.buffer_numel if slots else 0, dtype=self.param_dtype, device=self.device
+            )
             self._storage = self.unsharded.untyped_storage()
             self._storage_nbytes = self._storage.nbytes()
             self._storage.resize_(0)
@@ -376,9 +384,7 @@ class FSDPUnit:
             return  # allocated by an earlier parameter, or accumulating micro-batches
         self.release_dropped_grads()
         seg = self.plan.segments[k]
-        buf = torch.zeros(
-            seg.chunk_numel * self.world_size, dtype=self.param_dtype, device=self.device
-        )
+        buf = torch.zeros(seg.buffer_numel(self.world_size), dtype=self.param_dtype, device=self.device)
         self.unsharded_grads[k] = buf
         for i, (slot, p, tp) in enumerate(
             zip(self.slots, self.unsharded_params, self.unsharded_specs)
@@ -397,7 +403,7 @@ class FSDPUnit:
             p.grad = None
         rs_in = [
             g if g is not None else torch.zeros(
-                seg.chunk_numel * self.world_size, dtype=self.reduce_dtype, device=self.device
+                seg.buffer_numel(self.world_size), dtype=self.reduce_dtype, device=self.device
             )
             for g, seg in zip(self.unsharded_grads, self.plan.segments)
         ]
