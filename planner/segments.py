@@ -185,9 +185,10 @@ def plan_segmented(
     ``uneven=True`` (the FSDP runtime's choice; needs ``align_bytes=None``) also allows uneven
     per-rank chunks (:class:`UnevenPlan`: no padding, every chunk within one band of the mean,
     an uneven collective). They win unless the best equal-chunk candidate pads at most
-    ``even_padding`` of the parameters and no more than per-parameter ``Shard(0)``
-    (:func:`shard0_padding`): equal chunks run as one ring all-gather on NCCL, uneven ones as a
-    group of ``W`` broadcasts. With ``groups``, the uneven plan has one uneven segment per
+    ``even_padding`` of the parameters, no more than per-parameter ``Shard(0)``
+    (:func:`shard0_padding`), and at most one band per rank (so its chunk also meets the uneven
+    bound): equal chunks run as one ring all-gather on NCCL, uneven ones as a group of ``W``
+    broadcasts. With ``groups``, the uneven plan has one uneven segment per
     (folded) group. The choice depends only on the shapes, granularities and arguments, and is
     cached, so identical layers plan once.
     """
@@ -281,14 +282,18 @@ def _choose(specs: tuple[CutSpec, ...], world_size: int, align: int, max_segment
         if len(candidate) > max_segments or key in seen:
             continue
         seen.add(key)
-        padding = sum(_planned(tuple(specs[i] for i in g), world_size, align)[0].chunk_numel
-                      for g in candidate) * world_size - numel
-        rank_key = (padding, preference, len(candidate))
+        chunk = sum(_planned(tuple(specs[i] for i in g), world_size, align)[0].chunk_numel
+                    for g in candidate)
+        rank_key = (chunk * world_size - numel, preference, len(candidate))
         if best_key is None or rank_key < best_key:
             best, best_key = key, rank_key
     assert best is not None and best_key is not None
-    if uneven and numel and (best_key[0] > even_padding * numel
-                             or best_key[0] > shard0_padding(specs, world_size)):
+    padding = best_key[0]
+    # the uneven plan's bound: every chunk within one uncuttable piece of the mean
+    piece = max(s.numel if s.whole else s.band_numel for s in specs)
+    balanced = (numel + padding) // world_size <= -(-numel // world_size) + piece
+    if uneven and numel and (padding > even_padding * numel or not balanced
+                             or padding > shard0_padding(specs, world_size)):
         segments = folded if folded is not None and len(folded) <= max_segments else None
         return "uneven", tuple(tuple(g) for g in segments) if segments else (tuple(range(n_params)),)
     return "equal", best

@@ -104,6 +104,12 @@ def test_segmented_uneven_never_pads_more_than_shard0(unit, world):
     assert p.padding_numel <= 0.01 * total or p.padding_numel == 0
     if all(g.kind in ("rows", "block") and not g.keep_dims_whole for g in grans.values()):
         assert p.padding_numel <= block_shard0_padding(shapes, grans, world)
+    # the issue-16 target wherever the unit holds >= 4 of its largest uncuttable pieces per rank
+    specs = [p.specs[n] for n in shapes]
+    piece = max(s.numel if s.whole else s.band_numel for s in specs)
+    if total >= 4 * piece * world:
+        assert p.padding_numel <= 0.01 * total
+        assert p.chunk_numel <= -(-total // world) + piece
     for part in _parts(p):
         if isinstance(part, UnevenPlan) and world <= 64:  # the per-rank checks are O(world)
             check_uneven(part, {n: shapes[n] for n in part.names}, grans)
