@@ -33,7 +33,8 @@ Issue 16 (uneven per-rank chunks, ``plan_segmented(uneven=True)`` as ``fully_sha
   (padding <= 1%, largest chunk <= mean + one band) is met where the unit holds >= 4 bands per rank;
 * ``--grouping``: ``layers_per_unit`` (smallest consecutive-layer grouping) per model and mesh;
 * ``--timing``: cold planning time of the 1-trillion-parameter kimi-k2 at 65,536 ranks;
-* ``--collectives``: equal vs uneven all-gather / reduce-scatter on 4 gloo ranks.
+* ``--collectives``: equal vs uneven all-gather / reduce-scatter on 4 gloo ranks;
+* ``--options``: padding of each design option weighed in docs/planner-options.md.
 
 Usage: python benchmarks/planner.py [--models a,b] [--worlds 8,64] [--policies block128,matrix]
        [--separate-experts] [--issue16 [--unit-layers 1,4]] [--grouping] [--timing] [--collectives]
@@ -234,7 +235,7 @@ def issue16(models, worlds, unit_layers) -> None:
                     + others:
                 shapes = [s for _, s in unit]
                 total = sum(math.prod(s) for s in shapes)
-                band = BLOCK * max(s[-1] for s in shapes if len(s) >= 2)
+                band = BLOCK * max((s[-1] for s in shapes if len(s) >= 2), default=1)
                 for world in worlds:
                     before = plan_segmented(unit, world, granularity=block_policy)
                     after = plan_segmented(unit, world, granularity=block_policy, uneven=True)
@@ -286,6 +287,86 @@ def timing(world: int = 65536, repeats: int = 3) -> None:
               f"{'stacked' if stacked else 'separate'} experts) at W={world}: "
               f"{statistics.median(times):.2f} s median of {repeats} cold runs "
               f"({', '.join(f'{t:.2f}' for t in times)}), padding {pad} elements", flush=True)
+
+
+def _set_partitions(items):
+    """Every partition of ``items`` into non-empty groups (Bell(n) of them)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _set_partitions(rest):
+        yield [[first]] + part
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+
+
+def _exact_grouping_padding(unit, world: int) -> int:
+    """Least equal-chunk padding over every grouping of the unit's parameter classes (same
+    shape) into segments, each spanning all ranks; parameters never cut join the largest
+    segment. Exhaustive (Bell(#classes) segmentations), each segment packed by the planner."""
+    from ragged_placement.planner.granularity import resolve
+
+    classes: dict[tuple, list[str]] = {}
+    small = []
+    for n, shape in unit:
+        spec = resolve(n, shape, block_policy(n, shape))
+        if spec.whole or spec.numel <= spec.band_numel:
+            small.append(n)
+        else:
+            classes.setdefault(tuple(shape), []).append(n)
+    shapes = dict(unit)
+    best = None
+    for part in _set_partitions(list(classes)):
+        groups = [[n for c in g for n in classes[c]] for g in part]
+        largest = max(range(len(groups)), key=lambda k: sum(math.prod(shapes[n]) for n in groups[k]))
+        groups[largest] += small
+        pad = sum(plan([(n, shapes[n]) for n in g], world, granularity=block_policy).padding_numel
+                  for g in groups)
+        best = pad if best is None else min(best, pad)
+    return best
+
+
+def _stride_padded(unit):
+    """The unit with each stacked expert's rows padded to a multiple of 128 (the stride-padded
+    view): the shapes the buffer would hold, and the padding rows cost in elements."""
+    out, extra = [], 0
+    for n, s in unit:
+        if len(s) == 3 and s[1] % BLOCK:
+            padded = (s[0], -(-s[1] // BLOCK) * BLOCK, s[2])
+            extra += math.prod(padded) - math.prod(s)
+            out.append((n, padded))
+        else:
+            out.append((n, s))
+    return out, extra
+
+
+def options(worlds=(256, 1024, 4096)) -> None:
+    """Padding of each design option on the issue's configurations, one layer per unit (four
+    for grouping), in % of the parameters' elements."""
+    configs = _configs()
+    cases = [("qwen3-235b-a22b", False), ("gpt-oss-120b", True), ("kimi-k2", False)]
+    print(f"{'configuration':<22}{'world':>6}{'equal':>9}{'exact grp':>10}{'stride':>9}"
+          f"{'4 layers':>9}{'uneven':>8}{'max/mean':>9}")
+    for name, stacked in cases:
+        layers = [p for n, p in fsdp_units(name, configs[name], stacked_experts=stacked)
+                  if n.startswith("layers.")]
+        unit = layers[-1]
+        total = sum(math.prod(s) for _, s in unit)
+        four = [e for layer in layers[-4:] for e in layer]
+        padded, extra = _stride_padded(unit)
+        for world in worlds:
+            equal = plan_segmented(unit, world, granularity=block_policy).padding_numel
+            exact = _exact_grouping_padding(unit, world)
+            stride = (plan_segmented(padded, world, granularity=block_policy).padding_numel + extra
+                      if extra else None)
+            grouped = plan_segmented(four, world, granularity=block_policy).padding_numel / 4
+            un = plan_segmented(unit, world, granularity=block_policy, uneven=True)
+            fmt = lambda x: f"{'-':>9}" if x is None else f"{100 * x / total:9.2f}"  # noqa: E731
+            print(f"{name + ('' if stacked else '/sep'):<22}{world:>6}{fmt(equal)}"
+                  f"{fmt(exact)[1:]:>10}{fmt(stride)}{fmt(grouped)}"
+                  f"{100 * un.padding_numel / total:8.2f}{un.chunk_numel * world / total:9.3f}",
+                  flush=True)
 
 
 def _collective_times(rank: int, world: int, numel: int, repeats: int) -> dict[str, float]:
@@ -342,7 +423,10 @@ def main() -> None:
     ap.add_argument("--grouping", action="store_true", help="layers_per_unit for each model and mesh")
     ap.add_argument("--timing", action="store_true", help="plan the 1T MoE at 65,536 ranks")
     ap.add_argument("--collectives", action="store_true", help="equal vs uneven collectives on gloo")
+    ap.add_argument("--options", action="store_true", help="padding of each issue-16 design option")
     args = ap.parse_args()
+    if args.options:
+        return options()
     if args.timing:
         return timing()
     if args.collectives:

@@ -218,7 +218,10 @@ class Plan:
         self.world_size: int = layout.world_size
         self.names: tuple[str, ...] = tuple(names)
         self.order: tuple[str, ...] = tuple(self.names[i] for i in layout.order)
-        self.shapes: dict[str, torch.Size] = {n: torch.Size(s.shape) for n, s in zip(names, specs)}
+        sizes: dict[CutSpec, torch.Size] = {}  # torch.Size is slow to build; layers repeat shapes
+        self.shapes: dict[str, torch.Size] = {
+            n: sizes.get(s) or sizes.setdefault(s, torch.Size(s.shape)) for n, s in zip(names, specs)
+        }
         self.granularities: dict[str, Granularity] = dict(zip(names, granularities))
         self.specs: dict[str, CutSpec] = dict(zip(names, specs))
         self.offsets: dict[str, int] = dict(zip(names, layout.offsets))

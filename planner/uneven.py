@@ -140,7 +140,9 @@ class UnevenPlan:
         self.world_size: int = len(starts) - 1
         self.names: tuple[str, ...] = tuple(names)
         self.order: tuple[str, ...] = self.names
-        self.shapes = {n: torch.Size(s.shape) for n, s in zip(names, specs)}
+        sizes: dict[CutSpec, torch.Size] = {}  # torch.Size is slow to build; layers repeat shapes
+        self.shapes = {n: sizes.get(s) or sizes.setdefault(s, torch.Size(s.shape))
+                       for n, s in zip(names, specs)}
         self.granularities: dict[str, Granularity] = dict(zip(names, granularities))
         self.specs: dict[str, CutSpec] = dict(zip(names, specs))
         offs = np.concatenate([[0], np.cumsum([s.numel for s in specs], dtype=np.int64)]).tolist()
