@@ -301,10 +301,11 @@ def _set_partitions(items):
             yield part[:i] + [[first] + part[i]] + part[i + 1:]
 
 
-def _exact_grouping_padding(unit, world: int) -> int:
+def _exact_grouping_padding(unit, world: int, max_classes: int = 6) -> int | None:
     """Least equal-chunk padding over every grouping of the unit's parameter classes (same
     shape) into segments, each spanning all ranks; parameters never cut join the largest
-    segment. Exhaustive (Bell(#classes) segmentations), each segment packed by the planner."""
+    segment. Exhaustive (Bell(#classes) segmentations), each segment packed by the planner;
+    ``None`` beyond ``max_classes`` classes (Bell(7) = 877 plans per unit)."""
     from ragged_placement.planner.granularity import resolve
 
     classes: dict[tuple, list[str]] = {}
@@ -315,6 +316,8 @@ def _exact_grouping_padding(unit, world: int) -> int:
             small.append(n)
         else:
             classes.setdefault(tuple(shape), []).append(n)
+    if len(classes) > max_classes:
+        return None
     shapes = dict(unit)
     best = None
     for part in _set_partitions(list(classes)):
