@@ -305,7 +305,7 @@ def layers_per_unit(
     max_padding: float = 0.01,
     max_imbalance: float = 0.25,
     uneven: bool = True,
-) -> int:
+) -> int | None:
     """The smallest number ``k`` of consecutive layers to wrap in one ``fully_shard`` unit
     (``fully_shard([l0, ..., l{k-1}])``) so that every unit pads at most ``max_padding`` of its
     parameters and its largest chunk is at most ``(1 + max_imbalance)`` times the mean.
@@ -315,8 +315,8 @@ def layers_per_unit(
     checked). Each unit is planned as the runtime plans it (:func:`plan_segmented`, ``uneven``).
     Uneven plans never pad and keep every chunk within one band of the mean, so for them the
     imbalance decides: the default 0.25 is one band at four bands per rank, the issue-16 target.
-    Equal-chunk plans (``uneven=False``) are decided by their padding. Returns ``len(layers)``
-    if no smaller grouping qualifies.
+    Equal-chunk plans (``uneven=False``) are decided by their padding. Returns ``None`` if not
+    even all the layers in one unit qualify (the mesh is too large for the model).
     """
     from ragged_placement.planner.segments import plan_segmented
 
@@ -336,7 +336,7 @@ def layers_per_unit(
                 break
         if ok:
             return k
-    return len(layers)
+    return None
 
 
 def _entries(named_shapes: NamedShapes) -> list:
