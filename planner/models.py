@@ -6,8 +6,9 @@ the output projection). Linear weights are ``[out_features, in_features]``. MoE 
 either separate matrices per expert or stacked ``[E, out, in]`` tensors.
 
 Covered families: GPT-2 (fused qkv, LayerNorm with bias), Llama-style (Llama 3.1, Qwen2.5 with
-qkv bias, Mixtral MoE) and DeepSeek-V3 (MLA attention, dense then MoE layers with a shared
-expert and a router bias). The multi-token-prediction module of DeepSeek-V3 is not included.
+qkv bias, Mixtral and Qwen3 MoE), DeepSeek-V3 and Kimi K2 (MLA attention, dense then MoE layers
+with a shared expert and a router bias; names starting ``deepseek`` or ``kimi``) and GPT-OSS
+(biased attention with sinks, fused gate/up experts with biases; names starting ``gpt-oss``). The multi-token-prediction module of DeepSeek-V3 is not included.
 """
 
 from __future__ import annotations
@@ -113,6 +114,31 @@ def _deepseek_layer(p: str, c: Mapping[str, Any], moe: bool, stacked: bool) -> l
     return out
 
 
+def _gpt_oss_layer(p: str, c: Mapping[str, Any], stacked: bool) -> list[tuple[str, Shape]]:
+    """A GPT-OSS layer: attention with biases and sinks, a biased router, and experts with a
+    fused gate/up projection ``[E, 2F, H]`` and biases (``F`` = ``intermediate``)."""
+    h, hd, e, f = c["hidden"], c["head_dim"], c["experts"], c["intermediate"]
+    q, kv = c["heads"] * hd, c["kv_heads"] * hd
+    out = [(f"{p}.input_layernorm.weight", (h,))]
+    for proj, rows, cols in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)):
+        out += [(f"{p}.self_attn.{proj}.weight", (rows, cols)), (f"{p}.self_attn.{proj}.bias", (rows,))]
+    out += [(f"{p}.self_attn.sinks", (c["heads"],)), (f"{p}.post_attention_layernorm.weight", (h,)),
+            (f"{p}.mlp.router.weight", (e, h)), (f"{p}.mlp.router.bias", (e,))]
+    if stacked:
+        return out + [
+            (f"{p}.mlp.experts.gate_up_proj", (e, 2 * f, h)),
+            (f"{p}.mlp.experts.gate_up_proj_bias", (e, 2 * f)),
+            (f"{p}.mlp.experts.down_proj", (e, h, f)),
+            (f"{p}.mlp.experts.down_proj_bias", (e, h)),
+        ]
+    for i in range(e):
+        out += [(f"{p}.mlp.experts.{i}.gate_up_proj.weight", (2 * f, h)),
+                (f"{p}.mlp.experts.{i}.gate_up_proj.bias", (2 * f,)),
+                (f"{p}.mlp.experts.{i}.down_proj.weight", (h, f)),
+                (f"{p}.mlp.experts.{i}.down_proj.bias", (h,))]
+    return out
+
+
 def fsdp_units(name: str, config: Mapping[str, Any], stacked_experts: bool = True) -> list[Unit]:
     """FSDP units of model ``name``: embeddings, each layer, head (see the module docstring)."""
     h, vocab, layers = config["hidden"], config["vocab"], config["layers"]
@@ -125,7 +151,9 @@ def fsdp_units(name: str, config: Mapping[str, Any], stacked_experts: bool = Tru
         p = f"layers.{i}"
         if gpt2:
             params = _gpt2_layer(p, h)
-        elif name.startswith("deepseek"):
+        elif name.startswith("gpt-oss"):
+            params = _gpt_oss_layer(p, config, stacked_experts)
+        elif name.startswith(("deepseek", "kimi")):
             params = _deepseek_layer(p, config, i >= config.get("dense_layers", 0), stacked_experts)
         else:
             params = _llama_layer(p, config, stacked_experts)

@@ -159,7 +159,7 @@ def _normalize(named_shapes: NamedShapes) -> list[tuple[str, tuple[int, ...]]]:
             raise ValueError(f"shape of {name!r} must be a sequence of ints, got {shape!r}") from None
         if not all(type(d) is int for d in dims):
             raise ValueError(f"shape of {name!r} must be a sequence of ints, got {shape!r}")
-        out.append((name, tuple(int(d) for d in dims)))
+        out.append((name, dims))
     if not out:
         raise ValueError("named_shapes is empty: a plan needs at least one parameter")
     return out
@@ -169,11 +169,30 @@ def _normalize(named_shapes: NamedShapes) -> list[tuple[str, tuple[int, ...]]]:
 class Segment:
     """Where one flat layout sits in a unit: its chunk starts at ``chunk_offset`` inside every
     rank's chunk, its ``world_size * chunk_numel`` elements at ``buffer_offset`` in the unsharded
-    buffer. A :class:`Plan` is one segment; a ``SegmentedPlan`` has several."""
+    buffer. A :class:`Plan` is one segment; a ``SegmentedPlan`` has several.
+
+    An uneven segment (``rank_starts`` given, from an ``UnevenPlan``) splits its buffer of
+    ``rank_starts[-1]`` elements unevenly: rank ``r`` holds ``[rank_starts[r], rank_starts[r+1])``
+    of it, at ``chunk_offset`` in its chunk; ``chunk_numel`` is then the largest of those."""
 
     chunk_offset: int
     buffer_offset: int
     chunk_numel: int
+    rank_starts: tuple[int, ...] | None = None
+
+    @property
+    def uneven(self) -> bool:
+        return self.rank_starts is not None
+
+    def buffer_numel(self, world_size: int) -> int:
+        """Elements of this segment in the unsharded buffer."""
+        return self.rank_starts[-1] if self.rank_starts is not None else world_size * self.chunk_numel
+
+    def rank_range(self, rank: int) -> tuple[int, int]:
+        """``[begin, end)`` of ``rank``'s chunk in this segment's unsharded buffer."""
+        if self.rank_starts is not None:
+            return self.rank_starts[rank], self.rank_starts[rank + 1]
+        return rank * self.chunk_numel, (rank + 1) * self.chunk_numel
 
 
 class Plan:
@@ -199,7 +218,10 @@ class Plan:
         self.world_size: int = layout.world_size
         self.names: tuple[str, ...] = tuple(names)
         self.order: tuple[str, ...] = tuple(self.names[i] for i in layout.order)
-        self.shapes: dict[str, torch.Size] = {n: torch.Size(s.shape) for n, s in zip(names, specs)}
+        sizes: dict[CutSpec, torch.Size] = {}  # torch.Size is slow to build; layers repeat shapes
+        self.shapes: dict[str, torch.Size] = {
+            n: sizes.get(s) or sizes.setdefault(s, torch.Size(s.shape)) for n, s in zip(names, specs)
+        }
         self.granularities: dict[str, Granularity] = dict(zip(names, granularities))
         self.specs: dict[str, CutSpec] = dict(zip(names, specs))
         self.offsets: dict[str, int] = dict(zip(names, layout.offsets))
@@ -207,7 +229,8 @@ class Plan:
         self.chunk_numel: int = layout.chunk_numel
         self.chunk_lower_bound: int = layout.chunk_lower_bound
         self.numel: int = sum(s.numel for s in specs)
-        self.padding_numel: int = self.chunk_numel * self.world_size - self.numel
+        self.buffer_numel: int = self.chunk_numel * self.world_size
+        self.padding_numel: int = self.buffer_numel - self.numel
         self.dtype: torch.dtype = dtype
         self.attempts: int = layout.attempts
         self.rank_offset: int = rank_offset
@@ -217,6 +240,11 @@ class Plan:
     def segments(self) -> tuple[Segment, ...]:
         """One segment: rank ``r``'s chunk is ``[r * S, (r + 1) * S)`` of the unsharded buffer."""
         return (Segment(0, 0, self.chunk_numel),)
+
+    def rank_numel(self, rank: int) -> int:
+        """Elements of ``rank``'s chunk (every rank's: ``chunk_numel``)."""
+        self._check_rank(rank)
+        return self.chunk_numel
 
     def segment_index(self, name: str) -> int:
         """Index in :attr:`segments` of the segment holding ``name`` (always 0 here)."""
@@ -424,8 +452,14 @@ def _resolve_unit(named_shapes: NamedShapes, granularity: GranularityPolicy):
     entries = _normalize(named_shapes)
     names = [n for n, _ in entries]
     grans = [resolve_policy(granularity, n, s) for n, s in entries]
-    specs = tuple(resolve(n, s, g) for (n, s), g in zip(entries, grans))
-    return names, grans, specs
+    seen: dict[tuple, CutSpec] = {}  # layers repeat shapes: resolve each (shape, granularity) once
+    specs = []
+    for (n, s), g in zip(entries, grans):
+        spec = seen.get((s, g))
+        if spec is None:
+            spec = seen[(s, g)] = resolve(n, s, g)
+        specs.append(spec)
+    return names, grans, tuple(specs)
 
 
 def plan_units(

@@ -18,6 +18,7 @@ candidate fits in ``max_segments``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,8 +28,17 @@ import torch
 import torch.distributed as dist
 
 from ragged_placement.placement import RaggedShard
-from ragged_placement.planner.granularity import GranularityPolicy
-from ragged_placement.planner.plan import NamedShapes, Plan, Segment, _check_args, _resolve_unit, plan
+from ragged_placement.planner.granularity import CutSpec, GranularityPolicy
+from ragged_placement.planner.plan import (
+    NamedShapes,
+    Plan,
+    Segment,
+    _check_args,
+    _planned,
+    _resolve_unit,
+    _rotated,
+)
+from ragged_placement.planner.uneven import UnevenPlan, _cuts, shard0_padding
 
 __all__ = ["SegmentedPlan", "plan_segmented"]
 
@@ -62,9 +72,9 @@ class SegmentedPlan:
         self.world_size: int = parts[0].world_size
         segments, c, u = [], 0, 0
         for p in parts:
-            segments.append(Segment(c, u, p.chunk_numel))
+            segments.append(Segment(c, u, p.chunk_numel, p.segments[0].rank_starts))
             c += p.chunk_numel
-            u += p.chunk_numel * self.world_size
+            u += p.buffer_numel
         self.segments: tuple[Segment, ...] = tuple(segments)
         self.chunk_numel: int = c
         self._part_of = {n: k for k, p in enumerate(parts) for n in p.names}
@@ -77,7 +87,8 @@ class SegmentedPlan:
                         for n in names}
         self.placements = _MergedPlacements(self.parts, self._part_of)
         self.numel: int = sum(p.numel for p in parts)
-        self.padding_numel: int = self.chunk_numel * self.world_size - self.numel
+        self.buffer_numel: int = u
+        self.padding_numel: int = self.buffer_numel - self.numel
         self.chunk_lower_bound: int = sum(p.chunk_lower_bound for p in parts)
         self.dtype: torch.dtype = parts[0].dtype
 
@@ -96,6 +107,11 @@ class SegmentedPlan:
         base = self.segments[k].chunk_offset
         return base + begin, base + end
 
+    def rank_numel(self, rank: int) -> int:
+        """Elements of ``rank``'s chunk it uses: its part of every segment, up to the last."""
+        last = self.segments[-1]
+        return last.chunk_offset + self.parts[-1].rank_numel(rank)
+
     def local_views(self, chunk: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
         """Views into ``rank``'s flat chunk (``chunk_numel`` elements), one per parameter."""
         if chunk.dim() != 1 or chunk.numel() != self.chunk_numel:
@@ -110,7 +126,7 @@ class SegmentedPlan:
 
     @property
     def padding_fraction(self) -> float:
-        return self.padding_numel / (self.chunk_numel * self.world_size)
+        return self.padding_numel / max(self.buffer_numel, 1)
 
     def digest(self) -> str:
         payload = [[s.chunk_offset, s.buffer_offset, s.chunk_numel] for s in self.segments]
@@ -144,11 +160,13 @@ def plan_segmented(
     max_segments: int = 16,
     align_bytes: int | None = None,
     groups: Sequence[Sequence[str]] | None = None,
-) -> Plan | SegmentedPlan:
+    uneven: bool = False,
+    even_padding: float = 0.01,
+) -> Plan | SegmentedPlan | UnevenPlan:
     """Plan one FSDP unit as one or several segments, whichever pads least.
 
     Candidates: one segment (:func:`plan`); one segment per band size (parameters whose cuts fall
-    on the same quantum share a segment, so no lcm of bands arises); one segment per
+    on the same quantum share a segment, so no lcm arises); one segment per
     parameter, with the parameters that are never cut (whole or smaller than one band) joining
     the largest segment, and with every parameter alone (per-parameter ``Shard(0)`` padding).
 
@@ -163,11 +181,30 @@ def plan_segmented(
     padding, one built from ``groups`` wins, then the one with fewer segments. Returns a
     :class:`Plan` when one segment wins, so callers that ask for segments pay nothing when
     they do not help.
+
+    ``uneven=True`` (the FSDP runtime's choice; needs ``align_bytes=None``) also allows uneven
+    per-rank chunks (:class:`UnevenPlan`: no padding, every chunk within one band of the mean,
+    an uneven collective). They win unless the best equal-chunk candidate pads at most
+    ``even_padding`` of the parameters, no more than per-parameter ``Shard(0)``
+    (:func:`shard0_padding`), and at most one band per rank (so its chunk also meets the uneven
+    bound): equal chunks run as one ring all-gather on NCCL, uneven ones as a group of ``W``
+    broadcasts. With ``groups``, the uneven plan has one uneven segment per
+    (folded) group. The choice depends only on the shapes, granularities and arguments, and is
+    cached, so identical layers plan once.
     """
     if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 1:
         raise ValueError(f"max_segments must be a positive int, got {max_segments!r}")
-    _check_args(world_size, dtype, align_bytes)
+    if not isinstance(uneven, bool):
+        raise ValueError(f"uneven must be a bool, got {uneven!r}")
+    if isinstance(even_padding, bool) or not isinstance(even_padding, (int, float)) \
+            or not 0 <= even_padding <= 1:
+        raise ValueError(f"even_padding must be a float in [0, 1], got {even_padding!r}")
+    if uneven and align_bytes is not None:
+        raise ValueError("uneven=True needs align_bytes=None (uneven cuts are not aligned)")
+    align = _check_args(world_size, dtype, align_bytes)
     names, grans, specs = _resolve_unit(named_shapes, granularity)
+    index = {n: i for i, n in enumerate(names)}
+    group_idx = None
     if groups is not None:
         flat = [n for g in groups for n in g]
         if sorted(flat) != sorted(names) or any(not g for g in groups):
@@ -175,68 +212,91 @@ def plan_segmented(
                 f"groups must partition the parameter names {list(names)} into non-empty "
                 f"groups, got {[list(g) for g in groups]}"
             )
-    by_name = dict(zip(names, grans))
-    spec_of = dict(zip(names, specs))
-    shapes = {n: s.shape for n, s in spec_of.items()}
-    policy = lambda name, shape: by_name[name]  # noqa: E731 - the resolved granularities
+        group_idx = tuple(tuple(index[n] for n in g) for g in groups)
+    kind, chosen = _choose(tuple(specs), world_size, align, max_segments, group_idx, uneven,
+                           float(even_padding))
+    parts = []
+    for g in chosen:
+        sub_names, sub_specs = [names[i] for i in g], tuple(specs[i] for i in g)
+        sub_grans = [grans[i] for i in g]
+        if kind == "uneven":
+            parts.append(UnevenPlan(sub_names, sub_specs, sub_grans,
+                                    *_cuts(sub_specs, world_size), dtype))
+        else:
+            parts.append(Plan(sub_names, sub_specs, sub_grans,
+                              *_rotated(sub_specs, world_size, align, 0), dtype))
+    return parts[0] if len(parts) == 1 else SegmentedPlan(parts, names)
 
-    def build(groups: list[list[str]]) -> Plan | SegmentedPlan:
-        parts = [plan({n: shapes[n] for n in g}, world_size, policy, dtype, align_bytes=align_bytes)
-                 for g in groups]
-        return parts[0] if len(parts) == 1 else SegmentedPlan(parts, names)
 
-    cut = [n for n, s in zip(names, specs) if not s.whole and s.numel > s.band_numel]
-    fill = [n for n in names if n not in cut]
+@functools.lru_cache(maxsize=1024)
+def _choose(specs: tuple[CutSpec, ...], world_size: int, align: int, max_segments: int,
+            groups: tuple[tuple[int, ...], ...] | None, uneven: bool, even_padding: float,
+            ) -> tuple[str, tuple[tuple[int, ...], ...]]:
+    """``("equal" | "uneven", index groups)``: the segments :func:`plan_segmented` builds."""
+    n_params = len(specs)
+    numel = sum(s.numel for s in specs)
+    cut = [i for i, s in enumerate(specs) if not s.whole and s.numel > s.band_numel]
+    cut_set = set(cut)
+    fill = [i for i in range(n_params) if i not in cut_set]
 
-    def with_fillers(groups: list[list[str]]) -> list[list[str]]:
-        if not groups:
-            return [list(names)]
-        largest = max(range(len(groups)), key=lambda k: sum(spec_of[n].numel for n in groups[k]))
-        return [g + fill if k == largest else g for k, g in enumerate(groups)]
+    def with_fillers(gs: list[list[int]]) -> list[list[int]]:
+        if not gs:
+            return [list(range(n_params))]
+        largest = max(range(len(gs)), key=lambda k: sum(specs[i].numel for i in gs[k]))
+        return [g + fill if k == largest else g for k, g in enumerate(gs)]
 
-    classes: dict[tuple[int, int], list[str]] = {}
-    for n in cut:
-        classes.setdefault((spec_of[n].band_numel, spec_of[n].period_numel), []).append(n)
+    def by_band(g: list[int]) -> dict[tuple[int, int], list[int]]:
+        bands: dict[tuple[int, int], list[int]] = {}
+        for i in g:
+            bands.setdefault((specs[i].band_numel, specs[i].period_numel), []).append(i)
+        return bands
+
     # (preference, groups): on equal padding the lower preference wins, then fewer segments.
     # The caller's groups come first: a candidate seen twice keeps its first preference.
-    candidates: list[tuple[int, list[list[str]]]] = []
+    candidates: list[tuple[int, list[list[int]]]] = []
+    folded = None
     if groups is not None:
-        cut_set = set(cut)
-        unit_numel = sum(s.numel for s in specs)
         as_given = _merge_uncut_groups([list(g) for g in groups], cut_set)
         # small groups (a norm) folded into the next: fewer segments when that pads no more
         folded = _fold_groups(
-            as_given,
-            lambda g: sum(spec_of[n].numel for n in g) * max_segments < unit_numel,
+            as_given, lambda g: sum(specs[i].numel for i in g) * max_segments < numel
         )
         for module_groups in (as_given, folded):
-            by_band = []
+            split = []
             for g in module_groups:
-                bands: dict[tuple[int, int], list[str]] = {}
-                for n in g:
-                    bands.setdefault((spec_of[n].band_numel, spec_of[n].period_numel), []).append(n)
-                by_band.extend(_merge_uncut_groups([bands[k] for k in sorted(bands)], cut_set))
-            candidates += [(0, module_groups), (0, by_band)]
+                bands = by_band(g)
+                split.extend(_merge_uncut_groups([bands[k] for k in sorted(bands)], cut_set))
+            candidates += [(0, module_groups), (0, split)]
+    classes = by_band(cut)
     candidates += [
-        (1, [list(names)]),
+        (1, [list(range(n_params))]),
         (1, with_fillers([classes[k] for k in sorted(classes)])),
-        (1, with_fillers([[n] for n in cut])),
-        (1, [[n] for n in names]),  # exactly per-parameter Shard(0): the guarantee's candidate
+        (1, with_fillers([[i] for i in cut])),
+        (1, [[i] for i in range(n_params)]),  # exactly per-parameter Shard(0): the guarantee's
     ]
-    best: Plan | SegmentedPlan | None = None
+    best: tuple[tuple[int, ...], ...] | None = None
     best_key: tuple[int, int, int] | None = None
-    seen: set[tuple[tuple[str, ...], ...]] = set()
+    seen: set[tuple[tuple[int, ...], ...]] = set()
     for preference, candidate in candidates:
         key = tuple(tuple(g) for g in candidate)
         if len(candidate) > max_segments or key in seen:
             continue
         seen.add(key)
-        p = build(candidate)
-        rank_key = (p.padding_numel, preference, len(candidate))
+        chunk = sum(_planned(tuple(specs[i] for i in g), world_size, align)[0].chunk_numel
+                    for g in candidate)
+        rank_key = (chunk * world_size - numel, preference, len(candidate))
         if best_key is None or rank_key < best_key:
-            best, best_key = p, rank_key
-    assert best is not None
-    return best
+            best, best_key = key, rank_key
+    assert best is not None and best_key is not None
+    padding = best_key[0]
+    # the uneven plan's bound: every chunk within one uncuttable piece of the mean
+    piece = max(s.numel if s.whole else s.band_numel for s in specs)
+    balanced = (numel + padding) // world_size <= -(-numel // world_size) + piece
+    if uneven and numel and (padding > even_padding * numel or not balanced
+                             or padding > shard0_padding(specs, world_size)):
+        segments = folded if folded is not None and len(folded) <= max_segments else None
+        return "uneven", tuple(tuple(g) for g in segments) if segments else (tuple(range(n_params)),)
+    return "equal", best
 
 
 def _merge_uncut_groups(groups: list[list[str]], cut: set[str]) -> list[list[str]]:

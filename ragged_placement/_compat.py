@@ -118,39 +118,125 @@ def _coalesced(calls, group, async_op: bool):
     return None
 
 
+class _Works:
+    """Several in-flight collectives waited on as one (``wait`` waits for all, in order)."""
+
+    def __init__(self, works) -> None:
+        self.works = [w for w in works if w is not None]
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            w.wait() if timeout is None else w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _rank_views(buffer: torch.Tensor, starts) -> list[torch.Tensor]:
+    return [buffer[starts[r]:starts[r + 1]] for r in range(len(starts) - 1)]
+
+
+def _all_gather_uneven(output: torch.Tensor, input: torch.Tensor, starts, group, async_op: bool):
+    """Gather rank ``r``'s ``input`` (``starts[r+1] - starts[r]`` elements) into
+    ``output[starts[r]:starts[r+1]]``, zero-copy on the receiving side.
+
+    NCCL runs torch's ``all_gather`` into a list of uneven views as one group of broadcasts. Gloo
+    rejects uneven ``all_gather`` and torch's coalescing manager drops gloo broadcasts without an
+    error (torch 2.13), so gloo gets one async broadcast per rank that holds elements."""
+    views = _rank_views(output, starts)
+    if dist.get_backend(group) != "gloo":
+        return dist.all_gather(views, input, group=group, async_op=async_op)
+    rank = dist.get_rank(group)
+    views[rank].copy_(input)
+    works = [
+        dist.broadcast(v, src=dist.get_global_rank(group, r) if group is not None else r,
+                       group=group, async_op=True)
+        for r, v in enumerate(views) if v.numel()
+    ]
+    out = _Works(works)
+    if async_op:
+        return out
+    out.wait()
+    return None
+
+
+def _segment_calls(segments, world_size, group, gather_call, uneven_call):
+    """One thunk per segment; uneven segments (``rank_starts``) are issued apart, since the
+    coalescing manager takes only equal collectives on every backend."""
+    equal = [gather_call(s) for s in segments if s.rank_starts is None]
+    uneven = [uneven_call(s) for s in segments if s.rank_starts is not None]
+    return equal, uneven
+
+
+def _run(equal, uneven, group, async_op: bool):
+    if not uneven:
+        return _coalesced(equal, group, async_op)
+    works = [_coalesced(equal, group, True)] if equal else []
+    works += [call(True) for call in uneven]
+    out = _Works(works)
+    if async_op:
+        return out
+    out.wait()
+    return None
+
+
 def all_gather_segments(output: torch.Tensor, input: torch.Tensor, segments, world_size: int,
                         group=None, async_op: bool = False):
     """All-gather each segment of ``input`` (a rank's chunk: segment ``k`` at
     ``[chunk_offset, chunk_offset + chunk_numel)``) into its place in ``output`` (segment ``k`` at
-    ``[buffer_offset, buffer_offset + world_size * chunk_numel)``), as one coalesced collective."""
-    calls = [
-        (lambda a, s=s: all_gather_single(
+    ``[buffer_offset, buffer_offset + world_size * chunk_numel)``), as one coalesced collective.
+
+    An uneven segment (``rank_starts`` set) takes rank ``r``'s first
+    ``rank_starts[r+1] - rank_starts[r]`` chunk elements into ``output[buffer_offset +
+    rank_starts[r]:...]`` with an uneven all-gather (see :func:`_all_gather_uneven`)."""
+    rank = dist.get_rank(group)
+
+    def equal(s):
+        return lambda a: all_gather_single(
             output[s.buffer_offset:s.buffer_offset + world_size * s.chunk_numel],
-            input[s.chunk_offset:s.chunk_offset + s.chunk_numel], group=group, async_op=a))
-        for s in segments
-    ]
-    return _coalesced(calls, group, async_op)
+            input[s.chunk_offset:s.chunk_offset + s.chunk_numel], group=group, async_op=a)
+
+    def uneven(s):
+        lo, hi = s.rank_starts[rank], s.rank_starts[rank + 1]
+        return lambda a: _all_gather_uneven(
+            output[s.buffer_offset:s.buffer_offset + s.rank_starts[-1]],
+            input[s.chunk_offset:s.chunk_offset + hi - lo], s.rank_starts, group, a)
+
+    return _run(*_segment_calls(segments, world_size, group, equal, uneven), group, async_op)
 
 
 def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: int,
                             op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
     """The inverse of :func:`all_gather_segments`: reduce each segment's unsharded buffer
-    (``inputs[k]``, ``world_size * chunk_numel`` elements) and keep this rank's chunk of it in
-    ``output`` (segment ``k`` at ``chunk_offset``), as one coalesced collective."""
+    (``inputs[k]``, ``world_size * chunk_numel`` elements, or ``rank_starts[-1]`` for an uneven
+    segment) and keep this rank's chunk of it in ``output`` (segment ``k`` at ``chunk_offset``),
+    as one coalesced collective (uneven segments: torch's list ``reduce_scatter``, which NCCL runs
+    as one group of reduces)."""
     inputs = list(inputs)
     sizes = [x.numel() for x in inputs]
-    if sizes != [world_size * s.chunk_numel for s in segments]:
+    want = [s.rank_starts[-1] if s.rank_starts is not None else world_size * s.chunk_numel
+            for s in segments]
+    if sizes != want:
         raise ValueError(
-            f"inputs must hold world_size * chunk_numel elements per segment "
-            f"({[world_size * s.chunk_numel for s in segments]}), got {sizes}"
+            f"inputs must hold world_size * chunk_numel elements per segment (rank_starts[-1] "
+            f"for an uneven one): {want}, got {sizes}"
         )
-    calls = [
-        (lambda a, s=s, x=x: reduce_scatter_single(
-            output[s.chunk_offset:s.chunk_offset + s.chunk_numel], x, op=op, group=group,
-            async_op=a))
-        for s, x in zip(segments, inputs)
-    ]
-    return _coalesced(calls, group, async_op)
+    rank = dist.get_rank(group)
+    by_segment = dict(zip(map(id, segments), inputs))
+
+    def equal(s):
+        return lambda a: reduce_scatter_single(
+            output[s.chunk_offset:s.chunk_offset + s.chunk_numel], by_segment[id(s)], op=op,
+            group=group, async_op=a)
+
+    def uneven(s):
+        lo, hi = s.rank_starts[rank], s.rank_starts[rank + 1]
+        return lambda a: dist.reduce_scatter(
+            output[s.chunk_offset:s.chunk_offset + hi - lo],
+            _rank_views(by_segment[id(s)], s.rank_starts), op=op, group=group, async_op=a)
+
+    return _run(*_segment_calls(segments, world_size, group, equal, uneven), group, async_op)
 
 
 @functools.cache

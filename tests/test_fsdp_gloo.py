@@ -67,19 +67,27 @@ def _train_and_save(rank: int, ws: int, ckpt: str):
     m, opt = _sharded("ours", None)  # mesh=None: a 1-D cpu mesh over the default gloo group
     losses, counts = [], []
     segments = [len(u.plan.segments) for _, u in m.fsdp_units() if u.plan is not None]
+    # an uneven segment (the root here: equal chunks would pad > 1%) is gathered on gloo by one
+    # broadcast per rank holding part of it (NCCL: one grouped all_gather), reduced by one
+    # list reduce_scatter; its unit gathers once per step
+    uneven = [s for _, u in m.fsdp_units() if u.plan is not None for s in u.plan.segments if s.uneven]
+    broadcasts = sum(sum(b > a for a, b in zip(s.rank_starts, s.rank_starts[1:])) for s in uneven)
     for s in range(STEPS):
         # the c10d ops gloo runs: a unit of several segments issues one coalesced op
         with CommDebugMode() as cdm:
             losses.append(_step(m, opt, corpus, s, rank, ws))
         ops = {str(k).rsplit(".", 1)[-1]: v for k, v in cdm.get_comm_counts().items()}
-        counts.append((ops.get("_allgather_base_", 0) + ops.get("allgather_into_tensor_coalesced_", 0),
-                       ops.get("_reduce_scatter_base_", 0) + ops.get("reduce_scatter_tensor_coalesced_", 0)))
+        uneven_gathers = ops.get("broadcast_", 0) / broadcasts if broadcasts else 0
+        counts.append((ops.get("_allgather_base_", 0) + ops.get("allgather_into_tensor_coalesced_", 0)
+                       + uneven_gathers,
+                       ops.get("_reduce_scatter_base_", 0) + ops.get("reduce_scatter_tensor_coalesced_", 0)
+                       + ops.get("reduce_scatter_", 0)))
         if s + 1 == SAVE_AT:
             dcp.save(
                 {"model": m.state_dict(), "optim": get_optimizer_state_dict(m, opt)},
                 checkpoint_id=ckpt,
             )
-    counts.append(("segments", max(segments)))
+    counts.append(("segments", max(segments), len(uneven)))
     return losses, counts
 
 
@@ -124,6 +132,7 @@ def test_dtensor_adamw_training_and_dcp_resume_on_fewer_ranks(tmp_path):
     # one collective each even when the planner split a unit into segments
     assert counts[:-1] == [(5, 3)] * STEPS
     assert counts[-1][1] > 1, "the block granularity here should give segmented units"
+    assert counts[-1][2] >= 1, "the root unit here should have uneven chunks"
     two = run_gloo(_resume, 2, ckpt)
     assert two[0]["ours"] == pytest.approx(ref[SAVE_AT:], abs=1e-5)
     assert two[0]["fsdp2"] == pytest.approx(ref[SAVE_AT:], abs=1e-5)

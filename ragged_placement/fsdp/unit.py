@@ -1,9 +1,14 @@
 """One FSDP unit: the flat buffers of the parameters one ``fully_shard`` call owns.
 
-Layout (from :func:`ragged_placement.planner.plan`): the unit's parameters are packed, in plan
-order, into one global flat buffer of ``S * world_size`` elements (``S`` = ``plan.chunk_numel``);
-rank ``r`` owns the equal chunk ``[r*S, (r+1)*S)``. Because the planner cuts only on row (or
-coarser) boundaries, each parameter's part of a chunk is a :class:`RaggedShard` local tensor.
+Layout (from :func:`ragged_placement.planner.plan_segmented`): the unit's parameters are packed,
+in plan order, into one global flat buffer of ``S * world_size`` elements (``S`` =
+``plan.chunk_numel``); rank ``r`` owns the equal chunk ``[r*S, (r+1)*S)``. Where equal chunks
+would pad (more than 1%, or more than per-parameter ``Shard(0)``) the planner returns uneven
+chunks instead (:class:`~ragged_placement.planner.UnevenPlan`): the buffer holds exactly the
+parameters (``plan.buffer_numel``), rank ``r`` owns ``[rank_starts[r], rank_starts[r+1])``, every
+rank's sharded buffer has the largest chunk's size and uses its first ``plan.rank_numel(r)``
+elements, and the collectives are the uneven ones of :mod:`ragged_placement._compat`. Because
+the planner cuts only on row (or coarser) boundaries, each parameter's part of a chunk is a :class:`RaggedShard` local tensor.
 
 Buffers a unit holds (``W`` = world size, ``P`` = ``param_dtype``, ``R`` = ``reduce_dtype``):
 
@@ -190,6 +195,7 @@ def plan_unit(
     group,
     *,
     split_by_submodule: bool,
+    uneven: bool = True,
 ):
     """The unit's flat layout (``None`` for a unit without parameters), checked equal on every
     rank of ``group``.
@@ -200,7 +206,9 @@ def plan_unit(
     segment per submodule where that pads no more (``split_by_submodule``): its gradients
     arrive a whole backward apart, and each segment's gradient buffer is allocated when
     backward reaches it. Inside a leaf unit they arrive within one unit's backward, where extra
-    segments would only cost collective parts."""
+    segments would only cost collective parts. ``uneven``: uneven per-rank chunks where equal
+    ones would pad (:class:`~ragged_placement.planner.UnevenPlan`); off for FP8 units, whose
+    gather packs equal chunks."""
     from ragged_placement.planner import plan_segmented
 
     if not slots:
@@ -212,6 +220,7 @@ def plan_unit(
         granularity=policy,
         dtype=dtype,
         groups=_submodule_groups(fqns) if split_by_submodule else None,
+        uneven=uneven,
     )
     plan.check_consistent(group)
     return plan
@@ -328,7 +337,8 @@ class FSDPUnit:
         # A unit whose parameters all belong to inner units (a root container) has no plan,
         # empty buffers, and issues no collectives.
         self.plan = plan_unit(
-            slots, self.world_size, policy, dtype, self.group, split_by_submodule=split_by_submodule
+            slots, self.world_size, policy, dtype, self.group, split_by_submodule=split_by_submodule,
+            uneven=not any(self.quantized),
         )
         self.chunk_numel = self.plan.chunk_numel if slots else 0
         self.layouts = self._layouts(tp_specs)
@@ -422,7 +432,7 @@ class FSDPUnit:
             self._storage = self.unsharded.untyped_storage()
         else:
             self.unsharded = torch.empty(
-                self.chunk_numel * self.world_size, dtype=self.param_dtype, device=device
+                self.plan.buffer_numel if self.slots else 0, dtype=self.param_dtype, device=device
             )
             self._storage = self.unsharded.untyped_storage()
             self._storage_nbytes = self._storage.nbytes()
@@ -703,9 +713,7 @@ class FSDPUnit:
             return  # allocated by an earlier parameter, or accumulating micro-batches
         self.release_dropped_grads()
         seg = self.plan.segments[k]
-        buf = torch.zeros(
-            seg.chunk_numel * self.world_size, dtype=self.param_dtype, device=self.device
-        )
+        buf = torch.zeros(seg.buffer_numel(self.world_size), dtype=self.param_dtype, device=self.device)
         self.unsharded_grads[k] = buf
         for i, (slot, p, tp) in enumerate(
             zip(self.slots, self.unsharded_params, self.unsharded_specs)
@@ -724,7 +732,7 @@ class FSDPUnit:
             p.grad = None
         rs_in = [
             g if g is not None else torch.zeros(
-                seg.chunk_numel * self.world_size, dtype=self.reduce_dtype, device=self.device
+                seg.buffer_numel(self.world_size), dtype=self.reduce_dtype, device=self.device
             )
             for g, seg in zip(self.unsharded_grads, self.plan.segments)
         ]
