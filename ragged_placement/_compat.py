@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_single", "reduce_scatter_single", "all_gather_segments", "reduce_scatter_segments",
-    "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH",
+    "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -39,6 +39,17 @@ try:
     from torch.distributed.tensor._ops._math_ops import _NormPartial as NormPartial
 except ImportError:  # pragma: no cover - layout of other releases
     from torch.distributed.tensor._ops.math_ops import _NormPartial as NormPartial  # type: ignore[no-redef]
+
+
+def clear_sharding_caches() -> None:
+    """Clear DTensor's sharding-propagation caches (the Python LRU and the C++ fast path's)."""
+    from torch.distributed.tensor import debug
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()
+    else:  # pragma: no cover - releases without the fast-path cache
+        debug._clear_python_sharding_prop_cache()
 
 
 def concatenate_meshes(meshes: list):

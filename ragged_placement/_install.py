@@ -1,24 +1,20 @@
-"""Teach torch's DTensor about RaggedShard: every hook into torch, in one place.
+"""Teach torch's DTensor about RaggedShard: every hook into torch, in one table.
 
 torch (2.11, 2.13) has no public extension point for a new placement: ``distribute_tensor``,
-``redistribute_local_tensor``, the sharding propagator and the checkpoint helpers only know
-``Shard``, ``_StridedShard``, ``Replicate`` and ``Partial``. Each hook below is a thin wrapper that
-handles specs containing a RaggedShard and passes every other call to torch's own function
-unchanged, so DTensors without a RaggedShard behave exactly as before.
+``redistribute_local_tensor``, the sharding propagator, the local-shape helpers, the random-op
+dispatch and the checkpoint helpers only know ``Shard``, ``_StridedShard``, ``Replicate`` and
+``Partial``. Each hook is a thin wrapper that handles specs containing a RaggedShard and passes
+every other call to torch's own function unchanged, so DTensors without a RaggedShard behave
+exactly as before.
 
-Upstream, these hooks become methods on ``Placement`` (``_distribute``, ``_region``,
-``_transform_to``), consulted by the same call sites (pytorch/pytorch#169320).
+:data:`PATCHES` is the whole list: one :class:`Patch` per torch attribute we replace (owner,
+name, the torch original we expect there, the replacement). :func:`install` checks every row's
+current value against its expected original before patching anything (``ImportError`` naming the
+row if torch changed, so a torch upgrade fails loudly at import instead of misbehaving), and
+:func:`uninstall` puts every original back, so torch is exactly as before the import.
 
-=============================================  ===============================================
-torch call site                                what it gets
-=============================================  ===============================================
-``distribute_tensor`` (the function object)    :func:`ragged_placement.distribute.distribute_tensor`
-``redistribute_local_tensor`` (3 modules)      :func:`ragged_placement.redistribute.redistribute_local_tensor`
-``ShardingPropagator.propagate_op_sharding``   :func:`ragged_placement.ops.propagate`
-``compute_global_tensor_info`` (from_local)    :func:`ragged_placement.distribute.global_shape_and_stride`
-``DTensor.from_local``                         argument checks for RaggedShard
-``DTensor.__create_chunk_list__`` & co (DCP)   one chunk per box of the local run
-=============================================  ===============================================
+Upstream, each row becomes a method on ``Placement`` consulted by the same call site
+(``docs/upstream.md``; pytorch/pytorch#169320).
 """
 
 from __future__ import annotations
@@ -26,7 +22,10 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import threading
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -34,22 +33,79 @@ from torch.distributed.tensor import DTensor
 from ragged_placement import _compat
 from ragged_placement.placement import RaggedShard
 
-__all__ = ["install", "installed"]
+__all__ = ["PATCHES", "Patch", "install", "installed", "uninstall"]
 
-_INSTALLED = False
-_REDISTRIBUTE_MODULES = (
-    "torch.distributed.tensor._redistribute",
-    "torch.distributed.tensor._api",
-    "torch.distributed.tensor._dispatch",
-)
+_ABSENT = object()
+_LOCK = threading.Lock()
 
 
-def installed() -> bool:
-    return _INSTALLED
+@dataclass(frozen=True)
+class Patch:
+    """One patched torch attribute.
+
+    Attributes:
+        owner: import path of the object that holds the attribute: a module
+            (``"torch.distributed.tensor._api"``), a class (``"...:DTensor"``), or an object
+            reached from one (``"...:DTensor._op_dispatcher.sharding_propagator"``).
+        name: the attribute.
+        expected: what torch has there, as ``module.qualname`` of the function (or the type of
+            the object); ``None`` when torch has nothing there (we add the name).
+        build: ``build(original) -> replacement``; ``original`` is torch's value as attribute
+            lookup finds it (a class's function, an instance's bound method).
+    """
+
+    owner: str
+    name: str
+    expected: str | None
+    build: Callable[[object], object]
+
+    def resolve_owner(self) -> object:
+        module, _, attrs = self.owner.partition(":")
+        obj = importlib.import_module(module)
+        for attr in filter(None, attrs.split(".")):
+            obj = getattr(obj, attr)
+        return obj
+
+
+def _describe(value: object) -> str | None:
+    """``module.qualname`` of a function / method / staticmethod / code object, else of its type."""
+    if value is _ABSENT:
+        return None
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if inspect.ismethod(value):
+        value = value.__func__
+    if inspect.iscode(value):
+        return f"{value.co_filename.rsplit('/', 1)[-1]}:{value.co_qualname}"
+    if callable(value) and hasattr(value, "__qualname__") and not isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _raw_get(owner: object, name: str) -> object:
+    """The attribute as stored on ``owner`` itself (a class's staticmethod object, not the bare
+    function), or ``_ABSENT`` (also when only ``owner``'s class has it: restoring then deletes
+    the instance attribute); ``__code__`` of a function is read directly."""
+    if name == "__code__":
+        return owner.__code__  # type: ignore[attr-defined]
+    return vars(owner).get(name, _ABSENT)
+
+
+def _raw_set(owner: object, name: str, value: object) -> None:
+    if value is _ABSENT:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, value)
 
 
 def _ragged(placements) -> bool:
     return placements is not None and any(isinstance(p, RaggedShard) for p in placements)
+
+
+def _current_mesh(device_mesh):
+    from torch.distributed.tensor.device_mesh import _mesh_resources
+
+    return device_mesh or _mesh_resources.get_current_mesh()
 
 
 # -- distribute_tensor ---------------------------------------------------------------------------
@@ -60,40 +116,39 @@ def _distribute_tensor_trampoline(tensor, device_mesh=None, placements=None, *, 
     )
 
 
-def _install_distribute_tensor() -> None:
-    from torch.distributed.tensor import _api
-
-    fn = _api.distribute_tensor
+def _distribute_tensor_dispatch(fn):
+    """The function the trampoline calls: ours for RaggedShard, a copy of torch's otherwise."""
     expected = ["tensor", "device_mesh", "placements", "src_data_rank"]
     if list(inspect.signature(fn).parameters) != expected or fn.__code__.co_freevars:
         raise ImportError(f"ragged_placement: unexpected distribute_tensor signature in torch {torch.__version__}")
-    # A copy of torch's function keeps its behaviour for every other placement.
     original = type(fn)(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     original.__kwdefaults__ = fn.__kwdefaults__
 
     def dispatch(tensor, device_mesh=None, placements=None, *, src_data_rank=0):
         if _ragged(placements):
-            from torch.distributed.tensor.device_mesh import _mesh_resources
-
             from ragged_placement.distribute import distribute_tensor
 
-            mesh = device_mesh or _mesh_resources.get_current_mesh()
-            return distribute_tensor(tensor, mesh, placements, src_data_rank=src_data_rank)
+            return distribute_tensor(tensor, _current_mesh(device_mesh), placements, src_data_rank=src_data_rank)
         return original(tensor, device_mesh, placements, src_data_rank=src_data_rank)
 
-    _api._ragged_placement_distribute_tensor = dispatch
-    # Replace the code of the function object itself, so that references users bound before
-    # importing this package (``from torch.distributed.tensor import distribute_tensor``) work.
-    fn.__code__ = _distribute_tensor_trampoline.__code__
+    return dispatch
+
+
+def _build_dispatch_global(_absent):
+    from torch.distributed.tensor import _api
+
+    return _distribute_tensor_dispatch(_api.distribute_tensor)
+
+
+def _build_trampoline(_code):
+    # Replacing the code of the function object itself reaches references users bound before
+    # importing this package (``from torch.distributed.tensor import distribute_tensor``).
+    return _distribute_tensor_trampoline.__code__
 
 
 # -- redistribute ---------------------------------------------------------------------------------
-def _install_redistribute() -> None:
-    from torch.distributed.tensor import _redistribute
-
+def _build_redistribute(original):
     from ragged_placement.redistribute import redistribute_local_tensor as ragged_redistribute
-
-    original = _redistribute.redistribute_local_tensor
 
     @functools.wraps(original)
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs):
@@ -101,100 +156,272 @@ def _install_redistribute() -> None:
             return ragged_redistribute(local_tensor, current_spec, target_spec, **kwargs)
         return original(local_tensor, current_spec, target_spec, *args, **kwargs)
 
-    for name in _REDISTRIBUTE_MODULES:
-        module = importlib.import_module(name)
-        if getattr(module, "redistribute_local_tensor", None) is not original:
-            raise ImportError(f"ragged_placement: {name}.redistribute_local_tensor is not torch's in {torch.__version__}")
-        module.redistribute_local_tensor = redistribute_local_tensor
+    return redistribute_local_tensor
 
 
 # -- sharding propagation -------------------------------------------------------------------------
-def _install_sharding_rules() -> None:
+def _build_propagate_non_cached(original):
     from ragged_placement.ops import propagate, spec_has_ragged
 
     propagator = DTensor._op_dispatcher.sharding_propagator
-    cached, uncached = propagator.propagate_op_sharding, propagator.propagate_op_sharding_non_cached
 
     def propagate_op_sharding_non_cached(op_schema):
         if spec_has_ragged(op_schema):
             return propagate(propagator, op_schema)
-        return uncached(op_schema)
+        return original(op_schema)
 
-    def propagate_op_sharding(op_schema):
-        if spec_has_ragged(op_schema):
-            return propagate(propagator, op_schema)
-        return cached(op_schema)
+    return propagate_op_sharding_non_cached
 
-    propagator.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
-    propagator.propagate_op_sharding = propagate_op_sharding
+
+def _build_propagate_cached(original):
+    # torch's own thread-local LRU cache class, over the RaggedShard-aware uncached path: keeps
+    # ``cache_info`` / ``cache_clear`` (torch.distributed.tensor.debug) working.
+    from torch.distributed.tensor._sharding_prop import LocalLRUCache
+
+    return LocalLRUCache(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached)
 
 
 # -- from_local -----------------------------------------------------------------------------------
-def _install_from_local() -> None:
-    from torch.distributed.tensor import _api
-
+def _build_global_tensor_info(original):
     from ragged_placement.distribute import global_shape_and_stride
-
-    original_info = _api.compute_global_tensor_info
 
     def compute_global_tensor_info(tensor, mesh, placements):
         if _ragged(placements):
             return global_shape_and_stride(tensor, mesh, placements, strict=False)
-        return original_info(tensor, mesh, placements)
+        return original(tensor, mesh, placements)
 
-    _api.compute_global_tensor_info = compute_global_tensor_info
+    return compute_global_tensor_info
 
-    original_from_local = DTensor.from_local
 
-    @functools.wraps(original_from_local)
+def _build_from_local(original_fn):
+    @functools.wraps(original_fn)
     def from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
                    stride=None, grad_placements=None):
         if _ragged(placements):
-            from torch.distributed.tensor.device_mesh import _mesh_resources
-
+            from ragged_placement.distribute import global_shape_and_stride
             from ragged_placement.redistribute import validate_placements
 
-            mesh = device_mesh or _mesh_resources.get_current_mesh()
+            mesh = _current_mesh(device_mesh)
             ndim = len(shape) if shape is not None else local_tensor.ndim
             validate_placements(mesh, list(placements), ndim)
             if shape is None and stride is None:
                 global_shape_and_stride(local_tensor, mesh, placements)  # raises if not inferable
-        return original_from_local(local_tensor, device_mesh, placements, run_check=run_check,
-                                   shape=shape, stride=stride, grad_placements=grad_placements)
+        return original_fn(local_tensor, device_mesh, placements, run_check=run_check,
+                           shape=shape, stride=stride, grad_placements=grad_placements)
 
-    DTensor.from_local = staticmethod(from_local)
+    return staticmethod(from_local)
 
 
 # -- distributed checkpoint -----------------------------------------------------------------------
-def _install_checkpoint() -> None:
-    from ragged_placement import checkpoint
+def _build_checkpoint_method(name: str):
+    def build(original):
+        from ragged_placement import checkpoint
 
-    for name in ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__"):
-        original = getattr(DTensor, name)
         ragged_impl = getattr(checkpoint, name.strip("_"))
 
-        def method(self, *args, _original=original, _ragged_impl=ragged_impl):
+        def method(self, *args):
             if _ragged(self.placements):
-                return _ragged_impl(self, *args)
-            return _original(self, *args)
+                return ragged_impl(self, *args)
+            return original(self, *args)
 
-        functools.update_wrapper(method, original)
-        setattr(DTensor, name, method)
+        return functools.update_wrapper(method, original)
+
+    return build
+
+
+def _build_distribute_tensors(original):
+    """``set_model_state_dict(..., broadcast_from_rank0=True)`` slices each full tensor with
+    ``compute_local_shape_and_global_offset``; a RaggedShard local tensor may be several boxes,
+    so those keys take this rank's region directly."""
+
+    @functools.wraps(original)
+    def _distribute_tensors(local_state_dict, keys, device, pg=None):
+        from ragged_placement.distribute import local_tensor_from_full
+
+        rest = []
+        for key in keys:
+            value = local_state_dict.get(key)
+            if value is None or torch.is_tensor(value) or not _ragged(value[0].placements):
+                rest.append(key)
+                continue
+            local_state, full_tensor = value
+            local = local_tensor_from_full(full_tensor, local_state.device_mesh, local_state.placements)
+            if local_state.is_meta:
+                local_state_dict[key] = DTensor.from_local(
+                    local.detach().clone(), local_state.device_mesh, local_state.placements,
+                    shape=local_state.shape, stride=local_state.stride(),
+                )
+            else:
+                local_state.to_local().copy_(local)
+                local_state_dict[key] = local_state
+        return original(local_state_dict, rest, device, pg)
+
+    return _distribute_tensors
+
+
+# -- local shapes and offsets (factories, DCP planners, op rules, visualize_sharding) ------------
+def _build_local_shape_and_offset(original):
+    @functools.wraps(original)
+    def _compute_local_shape_and_global_offset(global_shape, mesh_shape, my_coordinate, placements,
+                                               skip_offset=False):
+        if not _ragged(placements):
+            return original(global_shape, mesh_shape, my_coordinate, placements, skip_offset)
+        from ragged_placement.distribute import local_shape_and_global_offset
+
+        coord = my_coordinate
+        if callable(coord):
+            coord = [coord(i) for i in range(len(mesh_shape))]
+        return local_shape_and_global_offset(global_shape, mesh_shape, coord, placements, skip_offset=skip_offset)
+
+    return _compute_local_shape_and_global_offset
+
+
+# -- random ops -----------------------------------------------------------------------------------
+def _build_init_helper(original):
+    @functools.wraps(original)
+    def _dtensor_init_helper(init_op, size, device_mesh=None, placements=None, **kwargs):
+        if _ragged(placements) and init_op in (torch.rand, torch.randn):
+            from ragged_placement.rng import random_factory
+
+            return random_factory(init_op, size, _current_mesh(device_mesh), placements, **kwargs)
+        if _ragged(placements):
+            from ragged_placement.redistribute import validate_placements
+
+            validate_placements(_current_mesh(device_mesh), list(placements), len(size))
+        return original(init_op, size, device_mesh, placements, **kwargs)
+
+    return _dtensor_init_helper
+
+
+def _build_local_results(original):
+    from ragged_placement.rng import handles, local_random_results
+
+    @functools.wraps(original)
+    def _dispatch_get_local_results_slow_path(op_call, args, op_info):
+        if handles(op_call, args):
+            return local_random_results(op_call, args, op_info)
+        return original(op_call, args, op_info)
+
+    return _dispatch_get_local_results_slow_path
+
+
+def _build_rng_guard(original):
+    """torch's RNG offset helpers ignore placements they do not know, which would give every
+    RaggedShard rank the same offset: refuse instead (our random ops never call them)."""
+
+    @functools.wraps(original)
+    def guarded(*args):
+        spec = args[-1]
+        if _ragged(getattr(spec, "placements", None)):
+            raise NotImplementedError(
+                f"torch.distributed.tensor._random.{original.__name__} does not know {spec.placements}; "
+                f"random ops on RaggedShard DTensors run through ragged_placement.rng"
+            )
+        return original(*args)
+
+    return guarded
+
+
+_API = "torch.distributed.tensor._api"
+_PROPAGATOR = f"{_API}:DTensor._op_dispatcher.sharding_propagator"
+_REDISTRIBUTE = "torch.distributed.tensor._redistribute.redistribute_local_tensor"
+_LOCAL_SHAPE = "torch.distributed.tensor._utils._compute_local_shape_and_global_offset"
+
+#: Every torch attribute the package replaces, in install order (uninstall runs it backwards).
+PATCHES: tuple[Patch, ...] = (
+    Patch(_API, "_ragged_placement_distribute_tensor", None, _build_dispatch_global),
+    Patch(f"{_API}:distribute_tensor", "__code__", "_api.py:distribute_tensor", _build_trampoline),
+    Patch("torch.distributed.tensor._redistribute", "redistribute_local_tensor", _REDISTRIBUTE, _build_redistribute),
+    Patch(_API, "redistribute_local_tensor", _REDISTRIBUTE, _build_redistribute),
+    Patch("torch.distributed.tensor._dispatch", "redistribute_local_tensor", _REDISTRIBUTE, _build_redistribute),
+    Patch(_PROPAGATOR, "propagate_op_sharding_non_cached",
+          "torch.distributed.tensor._sharding_prop.ShardingPropagator.propagate_op_sharding_non_cached",
+          _build_propagate_non_cached),
+    Patch(_PROPAGATOR, "propagate_op_sharding", "torch.distributed.tensor._sharding_prop.LocalLRUCache",
+          _build_propagate_cached),
+    Patch(_API, "compute_global_tensor_info", "torch._C._DTensor_compute_global_tensor_info",
+          _build_global_tensor_info),
+    Patch(f"{_API}:DTensor", "from_local", f"{_API}.DTensor.from_local", _build_from_local),
+    *(
+        Patch(f"{_API}:DTensor", name, f"{_API}.DTensor.{name}", _build_checkpoint_method(name))
+        for name in ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
+    ),
+    Patch("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset", _LOCAL_SHAPE,
+          _build_local_shape_and_offset),
+    Patch("torch.distributed.tensor.debug._visualize_sharding", "_compute_local_shape_and_global_offset",
+          _LOCAL_SHAPE, _build_local_shape_and_offset),
+    Patch("torch.distributed._state_dict_utils", "_distribute_tensors",
+          "torch.distributed._state_dict_utils._distribute_tensors", _build_distribute_tensors),
+    Patch(_API, "_dtensor_init_helper", f"{_API}._dtensor_init_helper", _build_init_helper),
+    Patch(f"{_API}:DTensor._op_dispatcher", "_dispatch_get_local_results_slow_path",
+          "torch.distributed.tensor._dispatch.OpDispatcher._dispatch_get_local_results_slow_path",
+          _build_local_results),
+    *(
+        Patch("torch.distributed.tensor._random", name, f"torch.distributed.tensor._random.{name}",
+              _build_rng_guard)
+        for name in ("_calc_first_shard_size", "_calc_shard_info")
+    ),
+)
+
+# (patch, owner, original raw value) of every applied row, in install order
+_applied: list[tuple[Patch, object, object]] = []
+
+
+def installed() -> bool:
+    """Whether RaggedShard support is installed into torch."""
+    return bool(_applied)
+
+
+def _check(patch: Patch, owner: object) -> None:
+    found = _describe(getattr(owner, patch.name, _ABSENT))
+    if found != patch.expected:
+        raise ImportError(
+            f"ragged_placement: {patch.owner}.{patch.name} is {found}, expected torch's "
+            f"{patch.expected} (torch {torch.__version__}); not patching anything"
+        )
 
 
 def install() -> None:
-    """Install RaggedShard support into torch's DTensor (idempotent; runs on package import)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    if _compat.TORCH_VERSION not in _compat.SUPPORTED_TORCH:
-        warnings.warn(
-            f"ragged_placement is tested on torch {_compat.SUPPORTED_TORCH}, found {torch.__version__}",
-            stacklevel=2,
-        )
-    _install_distribute_tensor()
-    _install_redistribute()
-    _install_sharding_rules()
-    _install_from_local()
-    _install_checkpoint()
-    _INSTALLED = True
+    """Install RaggedShard support into torch's DTensor (idempotent; runs on package import).
+
+    Every row of :data:`PATCHES` is checked before any is applied; ``ImportError`` if one is not
+    torch's original (another library patched it, or torch changed).
+    """
+    with _LOCK:
+        if _applied:
+            return
+        if _compat.TORCH_VERSION not in _compat.SUPPORTED_TORCH:
+            warnings.warn(
+                f"ragged_placement is tested on torch {_compat.SUPPORTED_TORCH}, found {torch.__version__}",
+                stacklevel=2,
+            )
+        owners = [patch.resolve_owner() for patch in PATCHES]
+        for patch, owner in zip(PATCHES, owners):
+            _check(patch, owner)
+        try:
+            for patch, owner in zip(PATCHES, owners):
+                original = _raw_get(owner, patch.name)
+                replacement = patch.build(getattr(owner, patch.name, _ABSENT))
+                _raw_set(owner, patch.name, replacement)
+                _applied.append((patch, owner, original))
+        except BaseException:
+            _restore()
+            raise
+
+
+def _restore() -> None:
+    while _applied:
+        patch, owner, original = _applied.pop()
+        _raw_set(owner, patch.name, original)
+
+
+def uninstall() -> None:
+    """Restore every patched torch attribute to torch's original object (no-op if not installed).
+
+    RaggedShard DTensors created before must not be used afterwards: torch does not know them.
+    DTensor's sharding caches are cleared, so no RaggedShard rule outlives the install.
+    """
+    with _LOCK:
+        if _applied:
+            _restore()
+            _compat.clear_sharding_caches()

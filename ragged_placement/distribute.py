@@ -19,10 +19,18 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ragged_placement.placement import RaggedShard
-from ragged_placement.redistribute import _apply_cut, _exchange, _slice, validate_placements
-from ragged_placement.regions import flat_range_boxes, shard_size_and_offset
+from ragged_placement.redistribute import _exchange, _slice, validate_placements
+from ragged_placement.regions import cut_shape, flat_range_boxes, shard_size_and_offset
 
-__all__ = ["distribute_tensor", "local_chunks", "global_shape_and_stride"]
+__all__ = [
+    "distribute_tensor",
+    "global_shape_and_stride",
+    "local_boxes",
+    "local_chunks",
+    "local_shape",
+    "local_shape_and_global_offset",
+    "local_tensor_from_full",
+]
 
 
 def _scatter_ragged(tensor: torch.Tensor, p: RaggedShard, mesh: DeviceMesh, mesh_dim: int, src: int | None):
@@ -37,6 +45,28 @@ def _scatter_ragged(tensor: torch.Tensor, p: RaggedShard, mesh: DeviceMesh, mesh
     # rank `src` holds everything, every other rank nothing: exchange into `p`
     everything_on_src = RaggedShard(p.dims, tuple(int(r == src) for r in range(n)))
     return _exchange(tensor, everything_on_src, p, lead, trail, mesh.get_group(mesh_dim), me, n)
+
+
+def local_tensor_from_full(
+    tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement], *, src_data_rank: int | None = None
+) -> torch.Tensor:
+    """This rank's local tensor of ``tensor`` under ``placements`` (validated, negative ``Shard``
+    dims normalized). With ``src_data_rank=None`` every rank holds the same ``tensor`` and no
+    data moves; otherwise group rank ``src_data_rank`` sends each rank its region."""
+    local = tensor.detach()
+    for idx, p in enumerate(placements):
+        if isinstance(p, RaggedShard):
+            local = _scatter_ragged(local, p, device_mesh, idx, src_data_rank)
+        elif isinstance(p, Shard):
+            local = Shard._make_shard_tensor(p.dim, local, device_mesh, idx, src_data_rank)
+        elif isinstance(p, Replicate):
+            local = Replicate._make_replicate_tensor(local, device_mesh, idx, src_data_rank)
+        elif isinstance(p, Partial):
+            local = Replicate._make_replicate_tensor(local, device_mesh, idx, src_data_rank)
+            local = p._partition_value(local, device_mesh, idx)
+        else:
+            raise ValueError(f"unsupported placement {p!r} on mesh dim {idx}")
+    return local
 
 
 def distribute_tensor(
@@ -55,21 +85,9 @@ def distribute_tensor(
         raise RuntimeError("`distribute_tensor` should be used to distribute leaf tensors! but found non-leaf tensor!")
     if device_mesh.device_type != tensor.device.type and not tensor.is_meta:
         tensor = tensor.to(device_mesh.device_type)
-    placements = [Shard(p.dim + tensor.ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements]
+    placements = normalize_placements(placements, tensor.ndim)
     validate_placements(device_mesh, placements, tensor.ndim)
-    local = tensor.detach()
-    for idx, p in enumerate(placements):
-        if isinstance(p, RaggedShard):
-            local = _scatter_ragged(local, p, device_mesh, idx, src_data_rank)
-        elif isinstance(p, Shard):
-            local = Shard._make_shard_tensor(p.dim, local, device_mesh, idx, src_data_rank)
-        elif isinstance(p, Replicate):
-            local = Replicate._make_replicate_tensor(local, device_mesh, idx, src_data_rank)
-        elif isinstance(p, Partial):
-            local = Replicate._make_replicate_tensor(local, device_mesh, idx, src_data_rank)
-            local = p._partition_value(local, device_mesh, idx)
-        else:
-            raise ValueError(f"unsupported placement {p!r} on mesh dim {idx}")
+    local = local_tensor_from_full(tensor, device_mesh, placements, src_data_rank=src_data_rank)
     spec = DTensorSpec(
         mesh=device_mesh,
         placements=tuple(placements),
@@ -78,23 +96,35 @@ def distribute_tensor(
     return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
 
 
-def local_chunks(
-    global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
-) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+def normalize_placements(placements: Sequence[Placement], ndim: int) -> list[Placement]:
+    """``placements`` with negative ``Shard`` dims made non-negative."""
+    return [Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements]
+
+
+Chunk = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def local_chunks(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> list[Chunk]:
     """``(offsets, sizes, flat_offset)`` of each box of this rank's local tensor.
 
     ``flat_offset`` is where the box starts in the flattened local tensor; every box is
     contiguous there. One box for Shard / ``dims=(0,)`` placements; one per run for a strided
     RaggedShard; up to ``2 * len(dims) - 1`` for a flattened prefix. Replicated mesh dims give the
-    full extent.
+    full extent. A rank that holds nothing gets one empty box.
     """
+    return local_boxes(global_shape, tuple(mesh.shape), mesh.get_coordinate(), placements)
+
+
+def local_boxes(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Sequence[Placement]
+) -> list[Chunk]:
+    """:func:`local_chunks` from plain data: the mesh's shape and this rank's coordinate."""
     shape = [int(s) for s in global_shape]
-    coord = mesh.get_coordinate()
     # dim 0 of the level tensor as segments (global start, length) of global rows
     segments = [(0, shape[0])] if shape else []
     offsets = [0] * len(shape)
     for m, p in enumerate(placements):
-        n, c = mesh.size(m), coord[m]
+        n, c = int(mesh_shape[m]), int(coord[m])
         if isinstance(p, RaggedShard) and len(p.dims) > 1:  # validated: the only sharded placement
             return _flattened_chunks(shape, p, c)
         if isinstance(p, Shard) and p.dim > 0:
@@ -118,6 +148,63 @@ def local_chunks(
     if not out:
         out.append((tuple(offsets), (0, *shape[1:]), 0) if shape else ((), (), 0))
     return out
+
+
+def local_shape_from_plain(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Sequence[Placement]
+) -> tuple[int, ...]:
+    """Shape of the local tensor of the rank at ``coord`` (see :func:`local_shape`)."""
+    shape = [int(s) for s in global_shape]
+    for m, p in enumerate(placements):
+        shape = cut_shape(shape, p, int(coord[m]), int(mesh_shape[m]))
+    return tuple(shape)
+
+
+def local_shape_and_global_offset(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coord: Sequence[int],
+    placements: Sequence[Placement],
+    *,
+    skip_offset: bool = False,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """torch's ``_compute_local_shape_and_global_offset`` for placements with a RaggedShard.
+
+    Returns the shape of the local tensor of the rank at ``coord`` and, unless ``skip_offset``,
+    the global index of its first element, under torch's contract that the local tensor *is*
+    the box ``global[offset : offset + shape]``. That holds for ``dims=(0,)`` whenever the rank's
+    rows are one run (``split_factor=1``, or a ``(RaggedShard(sf=T), Shard(0))`` pair); an empty
+    local tensor gets torch's offset for empty shards (the global size of dim 0). Otherwise the
+    local tensor is several boxes (a strided RaggedShard) or a flattened prefix whose local
+    tensor has fewer dims than the global one, and there is no single offset:
+    ``NotImplementedError`` points to :func:`local_chunks`, which lists every box.
+    """
+    if len(placements) != len(mesh_shape):
+        raise ValueError(f"placements has {len(placements)} entries but the mesh has {len(mesh_shape)} dims")
+    for m, p in enumerate(placements):
+        if isinstance(p, RaggedShard):
+            p.check_mesh_size(int(mesh_shape[m]), mesh_dim=m)
+        elif type(p).__name__ == "_StridedShard":
+            raise ValueError(f"_StridedShard on mesh dim {m} cannot be combined with RaggedShard: {tuple(placements)}")
+    local = local_shape_from_plain(global_shape, mesh_shape, coord, placements)
+    if skip_offset:
+        return local, ()
+    flattened = [p for p in placements if isinstance(p, RaggedShard) and len(p.dims) > 1]
+    boxes = [b for b in local_boxes(global_shape, mesh_shape, coord, placements) if math.prod(b[1])]
+    if flattened or len(boxes) > 1:
+        why = (f"{flattened[0]!r} flattens dims {flattened[0].dims}, so the local tensor has fewer dims than "
+               f"the global one" if flattened else f"the local tensor is {len(boxes)} boxes of the global tensor")
+        raise NotImplementedError(
+            f"compute_local_shape_and_global_offset cannot describe this rank's local tensor under "
+            f"{tuple(placements)} for shape {tuple(global_shape)} as one (shape, offset): {why}. Use "
+            f"ragged_placement.distribute.local_chunks(global_shape, mesh, placements), which lists every box."
+        )
+    if not boxes:
+        offset = list(local_boxes(global_shape, mesh_shape, coord, placements)[0][0])
+        if offset and math.prod(global_shape):
+            offset[0] = int(global_shape[0])
+        return local, tuple(offset)
+    return local, tuple(boxes[0][0])
 
 
 def _select_rows(segments: list[tuple[int, int]], wanted: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -184,8 +271,4 @@ def global_shape_and_stride(
 
 def local_shape(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
     """Shape of this rank's local tensor."""
-    shape = [int(s) for s in global_shape]
-    coord = mesh.get_coordinate()
-    for m, p in enumerate(placements):
-        shape = _apply_cut(shape, p, coord[m], mesh.size(m))
-    return tuple(shape)
+    return local_shape_from_plain(global_shape, tuple(mesh.shape), mesh.get_coordinate(), placements)

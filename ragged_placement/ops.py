@@ -17,6 +17,8 @@ own fake-tensor propagation; the rules here only choose placements:
   shards) or torch's ``_NormPartial``; dims that are not reduced keep their placement.
 * ``x.new_empty_strided(x.shape, ...)`` and the other ``new_*`` factories (autograd calls them to
   accumulate gradients) keep ``x``'s placements.
+* random ops (:data:`ragged_placement.rng.RANDOM_OPS`) keep the input's placements;
+  :mod:`ragged_placement.rng` computes the local values.
 * every other op raises ``NotImplementedError`` naming the op and the placements.
 """
 
@@ -35,7 +37,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ragged_placement._compat import NormPartial
 from ragged_placement.placement import RaggedShard
-from ragged_placement.redistribute import _apply_cut, has_ragged
+from ragged_placement.redistribute import has_ragged
+from ragged_placement.regions import cut_shape as _apply_cut
+from ragged_placement.rng import RANDOM_OPS
 from ragged_placement.regions import shard_size_and_offset
 
 aten = torch.ops.aten
@@ -290,10 +294,21 @@ def _new_factory(op_schema: OpSchema, meta) -> OutputSharding:
                           use_val_from_redistribute_schema=True)
 
 
+def _random(op_schema: OpSchema, meta) -> OutputSharding:
+    """Random ops keep the input's placements and run locally; :mod:`ragged_placement.rng`
+    draws each rank's region of the single-device result."""
+    spec = op_schema.args_schema[0]
+    if any(p.is_partial() for p in spec.placements):
+        raise _unsupported(op_schema, "random values for Partial data are undefined")
+    return OutputSharding(_output_specs(meta, lambda i: (spec, spec.placements)))
+
+
 def propagate(propagator, op_schema: OpSchema) -> OutputSharding:
     """The ``OutputSharding`` of an op with RaggedShard inputs (see the module docstring)."""
     op = op_schema.op
     meta = propagator._propagate_tensor_meta_non_cached(op_schema)
+    if op in RANDOM_OPS:
+        return _random(op_schema, meta)
     if op in _SUM_OPS or op in _MEAN_OPS or op in _NORM_OPS or op is aten._foreach_norm.Scalar:
         return _reduction(op_schema, meta)
     if op in _NEW_FACTORIES:

@@ -46,10 +46,10 @@ from ragged_placement.placement import RaggedShard
 from ragged_placement.regions import (
     Layout,
     box_numel,
+    cut_shape,
     intersect,
     involved_dims,
     layout,
-    shard_size_and_offset,
 )
 
 __all__ = ["redistribute_local_tensor", "validate_placements", "has_ragged"]
@@ -107,27 +107,16 @@ def validate_placements(mesh: DeviceMesh, placements: Sequence[Placement], ndim:
 # ---------------------------------------------------------------------------------------------
 # shapes
 # ---------------------------------------------------------------------------------------------
-def _apply_cut(shape: list[int], p: Placement, index: int, n: int) -> list[int]:
-    """Shape of the piece a rank holds after ``p`` splits ``shape`` (prefix stays unflattened
-    for single-dim RaggedShard; multi-dim ones are the only sharded placement, see validation)."""
-    if isinstance(p, Shard):
-        shape = list(shape)
-        shape[p.dim] = shard_size_and_offset(shape[p.dim], n, index)[0]
-    elif isinstance(p, RaggedShard):
-        shape = list(p.local_shape(shape, index))
-    return shape
-
-
 def _step_shapes(global_shape, placements, mesh: DeviceMesh, coord, i: int, k: int):
     """``(lead, trail)`` for a step on mesh dim ``i`` that involves the leading ``k`` dims:
     ``lead`` are those dims of the level tensor (after the cuts of mesh dims ``< i``), ``trail``
     the remaining dims of the local tensor (after the cuts of every other mesh dim)."""
     level = list(global_shape)
     for m in range(i):
-        level = _apply_cut(level, placements[m], coord[m], mesh.size(m))
+        level = cut_shape(level, placements[m], coord[m], mesh.size(m))
     full = list(level)
     for m in range(i + 1, mesh.ndim):
-        full = _apply_cut(full, placements[m], coord[m], mesh.size(m))
+        full = cut_shape(full, placements[m], coord[m], mesh.size(m))
     return tuple(level[:k]), tuple(full[k:])
 
 
@@ -263,7 +252,7 @@ def _to_partial(x, p, partial: Partial, lead, trail, me: int, n: int) -> torch.T
 
 
 def _local_shape(q: Placement, lead, trail, me: int, n: int) -> tuple[int, ...]:
-    return (*_apply_cut(list(lead), q, me, n), *trail)
+    return (*cut_shape(list(lead), q, me, n), *trail)
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:

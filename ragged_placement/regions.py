@@ -36,6 +36,7 @@ __all__ = [
     "intersect",
     "box_numel",
     "shard_size_and_offset",
+    "cut_shape",
 ]
 
 
@@ -44,6 +45,18 @@ def shard_size_and_offset(size: int, num_chunks: int, index: int) -> tuple[int, 
     full = -(-size // num_chunks) if size else 0
     offset = min(full * index, size)
     return min(full, size - offset), offset
+
+
+def cut_shape(shape: Sequence[int], placement: Placement, index: int, num_chunks: int) -> list[int]:
+    """Shape of the piece rank ``index`` of ``num_chunks`` holds after ``placement`` cuts a tensor
+    of ``shape``: ``Shard`` chunks its dim as torch does; a ``RaggedShard`` gives its local
+    ``(rows, *row_shape)`` (its flattened prefix becomes one dim); others keep ``shape``."""
+    if isinstance(placement, RaggedShard):
+        return list(placement.local_shape(shape, index))
+    shape = [int(s) for s in shape]
+    if isinstance(placement, Shard):
+        shape[placement.dim] = shard_size_and_offset(shape[placement.dim], num_chunks, index)[0]
+    return shape
 
 
 def involved_dims(placement: Placement) -> int:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState
 from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout
-from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot
+from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot, build_unit
 from ragged_placement.quant import BlockFP8Config
 
 __all__ = ["FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
@@ -67,6 +67,19 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free this unit's unsharded parameters and register the sharded ones."""
         self._fsdp_state.unit.reshard()
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``to``, ``to_empty``, ``cuda``, ``float``, ``bfloat16``, ...)
+        of a sharded module: buffers and inner modules as usual, and this unit's sharded
+        parameters (and gradients) mapped by ``fn`` into the unit's re-allocated flat buffer,
+        which the same parameter objects then view (see ``FSDPUnit.apply_``). A change ``fn``
+        cannot make while keeping that (a shape or placement, several dtypes or devices in one
+        unit, a device off the mesh's type) raises ``ValueError`` naming the parameter."""
+        unit = self._fsdp_state.unit
+        with unit.unregistered():
+            module = super()._apply(fn, recurse)
+        unit.apply_(fn)
+        return module
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -289,14 +302,15 @@ def fully_shard(
     if check_quant(quant) is not None:
         convert_unit_linears(module, slots, params, quant)
         slots, params, owned_modules = _collect_params(module)  # owners are the FP8Linears now
+    # Tensors on the meta device stay there until ``to_empty`` (FSDP2's meta-device init).
     for m in owned_modules:
         for k, b in m._buffers.items():
-            if b is not None and b.device != device:
+            if b is not None and b.device != device and not b.is_meta:
                 m._buffers[k] = b.to(device)
-    if params and any(p.device != device for p in params):
-        params = [p.to(device) for p in params]
+    if params and any(p.device != device and not p.is_meta for p in params):
+        params = [p if p.is_meta else p.to(device) for p in params]
     wraps_units = any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)
-    unit = FSDPUnit(
+    unit = build_unit(
         slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
         split_by_submodule=wraps_units,
     )

@@ -26,6 +26,40 @@ With mixed precision the sharded chunk is cast into a ``[S]`` send buffer in ``P
 all-gather and the gradient buffer is cast to ``R`` before the reduce-scatter: those casts are the
 only element-wise passes besides the collectives.
 
+Parameters of several dtypes (fp32 norms next to bf16 matrices; FSDP2 refuses such a unit at
+its first forward) make a :class:`MultiDtypeUnit` (:func:`build_unit`): one unit as above per
+dtype, each zero-copy in its own dtype, driven together; it issues one all-gather and one
+reduce-scatter per dtype (not coalesced across dtypes).
+
+Meta-device initialization and moves (FSDP2's recipe)::
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cuda")   # each rank allocates its chunk of each unit, nothing else
+    model.init_weights()            # nn.init / copy_ on the sharded parameters
+
+A unit built from meta parameters keeps ``sharded`` on the meta device (its unsharded buffer,
+which holds no storage until unshard, is on the mesh's device). ``nn.Module._apply`` (``to_empty``,
+``to``, ``float``, ``bfloat16``, ...; ``FSDPModule._apply``) maps the unit's sharded parameters
+one at a time into a newly allocated ``sharded`` chunk (:meth:`FSDPUnit.apply_`), so a rank holds
+at most its chunk plus one parameter's result per unit, and re-points the same parameter
+objects at it: optimizers built before the move keep working and every parameter stays a view of
+the unit's buffer. A forward while the unit is still on the meta device raises ``ValueError``.
+
+The RNG contract of initialization: random ops on the sharded parameters (``nn.init.normal_``,
+``uniform_``, ``kaiming_*``, ``xavier_*``; :mod:`ragged_placement.rng`) give each rank its region
+of the full tensor that the same op draws on one device from the same generator state, so the
+full parameters equal a single-device initialization with the same seed for any world size and
+any units (every rank must start from the same generator state). torch 2.13's
+``trunc_normal_`` with bounds wider than about one standard deviation rejection-samples with
+``mask.any()``, which has no RaggedShard rule yet and raises ``NotImplementedError``. ``copy_``
+from a full plain tensor works under ``torch.distributed.tensor.experimental.implicit_replication()``
+(torch's rule for mixing plain tensors and DTensors, as under FSDP2), and ``load_state_dict``
+takes full tensors directly.
+
 With ``quant`` (block-wise FP8, :mod:`ragged_placement.fsdp.fp8`) a unit holding FP8 weights
 replaces the cast by quantizing its own blocks into a uint8 send buffer, and ``unsharded`` is the
 uint8 all-gather output (FP8 bytes, block scales and the other parameters in ``P``); the
@@ -34,7 +68,9 @@ gradient buffers are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +91,10 @@ from ragged_placement.fsdp.mesh import (
     unit_tp_mesh,
 )
 
-__all__ = ["CommStats", "FSDPUnit", "ParamSlot"]
+__all__ = [
+    "CommStats", "FSDPUnit", "MultiDtypeUnit", "ParamSlot", "build_unit", "plan_unit",
+    "resolve_granularity",
+]
 
 
 def _submodule_groups(fqns: list[str]) -> list[list[str]]:
@@ -117,20 +156,148 @@ def _alias(
     return out
 
 
+def resolve_granularity(
+    granularity,
+    slots: list[ParamSlot],
+    tp_specs: list[DTensorSpec | None],
+    quantized: list[bool],
+    quant,
+):
+    """The planner policy of a unit: the user's ``granularity``, then the tensor-parallel
+    constraint (never cut a TP-sharded dim), then the FP8 one (whole quantization blocks).
+
+    ``ValueError`` if FP8 weights and tensor-parallel parameters share the unit, or if the
+    user's policy cuts what a constraint keeps whole."""
+    policy = granularity
+    if any(t is not None for t in tp_specs):
+        if any(quantized):
+            tp_names = [s.fqn for s, t in zip(slots, tp_specs) if t is not None]
+            raise ValueError(
+                f"quant does not compose with tensor-parallel parameters yet: {tp_names}"
+            )
+        policy = tp_policy(policy, {s.fqn: t for s, t in zip(slots, tp_specs)})
+    if any(quantized):
+        fp8_shapes = {s.fqn: tuple(s.shape) for s, q in zip(slots, quantized) if q}
+        policy = fp8_granularity(policy, fp8_shapes, quant.block)
+    return policy
+
+
+def plan_unit(
+    slots: list[ParamSlot],
+    world_size: int,
+    policy,
+    dtype: torch.dtype,
+    group,
+    *,
+    split_by_submodule: bool,
+):
+    """The unit's flat layout (``None`` for a unit without parameters), checked equal on every
+    rank of ``group``.
+
+    Segments (several flat layouts, one coalesced collective) when they pad less; the FP8
+    gather packs every segment into one send buffer (one all-gather). A unit that wraps other
+    units (a root: embedding first in forward, output projection last) also asks for one
+    segment per submodule where that pads no more (``split_by_submodule``): its gradients
+    arrive a whole backward apart, and each segment's gradient buffer is allocated when
+    backward reaches it. Inside a leaf unit they arrive within one unit's backward, where extra
+    segments would only cost collective parts."""
+    from ragged_placement.planner import plan_segmented
+
+    if not slots:
+        return None
+    fqns = [s.fqn for s in slots]
+    plan = plan_segmented(
+        [(s.fqn, tuple(s.shape)) for s in slots],
+        world_size,
+        granularity=policy,
+        dtype=dtype,
+        groups=_submodule_groups(fqns) if split_by_submodule else None,
+    )
+    plan.check_consistent(group)
+    return plan
+
+
+def _unit_dtype(slots: list[ParamSlot], params: list[torch.Tensor]) -> torch.dtype:
+    """The one dtype of a unit's parameters (``float32`` for a unit without parameters)."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for slot, p in zip(slots, params):
+        by_dtype.setdefault(p.dtype, []).append(slot.fqn)
+    if len(by_dtype) > 1:
+        found = "; ".join(f"{d}: {', '.join(names[:3])}" for d, names in by_dtype.items())
+        raise ValueError(
+            f"all parameters of one fully_shard unit must share a dtype, got {found}. Give "
+            f"the differently-typed modules units of their own (fully_shard them first), or "
+            f"cast the module to one dtype and use mp_policy for the compute dtype"
+        )
+    return next(iter(by_dtype), torch.float32)
+
+
+def _unit_device(
+    slots: list[ParamSlot], params: list[torch.Tensor], mesh: DeviceMesh
+) -> torch.device:
+    """The one device of a unit's parameters: all on the meta device, or none."""
+    if not params:
+        return torch.device(mesh.device_type)
+    meta = [s.fqn for s, p in zip(slots, params) if p.is_meta]
+    if meta and len(meta) < len(params):
+        real = next(s.fqn for s, p in zip(slots, params) if not p.is_meta)
+        raise ValueError(
+            f"parameter {meta[0]} of one fully_shard unit is on the meta device but {real} is "
+            f"not: build the whole unit under torch.device('meta') or none of it"
+        )
+    return params[0].device
+
+
+def _rebind(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Point ``param`` at ``value``'s data, keeping the parameter object (optimizers hold it).
+
+    Where ``.data`` can be assigned (same tensor type; any device but meta) the parameter also
+    keeps its hooks and version counter, a DTensor taking over ``value``'s local tensor and
+    spec; to or from the meta device the contents are swapped as ``nn.Module._apply`` does."""
+    if torch._has_compatible_shallow_copy_type(param, value):
+        param.data = value
+        if isinstance(value, DTensor):
+            param._local_tensor = value._local_tensor
+            param._spec = value._spec
+    else:
+        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device of this rank on ``mesh`` (the current CUDA device for a CUDA mesh)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+
+
 class FSDPUnit:
     """The flat sharded/unsharded buffers and collectives of one ``fully_shard`` unit.
 
+    Construction runs four steps, each a method or function of its own:
+
+    1. :func:`resolve_granularity`: the planner policy (the user's, then tensor-parallel, then
+       FP8 constraints);
+    2. :func:`plan_unit`: the flat layout and, per parameter, its :class:`ParamLayout`;
+    3. :meth:`allocate`: the flat buffers on a device in a dtype (nothing on the meta device);
+    4. :meth:`bind`: the sharded and unsharded parameters as views of those buffers.
+
+    :meth:`apply_` (``nn.Module._apply``: ``to``, ``to_empty``, ``float``, ...) re-runs 3 and 4
+    on the moved or cast values, keeping every parameter object.
+
     Args:
         slots: the parameters this unit owns, in module order (deduplicated by identity).
-        params: the original parameters, parallel to ``slots``.
+        params: the original parameters, parallel to ``slots``. On the meta device they are
+            not copied (the unit stays on the meta device until ``to_empty``).
         mesh: a 1-D device mesh (the unit shards over it) or a 2-D ``(replicate, shard)`` one
             (HSDP). Parameters may be DTensors on a tensor-parallel sibling mesh, see
             :mod:`ragged_placement.fsdp.mesh`.
-        param_dtype: dtype of the all-gather and of the unsharded parameters.
-        reduce_dtype: dtype of the gradient reduce-scatter.
+        param_dtype: dtype of the all-gather and of the unsharded parameters (``None``: the
+            parameters' dtype, also after a cast).
+        reduce_dtype: dtype of the gradient reduce-scatter (``None``: ``param_dtype``).
         granularity: the planner's granularity policy for this unit's parameters.
         quant: block-wise FP8 for the weights of the unit's ``FP8Linear`` modules (planned at
             block granularity, all-gathered as FP8 + scales); ``None`` for none.
+        split_by_submodule: prefer one plan segment per direct submodule (see :func:`plan_unit`).
     """
 
     def __init__(
@@ -144,145 +311,175 @@ class FSDPUnit:
         quant=None,
         split_by_submodule: bool = False,
     ) -> None:
-        from ragged_placement.planner import plan_segmented
-
         self.dp = DataParallelMesh.of(mesh)
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            raise ValueError(
-                f"all parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}"
-            )
         self.slots = slots
         self.mesh = mesh
         self.group = self.dp.shard_group
         self.rank = self.dp.shard_rank
         self.world_size = self.dp.shard_size
+        self.quant = quant
+        self._mp_dtypes = (param_dtype, reduce_dtype)
+        dtype = _unit_dtype(slots, params)
         tp_specs = [tp_spec_of(s.fqn, p, self.dp) for s, p in zip(slots, params)]
-        quantized = [quant is not None and is_fp8_weight(s.owners, s.shape) for s in slots]
-        if any(quantized):
-            tp_names = [s.fqn for s, t in zip(slots, tp_specs) if t is not None]
-            if tp_names:
-                raise ValueError(
-                    f"quant does not compose with tensor-parallel parameters yet: {tp_names}"
-                )
-            fp8_shapes = {s.fqn: tuple(s.shape) for s, q in zip(slots, quantized) if q}
-            granularity = fp8_granularity(granularity, fp8_shapes, quant.block)
+        self.quantized = [quant is not None and is_fp8_weight(s.owners, s.shape) for s in slots]
+        policy = resolve_granularity(granularity, slots, tp_specs, self.quantized, quant)
         self.tp_mesh = unit_tp_mesh([s.fqn for s in slots], tp_specs)
-        if self.tp_mesh is not None:
-            granularity = tp_policy(granularity, {s.fqn: t for s, t in zip(slots, tp_specs)})
-        params = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-        self.device = params[0].device if params else torch.device(mesh.device_type)
-        self.orig_dtype = dtypes.pop() if dtypes else torch.float32
-        self.param_dtype = param_dtype or self.orig_dtype
-        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.spmd_mesh = spmd_mesh(self.dp, self.tp_mesh)  # the mesh of the sharded parameters
         # A unit whose parameters all belong to inner units (a root container) has no plan,
         # empty buffers, and issues no collectives.
-        self.plan = None
-        if slots:
-            # Segments (several flat layouts, one coalesced collective) when they pad less; the
-            # FP8 gather packs every segment into one send buffer (one all-gather). A unit that
-            # wraps other units (a root: embedding first in forward, output projection last)
-            # also asks for one segment per submodule where that pads no more: its gradients
-            # arrive a whole backward apart, and each segment's gradient buffer is allocated
-            # when backward reaches it. Inside a leaf unit they arrive within one unit's
-            # backward, where extra segments would only cost collective parts.
-            self.plan = plan_segmented(
-                [(s.fqn, tuple(s.shape)) for s in slots],
-                self.world_size,
-                granularity=granularity,
-                dtype=self.orig_dtype,
-                groups=_submodule_groups([s.fqn for s in slots]) if split_by_submodule else None,
-            )
-            self.plan.check_consistent(self.group)
-        S, W = (self.plan.chunk_numel if slots else 0), self.world_size
-        self.chunk_numel = S
-
-        self.sharded = torch.zeros(S, dtype=self.orig_dtype, device=self.device)
-        with torch.no_grad():
-            for slot, p in zip(slots, params):
-                begin, end = self.plan.local_slice(slot.fqn, self.rank)
-                if end > begin:
-                    run = self.plan.placements[slot.fqn].shard_local(p.detach(), self.rank)
-                    self.sharded[begin:end].copy_(run.reshape(-1))
-        # One spec per parameter, shared by the sharded parameter and its gradient. DTensors are
-        # built from it directly (as FSDP2 does): from_local would add an autograd node and
-        # re-derive the global shape on every gradient landing.
-        self.layouts: list[ParamLayout] = []
-        self.specs: list[DTensorSpec] = []
-        self.spmd_mesh = spmd_mesh(self.dp, self.tp_mesh)  # the mesh of the sharded parameters
-        local_views = self.plan.local_views(self.sharded, self.rank) if slots else {}
+        self.plan = plan_unit(
+            slots, self.world_size, policy, dtype, self.group, split_by_submodule=split_by_submodule
+        )
+        self.chunk_numel = self.plan.chunk_numel if slots else 0
+        self.layouts = self._layouts(tp_specs)
+        self._segment_of = [self.plan.segment_index(slot.fqn) for slot in slots]
         self.sharded_params: list[nn.Parameter] = []
-        for slot, tp_spec in zip(slots, tp_specs):
+        self.unsharded_params: list[nn.Parameter] = []
+        self.fp8: FP8UnitGather | None = None
+        self.stats = CommStats()
+        locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        device = _unit_device(slots, locals_, mesh)
+        self.allocate(device, dtype)
+        if device.type != "meta":
+            self._copy_in(locals_)
+        self.bind()
+
+    # -- layout ---------------------------------------------------------------------------------
+    def _layouts(self, tp_specs: list[DTensorSpec | None]) -> list[ParamLayout]:
+        """Each parameter's :class:`ParamLayout`, checked against its plan cut."""
+        layouts: list[ParamLayout] = []
+        if not self.slots:
+            return layouts
+        views = self.plan.local_views(torch.empty(self.chunk_numel, device="meta"), self.rank)
+        for slot, tp_spec in zip(self.slots, tp_specs):
             placement = self.plan.placements[slot.fqn]
             placement.check_mesh_size(self.world_size)
             layout = ParamLayout(
                 slot.fqn, placement, slot.shape, tp_spec, self.tp_mesh, self.spmd_mesh
             )
             layout.check(self.plan.granularities[slot.fqn])
-            self.layouts.append(layout)
-            local = local_views[slot.fqn]
+            local = views[slot.fqn]
             if tuple(local.shape) != placement.local_shape(slot.shape, self.rank):
                 raise ValueError(
                     f"plan gives {slot.fqn} a local view of shape {tuple(local.shape)}, but "
                     f"{placement!r} needs {placement.local_shape(slot.shape, self.rank)}"
                 )
-            spec = layout.sharded_spec(self.dp, self.orig_dtype)
-            self.specs.append(spec)
-            self.sharded_params.append(
-                nn.Parameter(
-                    DTensor(local, spec, requires_grad=False), requires_grad=slot.requires_grad
-                )
-            )
+            layouts.append(layout)
+        return layouts
 
-        self.fp8: FP8UnitGather | None = None
-        if any(quantized):
-            self.fp8 = FP8UnitGather(
-                self.plan,
-                [s.fqn for s in slots],
-                [s.shape for s in slots],
-                quantized,
-                [s.requires_grad for s in slots],
-                quant,
-                self.param_dtype,
-                self.device,
-            )
-            self.unsharded = self.fp8.gathered  # its storage is the FP8 gather's
-            self._storage = self.unsharded.untyped_storage()
-            self.unsharded_params = self.fp8.params
-            self.unsharded_specs = [None] * len(slots)
-        else:
-            self.unsharded = torch.empty(S * W, dtype=self.param_dtype, device=self.device)
-            self._storage = self.unsharded.untyped_storage()
-            self._storage_nbytes = self._storage.nbytes()
-            self._storage.resize_(0)
-            self.unsharded_params: list[nn.Parameter] = []
-            # Tensor-parallel parameters are unsharded as DTensors on the TP mesh (TP-local
-            # views).
-            self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
-            for slot, tp in zip(slots, self.unsharded_specs):
-                t = _alias(
-                    self._storage,
-                    self.param_dtype,
-                    self.device,
-                    self.plan.offsets[slot.fqn],
-                    slot.shape,
-                )
-                if tp is not None:
-                    t = DTensor(t, tp, requires_grad=False)
-                self.unsharded_params.append(nn.Parameter(t, requires_grad=slot.requires_grad))
+    # -- buffers --------------------------------------------------------------------------------
+    def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the flat buffers for parameters in ``dtype`` on ``device``: the zeroed
+        ``[S]`` sharded chunk and the unsharded (all-gather output) buffer with its storage
+        freed. On the meta device nothing is allocated. Gradients and the binding of the
+        parameters are left to the caller (:meth:`bind`)."""
+        self.device = torch.device(device)
+        self.orig_dtype = dtype
+        param_dtype, reduce_dtype = self._mp_dtypes
+        self.param_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        # The unsharded parameters never live on the meta device: their buffer holds no
+        # storage until unshard, and they keep their hooks only through moves between devices
+        # of one tensor type (see _rebind).
+        compute = self.device if self.device.type != "meta" else _mesh_device(self.mesh)
+        self.sharded = torch.zeros(self.chunk_numel, dtype=dtype, device=self.device)
+        self._allocate_unsharded(compute)
         self.state = UnitState.SHARDED
         self._ag_work: dist.Work | None = None
         self._ag_send: torch.Tensor | None = None
         # Gradient buffers, one per plan segment, each allocated at the first gradient that
         # reaches one of its parameters (see prepare_grads).
-        self._segment_of = [self.plan.segment_index(slot.fqn) for slot in slots]
-        n_segments = len(self.plan.segments) if slots else 0
+        n_segments = len(self.plan.segments) if self.slots else 0
         self.unsharded_grads: list[torch.Tensor | None] = [None] * n_segments
         self.sharded_grad: torch.Tensor | None = None
         self._rs_work: dist.Work | None = None
         self._rs_input: list[torch.Tensor] | None = None
         self._rs_output: torch.Tensor | None = None
-        self.stats = CommStats()
+
+    def _allocate_unsharded(self, device: torch.device) -> None:
+        """The all-gather output on ``device`` in ``param_dtype``, its storage freed; kept as
+        it is if it already is there (a move of the sharded chunk alone, e.g. ``to_empty``)."""
+        old = getattr(self, "unsharded", None)
+        if old is not None and (old.device, self._gathered_dtype) == (device, self.param_dtype):
+            return
+        self._gathered_dtype = self.param_dtype
+        if any(self.quantized):
+            self.fp8 = FP8UnitGather(
+                self.plan,
+                [s.fqn for s in self.slots],
+                [s.shape for s in self.slots],
+                self.quantized,
+                [s.requires_grad for s in self.slots],
+                self.quant,
+                self.param_dtype,
+                device,
+            )
+            self.unsharded = self.fp8.gathered  # its storage is the FP8 gather's
+            self._storage = self.unsharded.untyped_storage()
+        else:
+            self.unsharded = torch.empty(
+                self.chunk_numel * self.world_size, dtype=self.param_dtype, device=device
+            )
+            self._storage = self.unsharded.untyped_storage()
+            self._storage_nbytes = self._storage.nbytes()
+            self._storage.resize_(0)
+
+    def _copy_in(self, params: list[torch.Tensor]) -> None:
+        """Copy this rank's run of each (TP-local) parameter into the sharded chunk."""
+        with torch.no_grad():
+            for slot, p in zip(self.slots, params):
+                begin, end = self.plan.local_slice(slot.fqn, self.rank)
+                if end > begin:
+                    run = self.plan.placements[slot.fqn].shard_local(p.detach(), self.rank)
+                    self.sharded[begin:end].copy_(run.reshape(-1))
+
+    def bind(self) -> None:
+        """Make the sharded parameters DTensors over views of :attr:`sharded` and the unsharded
+        ones aliases of the unsharded buffer's storage, and register the sharded ones.
+
+        The first call creates the parameters; later calls (after :meth:`allocate` moved the
+        buffers) re-point the same ``nn.Parameter`` objects, so optimizers and hooks that hold
+        them stay valid."""
+        # One spec per parameter, shared by the sharded parameter and its gradient. DTensors are
+        # built from it directly (as FSDP2 does): from_local would add an autograd node and
+        # re-derive the global shape on every gradient landing.
+        self.specs = [lay.sharded_spec(self.dp, self.orig_dtype) for lay in self.layouts]
+        local_views = self.plan.local_views(self.sharded, self.rank) if self.slots else {}
+        sharded = [
+            DTensor(local_views[slot.fqn], spec, requires_grad=False)
+            for slot, spec in zip(self.slots, self.specs)
+        ]
+        if self.fp8 is not None:
+            unsharded = self.fp8.params
+            self.unsharded_specs = [None] * len(self.slots)
+        else:
+            # Tensor-parallel parameters are unsharded as DTensors on the TP mesh (TP-local
+            # views).
+            self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
+            unsharded = []
+            for slot, tp in zip(self.slots, self.unsharded_specs):
+                t = _alias(
+                    self._storage,
+                    self.param_dtype,
+                    self.unsharded.device,
+                    self.plan.offsets[slot.fqn],
+                    slot.shape,
+                )
+                unsharded.append(t if tp is None else DTensor(t, tp, requires_grad=False))
+            self._storage.resize_(0)  # set_ grew it to hold the aliases
+        fresh = not self.sharded_params
+        for i, slot in enumerate(self.slots):
+            if fresh:
+                self.sharded_params.append(
+                    nn.Parameter(sharded[i], requires_grad=slot.requires_grad)
+                )
+                u = unsharded[i]
+                if not isinstance(u, nn.Parameter):  # the FP8 gather's are parameters already
+                    u = nn.Parameter(u, requires_grad=slot.requires_grad)
+                self.unsharded_params.append(u)
+            else:
+                _rebind(self.sharded_params[i], sharded[i])
+                _rebind(self.unsharded_params[i], unsharded[i])
         self.register(sharded=True)
 
     # -- parameters ----------------------------------------------------------------------------
@@ -298,11 +495,124 @@ class FSDPUnit:
                     for module, _ in slot.owners:
                         module.weight_fp8 = None if sharded else w
 
+    # -- moves and casts ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def unregistered(self) -> Iterator[None]:
+        """Hide the unit's parameters from their modules (so that ``nn.Module._apply`` does not
+        map them one by one); the sharded ones are registered again on exit."""
+        self.reshard()
+        for slot in self.slots:
+            for module, attr in slot.owners:
+                module._parameters[attr] = None
+        try:
+            yield
+        finally:
+            self.register(sharded=True)
+
+    def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Map the sharded parameters (and their gradients) through ``fn``, as
+        ``nn.Module._apply`` does for ``to``, ``to_empty``, ``float``, ``bfloat16``, ...: the
+        results are copied, one parameter at a time, into flat buffers :meth:`allocate`\\ d on
+        the device and in the dtype ``fn`` gives, and :meth:`bind` re-points the same
+        parameter objects at them. A unit ``fn`` leaves unchanged (every result is its input)
+        keeps its buffers. On the meta device (``to_empty`` of a meta-initialized model)
+        nothing is copied: this rank allocates its chunk of the unit and one parameter's
+        result at a time.
+
+        Raises ``ValueError`` naming the parameter if ``fn`` changes a parameter's shape,
+        placements or mesh, gives the unit's parameters several devices or dtypes, or moves
+        them off the mesh's device type; or if gradients accumulated without sync are pending.
+        """
+        if not self.slots:
+            return
+        self.reshard()
+        if self.has_unsharded_grads or self._rs_work is not None:
+            raise ValueError(
+                f"cannot move or cast the unit holding {self.slots[0].fqn} while gradients "
+                f"accumulated with set_requires_gradient_sync(False) are pending: call "
+                f"reduce_gradients() or run a backward with sync on first"
+            )
+        old = [(p, p.grad) for p in self.sharded_params]
+        grads: list[torch.Tensor | None] = [None] * len(old)
+        target: tuple[torch.device, torch.dtype] | None = None  # set at the first change
+        with torch.no_grad():
+            for i, (slot, (p, g)) in enumerate(zip(self.slots, old)):
+                out = _checked_result(fn(p), p, slot.fqn, "parameter")
+                if target is None:
+                    if out is p:
+                        continue
+                    target = (out._local_tensor.device, out.dtype)
+                    self._check_target(*target, slot.fqn)
+                    self.allocate(*target)
+                    for j in range(i):  # the parameters fn left unchanged
+                        self._store(j, old[j][0], target, self.slots[j].fqn)
+                self._store(i, out, target, slot.fqn)
+                del out
+                if g is not None:
+                    grads[i] = _checked_result(fn(g), g, slot.fqn, "gradient")
+        if target is None:
+            return
+        for p, _ in old:
+            p.grad = None  # a gradient of the old dtype would block the rebind
+        self.bind()
+        self._land_moved_grads(grads)
+
+    def _check_target(self, device: torch.device, dtype: torch.dtype, fqn: str) -> None:
+        """``ValueError`` unless the unit can live on ``device`` in ``dtype``."""
+        fp8 = [s.fqn for s, q in zip(self.slots, self.quantized) if q]
+        allowed = (torch.float32, torch.bfloat16, torch.float16)
+        if fp8 and self._mp_dtypes[0] is None and dtype not in allowed:
+            raise ValueError(
+                f"cannot cast the FP8 unit holding {fp8[0]} to {dtype}: the parameters it "
+                f"all-gathers next to the FP8 weights must be float32, bfloat16 or float16"
+            )
+        if device.type not in (self.mesh.device_type, "meta"):
+            raise ValueError(
+                f"cannot move parameter {fqn} of a fully_shard unit to {device}: its mesh is on "
+                f"{self.mesh.device_type} (move the model before fully_shard, or build the mesh "
+                f"on {device.type})"
+            )
+
+    def _store(
+        self, index: int, value: DTensor, target: tuple[torch.device, torch.dtype], fqn: str
+    ) -> None:
+        """Copy ``value``'s local tensor into slot ``index``'s run of the new sharded chunk."""
+        if (value._local_tensor.device, value.dtype) != target:
+            raise ValueError(
+                f"moving or casting a fully_shard unit gave parameter {fqn} "
+                f"{value.dtype} on {value._local_tensor.device}, but the unit's other "
+                f"parameters {target[1]} on {target[0]}: one unit's parameters share a device "
+                f"and a dtype"
+            )
+        begin, end = self.plan.local_slice(fqn, self.rank)
+        if end > begin and "meta" not in (self.device.type, value._local_tensor.device.type):
+            self.sharded[begin:end].copy_(value._local_tensor.reshape(-1))
+
+    def _land_moved_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Copy gradients mapped by :meth:`apply_` into a new flat sharded gradient."""
+        if all(g is None for g in grads):
+            return
+        self.sharded_grad = torch.zeros(self.chunk_numel, dtype=self.orig_dtype, device=self.device)
+        views = self.plan.local_views(self.sharded_grad, self.rank)
+        for slot, spec, p, g in zip(self.slots, self.specs, self.sharded_params, grads):
+            if g is None:
+                continue
+            view = views[slot.fqn]
+            if "meta" not in (self.device.type, g._local_tensor.device.type):
+                view.copy_(g._local_tensor.to(self.orig_dtype))
+            p.grad = DTensor(view, spec, requires_grad=False)
+
     # -- all-gather ------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool) -> None:
         """Issue the all-gather into the unsharded buffer (no-op unless sharded)."""
         if self.state is not UnitState.SHARDED or not self.slots:
             return
+        if self.device.type == "meta":
+            raise ValueError(
+                f"parameter {self.slots[0].fqn} (and the rest of its fully_shard unit) is on the "
+                f"meta device: materialize the model with model.to_empty(device=...) and "
+                f"initialize it (init_weights() / reset_parameters()) before the first forward"
+            )
         if self.fp8 is not None:
             self.fp8.allocate()
             send = self.fp8.pack(self.rank, self.sharded)  # own blocks -> FP8 + scales, no comm
@@ -451,3 +761,178 @@ class FSDPUnit:
                 p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
             else:
                 p.grad._local_tensor.add_(views[slot.fqn])
+
+
+def _checked_result(out: object, before: DTensor, fqn: str, what: str) -> DTensor:
+    """``out`` (``fn(before)`` in :meth:`FSDPUnit.apply_`) if it keeps ``before``'s sharding."""
+    if (
+        not isinstance(out, DTensor)
+        or out.shape != before.shape
+        or out.device_mesh != before.device_mesh
+        or tuple(out.placements) != tuple(before.placements)
+        or out._local_tensor.shape != before._local_tensor.shape
+    ):
+        got = (
+            f"a DTensor of shape {tuple(out.shape)} with {tuple(out.placements)}"
+            if isinstance(out, DTensor)
+            else type(out).__name__
+        )
+        raise ValueError(
+            f"a move or cast of a fully_shard module maps sharded {what} {fqn} "
+            f"({tuple(before.shape)}, {tuple(before.placements)}) to {got}: only device and "
+            f"dtype may change"
+        )
+    return out
+
+
+def build_unit(
+    slots: list[ParamSlot],
+    params: list[nn.Parameter],
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    granularity,
+    quant=None,
+    split_by_submodule: bool = False,
+) -> FSDPUnit | MultiDtypeUnit:
+    """The unit of one ``fully_shard`` call (arguments as :class:`FSDPUnit`'s): an
+    :class:`FSDPUnit`, or a :class:`MultiDtypeUnit` when the parameters have several dtypes."""
+    args = (mesh, param_dtype, reduce_dtype, granularity, quant, split_by_submodule)
+    if len({p.dtype for p in params}) <= 1:
+        return FSDPUnit(slots, params, *args)
+    if quant is not None:
+        _unit_dtype(slots, params)  # FP8 units gather their other parameters in one dtype
+    return MultiDtypeUnit(slots, params, *args)
+
+
+class _SummedStats:
+    """The :class:`CommStats` of a :class:`MultiDtypeUnit`: its parts' counters, summed."""
+
+    def __init__(self, parts: list[FSDPUnit]) -> None:
+        self._parts = parts
+
+    def __getattr__(self, name: str) -> int:
+        return sum(getattr(p.stats, name) for p in self._parts)
+
+    def reset(self) -> None:
+        for p in self._parts:
+            p.stats.reset()
+
+
+class MultiDtypeUnit:
+    """A ``fully_shard`` unit whose parameters have several dtypes (fp32 norms next to bf16
+    matrices): one :class:`FSDPUnit` per dtype (the parts, in order of first appearance), each
+    with its own plan and flat buffers, driven together with the interface of one unit.
+
+    Every part stays zero-copy in its own dtype: sharded parameters view the part's sharded
+    chunk, unsharded ones its all-gather output, gradients its flat gradient buffers. Each part
+    issues its own all-gather and reduce-scatter (in its ``param_dtype`` / ``reduce_dtype``,
+    which default to the part's dtype), so a unit of ``k`` dtypes issues ``k`` of each per
+    pass where a one-dtype unit issues one; they are not coalesced across dtypes.
+    """
+
+    def __init__(self, slots, params, mesh, param_dtype, reduce_dtype, granularity, quant,
+                 split_by_submodule) -> None:
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault(p.dtype, []).append(i)
+        self.slots = slots
+        self.parts = [
+            FSDPUnit(
+                [slots[i] for i in idx], [params[i] for i in idx], mesh, param_dtype,
+                reduce_dtype, granularity, quant, split_by_submodule,
+            )
+            for idx in groups.values()
+        ]
+        self._where = [(0, 0)] * len(slots)  # slot index -> (part, index in the part)
+        for k, idx in enumerate(groups.values()):
+            for j, i in enumerate(idx):
+                self._where[i] = (k, j)
+        self.stats = _SummedStats(self.parts)
+
+    def _in_slot_order(self, attr: str) -> list:
+        return [getattr(self.parts[k], attr)[j] for k, j in self._where]
+
+    # what a unit exposes to the hooks, the API and the checkpoint code
+    dp = property(lambda self: self.parts[0].dp)
+    mesh = property(lambda self: self.parts[0].mesh)
+    rank = property(lambda self: self.parts[0].rank)
+    world_size = property(lambda self: self.parts[0].world_size)
+    device = property(lambda self: self.parts[0].device)
+    sharded_params = property(lambda self: self._in_slot_order("sharded_params"))
+    unsharded_params = property(lambda self: self._in_slot_order("unsharded_params"))
+    layouts = property(lambda self: self._in_slot_order("layouts"))
+    specs = property(lambda self: self._in_slot_order("specs"))
+
+    @property
+    def has_unsharded_grads(self) -> bool:
+        return any(p.has_unsharded_grads for p in self.parts)
+
+    def __setattr__(self, name: str, value) -> None:
+        # settings a caller gives the unit (e.g. a gradient divide factor) reach every part
+        if name in ("slots", "parts", "_where", "stats"):
+            object.__setattr__(self, name, value)
+        else:
+            for p in self.parts:
+                setattr(p, name, value)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "parts":
+            raise AttributeError(name)
+        values = [getattr(p, name) for p in self.parts]
+        try:
+            same = all(v is values[0] or bool(v == values[0]) for v in values[1:])
+        except (RuntimeError, TypeError, ValueError):  # tensors, or values with no equality
+            same = False
+        if not same:
+            raise AttributeError(
+                f"the parts of a unit with several dtypes differ in {name!r}: "
+                f"use unit.parts[k].{name}"
+            )
+        return values[0]
+
+    def register(self, *, sharded: bool) -> None:
+        for p in self.parts:
+            p.register(sharded=sharded)
+
+    def unshard(self, *, async_op: bool) -> None:
+        for p in self.parts:
+            p.unshard(async_op=True)
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        for p in self.parts:
+            p.wait_unshard()
+
+    def reshard(self) -> None:
+        for p in self.parts:
+            p.reshard()
+
+    def release_dropped_grads(self) -> None:
+        for p in self.parts:
+            p.release_dropped_grads()
+
+    def prepare_grads(self, index: int) -> None:
+        k, j = self._where[index]
+        self.parts[k].prepare_grads(j)
+
+    def reduce_grads(self) -> None:
+        for p in self.parts:
+            if p.has_unsharded_grads:
+                p.reduce_grads()
+
+    def finish_reduce(self, scale: float = 1.0) -> None:
+        for p in self.parts:
+            p.finish_reduce(scale)
+
+    @contextlib.contextmanager
+    def unregistered(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for p in self.parts:
+                stack.enter_context(p.unregistered())
+            yield
+
+    def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for p in self.parts:
+            p.apply_(fn)
