@@ -15,6 +15,12 @@ are measured with the same instruments (:mod:`ragged_placement.fsdp.profiling`):
 * step time: median over ``--steps`` timed steps of each of ``--runs`` alternating runs, then
   the median over runs.
 
+The standard large-model recipe, applied the same way to both runtimes (torchtitan's order):
+``--checkpoint`` wraps every block in ``checkpoint_wrapper`` (non-reentrant activation
+checkpointing) before ``fully_shard``; ``--compile`` then compiles every block
+(``block.compile(backend=--compile-backend)``, after ``fully_shard``). The warmup steps absorb the
+compilation.
+
 Run: ``.venv/bin/python benchmarks/fsdp_vs_fsdp2.py`` (``--help`` for the knobs).
 """
 
@@ -32,7 +38,8 @@ from _runtime_table import measure_runtime, print_runtime_table  # benchmarks/ i
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 
 
-def _shard(model: GPT, runtime: str, mesh, bf16: bool) -> None:
+def _shard(model: GPT, runtime: str, mesh, args) -> None:
+    bf16 = args.bf16
     if runtime == "ours":
         kw = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if bf16 else {}
         wrap = fully_shard
@@ -41,8 +48,18 @@ def _shard(model: GPT, runtime: str, mesh, bf16: bool) -> None:
         from torch.distributed.fsdp import fully_shard as wrap
 
         kw = {"mp_policy": FSDP2Policy(torch.bfloat16, torch.float32)} if bf16 else {}
+    if args.checkpoint:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            checkpoint_wrapper,
+        )
+
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     for block in model.layers:
         wrap(block, mesh=mesh, **kw)
+        if args.compile:
+            block.compile(backend=args.compile_backend)
     wrap(model, mesh=mesh, **kw)
 
 
@@ -53,7 +70,7 @@ def _trainer(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict,
     mesh = init_device_mesh("cpu", (ws,))
     model = GPT(cfg)
     model.load_state_dict(init)
-    _shard(model, runtime, mesh, args.bf16)
+    _shard(model, runtime, mesh, args)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
     per = args.batch
 
@@ -86,7 +103,6 @@ def _worker(rank: int, ws: int, args) -> dict:
     return results
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=4)
@@ -99,13 +115,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 reduction (both)")
+    ap.add_argument(
+        "--checkpoint", action="store_true",
+        help="activation checkpointing: checkpoint_wrapper (non-reentrant) on every block (both)",
+    )
+    ap.add_argument(
+        "--compile", action="store_true",
+        help="block.compile() on every block after fully_shard (both)",
+    )
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile")
     args = ap.parse_args()
     per_rank = run_gloo(_worker, args.world, args)
 
     cfg = f"{args.layers} layers x {args.width} wide, seq {args.seq}, batch {args.batch}/rank"
     title = (
         f"FSDP runtimes on {args.world} gloo ranks (CPU), GPT {cfg}, "
-        f"{'bf16 params / fp32 reduce' if args.bf16 else 'fp32'}, torch {torch.__version__}, "
+        f"{'bf16 params / fp32 reduce' if args.bf16 else 'fp32'}"
+        f"{', activation checkpointing' if args.checkpoint else ''}"
+        f"{f', per-block compile ({args.compile_backend})' if args.compile else ''}, "
+        f"torch {torch.__version__}, "
         f"{args.runs} runs x {args.steps} steps"
     )
     print_runtime_table(per_rank, title, "torch FSDP2", "ours")

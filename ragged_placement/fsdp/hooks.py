@@ -65,6 +65,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
+from ragged_placement.fsdp._dynamo import dynamo_disable
 from ragged_placement.fsdp.unit import FSDPUnit
 
 __all__ = ["FSDPState", "RootContext", "TrainingState"]
@@ -222,6 +223,7 @@ class FSDPState:
             s.is_root = s is self
 
     # -- forward -------------------------------------------------------------------------------
+    @dynamo_disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.root is None:
             self._lazy_init()
@@ -294,6 +296,7 @@ class FSDPState:
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 
+    @dynamo_disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any):
         if _in_backward():
             # A recomputation: backward is about to use the parameters; post-backward (or the
@@ -325,6 +328,7 @@ class FSDPState:
                 t.register_hook(self._pre_backward)
 
     # -- backward ------------------------------------------------------------------------------
+    @dynamo_disable
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return  # another output of this unit got its gradient first
@@ -336,12 +340,14 @@ class FSDPState:
         self._unshard_and_register()
         ctx.prefetch(ctx.next_in_backward(self), backward=True)
 
+    @dynamo_disable
     def _on_grad(self, index: int) -> None:
         # Runs before AccumulateGrad of unsharded parameter ``index``. A segment's gradient
         # buffer is allocated at its first gradient, not at pre-backward, where it would sit on
         # the activation peak.
         self.unit.prepare_grads(index)
 
+    @dynamo_disable
     def post_backward(self) -> None:
         """Reduce-scatter this unit's gradients (unless gradient sync is off) and reshard.
 
@@ -363,6 +369,7 @@ class FSDPState:
         self.holds_forward_gather = False
         self.training_state = TrainingState.POST_BACKWARD
 
+    @dynamo_disable
     def _root_final_callback(self) -> None:
         ctx = self.root
         for s in reversed(ctx.states):
