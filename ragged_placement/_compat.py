@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_single", "reduce_scatter_single", "all_gather_segments", "reduce_scatter_segments",
-    "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches",
+    "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
+    "global_tensor_info_name", "local_shape_helper_bindings",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -39,6 +40,33 @@ try:
     from torch.distributed.tensor._ops._math_ops import _NormPartial as NormPartial
 except ImportError:  # pragma: no cover - layout of other releases
     from torch.distributed.tensor._ops.math_ops import _NormPartial as NormPartial  # type: ignore[no-redef]
+
+
+def global_tensor_info_name() -> str:
+    """What ``torch.distributed.tensor._api.compute_global_tensor_info`` is (``from_local``'s
+    shape inference): a C++ function in torch 2.13, the Python one of ``_utils`` before."""
+    if hasattr(torch._C, "_DTensor_compute_global_tensor_info"):
+        return "torch._C._DTensor_compute_global_tensor_info"
+    return "torch.distributed.tensor._utils.compute_global_tensor_info"  # pragma: no cover
+
+
+def local_shape_helper_bindings() -> tuple[str, ...]:
+    """Modules other than ``torch.distributed.tensor._utils`` that bind
+    ``_compute_local_shape_and_global_offset`` by name (the others call it through ``_utils``)."""
+    import importlib
+
+    candidates = ("torch.distributed.tensor.debug._visualize_sharding",)
+    return tuple(m for m in candidates
+                 if hasattr(importlib.import_module(m), "_compute_local_shape_and_global_offset"))
+
+
+def rng_offset_helpers() -> tuple[str, ...]:
+    """The module-level helpers of ``torch.distributed.tensor._random`` that map a spec to RNG
+    offsets (``_calc_first_shard_size``, ``_calc_shard_info`` in torch 2.13; releases that keep
+    them as tracker methods have none)."""
+    from torch.distributed.tensor import _random
+
+    return tuple(name for name in ("_calc_first_shard_size", "_calc_shard_info") if hasattr(_random, name))
 
 
 def clear_sharding_caches() -> None:

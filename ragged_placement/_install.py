@@ -339,8 +339,7 @@ PATCHES: tuple[Patch, ...] = (
           _build_propagate_non_cached),
     Patch(_PROPAGATOR, "propagate_op_sharding", "torch.distributed.tensor._sharding_prop.LocalLRUCache",
           _build_propagate_cached),
-    Patch(_API, "compute_global_tensor_info", "torch._C._DTensor_compute_global_tensor_info",
-          _build_global_tensor_info),
+    Patch(_API, "compute_global_tensor_info", _compat.global_tensor_info_name(), _build_global_tensor_info),
     Patch(f"{_API}:DTensor", "from_local", f"{_API}.DTensor.from_local", _build_from_local),
     *(
         Patch(f"{_API}:DTensor", name, f"{_API}.DTensor.{name}", _build_checkpoint_method(name))
@@ -348,8 +347,10 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset", _LOCAL_SHAPE,
           _build_local_shape_and_offset),
-    Patch("torch.distributed.tensor.debug._visualize_sharding", "_compute_local_shape_and_global_offset",
-          _LOCAL_SHAPE, _build_local_shape_and_offset),
+    *(
+        Patch(module, "_compute_local_shape_and_global_offset", _LOCAL_SHAPE, _build_local_shape_and_offset)
+        for module in _compat.local_shape_helper_bindings()
+    ),
     Patch("torch.distributed._state_dict_utils", "_distribute_tensors",
           "torch.distributed._state_dict_utils._distribute_tensors", _build_distribute_tensors),
     Patch(_API, "_dtensor_init_helper", f"{_API}._dtensor_init_helper", _build_init_helper),
@@ -359,7 +360,7 @@ PATCHES: tuple[Patch, ...] = (
     *(
         Patch("torch.distributed.tensor._random", name, f"torch.distributed.tensor._random.{name}",
               _build_rng_guard)
-        for name in ("_calc_first_shard_size", "_calc_shard_info")
+        for name in _compat.rng_offset_helpers()
     ),
 )
 

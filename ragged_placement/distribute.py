@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ragged_placement.placement import RaggedShard
-from ragged_placement.redistribute import _exchange, _slice, validate_placements
+from ragged_placement.redistribute import validate_placements
 from ragged_placement.regions import cut_shape, flat_range_boxes, shard_size_and_offset
 
 __all__ = [
@@ -33,20 +33,6 @@ __all__ = [
 ]
 
 
-def _scatter_ragged(tensor: torch.Tensor, p: RaggedShard, mesh: DeviceMesh, mesh_dim: int, src: int | None):
-    """This rank's local tensor under ``p``, taken from group rank ``src``'s ``tensor`` (only
-    ``src`` sends: one ``all_to_all_single``), or from the local ``tensor`` if ``src`` is None."""
-    me, n = mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim)
-    p.check_mesh_size(n, mesh_dim=mesh_dim)
-    k = len(p.dims)
-    lead, trail = tuple(tensor.shape[:k]), tuple(tensor.shape[k:])
-    if src is None:
-        return _slice(tensor, p, lead, trail, me, n)
-    # rank `src` holds everything, every other rank nothing: exchange into `p`
-    everything_on_src = RaggedShard(p.dims, tuple(int(r == src) for r in range(n)))
-    return _exchange(tensor, everything_on_src, p, lead, trail, mesh.get_group(mesh_dim), me, n)
-
-
 def local_tensor_from_full(
     tensor: torch.Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement], *, src_data_rank: int | None = None
 ) -> torch.Tensor:
@@ -56,7 +42,7 @@ def local_tensor_from_full(
     local = tensor.detach()
     for idx, p in enumerate(placements):
         if isinstance(p, RaggedShard):
-            local = _scatter_ragged(local, p, device_mesh, idx, src_data_rank)
+            local = p._shard_tensor(local, device_mesh, idx, src_data_rank)
         elif isinstance(p, Shard):
             local = Shard._make_shard_tensor(p.dim, local, device_mesh, idx, src_data_rank)
         elif isinstance(p, Replicate):

@@ -39,8 +39,8 @@ from ragged_placement._compat import NormPartial
 from ragged_placement.placement import RaggedShard
 from ragged_placement.redistribute import has_ragged
 from ragged_placement.regions import cut_shape as _apply_cut
-from ragged_placement.rng import RANDOM_OPS
 from ragged_placement.regions import shard_size_and_offset
+from ragged_placement.rng import RANDOM_OPS
 
 aten = torch.ops.aten
 

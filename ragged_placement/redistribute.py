@@ -24,51 +24,36 @@ Partial                Replicate              the placement's own all-reduce
 Replicate              Partial                the placement's own partition (local)
 =====================  =====================  ==========================================
 
-No step materializes a full replica unless the target is ``Replicate``. Pack and unpack use
-``as_strided`` views of the regions (see :mod:`ragged_placement.regions`), so the only copies
-are into the send buffer and out of the receive buffer.
+No step materializes a full replica unless the target is ``Replicate``. This module plans the
+steps and dispatches each to the RaggedShard side's transform method
+(:meth:`RaggedShard._transform_to` / ``_transform_from``); the data movement is in
+:mod:`ragged_placement.transforms`, which packs and unpacks through ``as_strided`` views of the
+regions (:mod:`ragged_placement.regions`), so the only copies are into the send buffer and out of
+the receive buffer.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from ragged_placement import _compat
+from ragged_placement import transforms
 from ragged_placement.placement import RaggedShard
-from ragged_placement.regions import (
-    Layout,
-    box_numel,
-    cut_shape,
-    intersect,
-    involved_dims,
-    layout,
-)
+from ragged_placement.regions import cut_shape, involved_dims
 
-__all__ = ["redistribute_local_tensor", "validate_placements", "has_ragged"]
-
-# Dtypes the CPU/GPU backends move natively; others travel as bytes (data movement only).
-_NATIVE_DTYPES = {
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int8, torch.uint8,
-}
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-               "min": dist.ReduceOp.MIN}
+__all__ = ["has_ragged", "plan_steps", "redistribute_local_tensor", "validate_placements"]
 
 
 def has_ragged(placements: Sequence[Placement]) -> bool:
+    """Whether ``placements`` contains a RaggedShard."""
     return any(isinstance(p, RaggedShard) for p in placements)
 
 
-def _is_sharded(p: Placement) -> bool:
-    return isinstance(p, (RaggedShard, Shard))
+_is_sharded = transforms.is_sharded
 
 
 def _cut_dims(p: Placement) -> set[int]:
@@ -104,186 +89,23 @@ def validate_placements(mesh: DeviceMesh, placements: Sequence[Placement], ndim:
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# shapes
-# ---------------------------------------------------------------------------------------------
-def _step_shapes(global_shape, placements, mesh: DeviceMesh, coord, i: int, k: int):
-    """``(lead, trail)`` for a step on mesh dim ``i`` that involves the leading ``k`` dims:
-    ``lead`` are those dims of the level tensor (after the cuts of mesh dims ``< i``), ``trail``
-    the remaining dims of the local tensor (after the cuts of every other mesh dim)."""
+def _level_shape(global_shape, placements, mesh: DeviceMesh, coord, i: int) -> list[int]:
+    """The shape of the tensor mesh dim ``i`` splits: ``global_shape`` cut by mesh dims ``< i``."""
     level = list(global_shape)
     for m in range(i):
         level = cut_shape(level, placements[m], coord[m], mesh.size(m))
-    full = list(level)
-    for m in range(i + 1, mesh.ndim):
-        full = cut_shape(full, placements[m], coord[m], mesh.size(m))
-    return tuple(level[:k]), tuple(full[k:])
+    return level
 
 
-# ---------------------------------------------------------------------------------------------
-# collectives (data movement in bytes for dtypes the backend lacks)
-# ---------------------------------------------------------------------------------------------
-def _as_movable(flat: torch.Tensor) -> tuple[torch.Tensor, int]:
-    if flat.dtype in _NATIVE_DTYPES:
-        return flat, 1
-    return flat.view(torch.uint8), flat.element_size()
-
-
-def _layouts(p: Placement, lead, row: int, n: int) -> list[Layout]:
-    return [layout(p, lead, row, r, n) for r in range(n)]
-
-
-def _exchange(x, p, q, lead, trail, group, me: int, n: int) -> torch.Tensor:
-    """Sharded ``p`` -> sharded ``q`` with one ``all_to_all_single``."""
-    row = math.prod(trail)
-    src, dst = _layouts(p, lead, row, n), _layouts(q, lead, row, n)
-    flat = x.contiguous().view(-1)
-    out_flat = torch.empty(dst[me].local_numel, dtype=x.dtype, device=x.device)
-    send, in_splits = [], []
-    for peer in range(n):
-        pieces = [src[me].view(flat, c, i) for i, a in enumerate(src[me].boxes) for b in dst[peer].boxes
-                  if (c := intersect(a, b)) is not None]
-        in_splits.append(sum(v.numel() for v in pieces))
-        send += [v.reshape(-1) for v in pieces]
-    recv_boxes, out_splits = [], []
-    for peer in range(n):
-        boxes = [(c, j) for a in src[peer].boxes for j, b in enumerate(dst[me].boxes)
-                 if (c := intersect(a, b)) is not None]
-        recv_boxes.append(boxes)
-        out_splits.append(sum(box_numel(c) for c, _ in boxes) * row)
-    total = sum(box_numel(b) for r in range(n) for b in src[r].boxes) * row
-    if total:
-        send_buf = torch.cat(send) if send else flat.new_empty(0)
-        recv_buf = torch.empty(sum(out_splits), dtype=x.dtype, device=x.device)
-        sb, scale = _as_movable(send_buf)
-        rb, _ = _as_movable(recv_buf)
-        dist.all_to_all_single(rb, sb, [s * scale for s in out_splits], [s * scale for s in in_splits],
-                               group=group)
-        offset = 0
-        for boxes in recv_boxes:
-            for c, j in boxes:
-                target = dst[me].view(out_flat, c, j)
-                target.copy_(recv_buf[offset:offset + target.numel()].view(target.shape))
-                offset += target.numel()
-    return out_flat.view(_local_shape(q, lead, trail, me, n))
-
-
-def _gather(x, p, lead, trail, group, me: int, n: int) -> torch.Tensor:
-    """Sharded ``p`` -> ``Replicate`` with one padded ``all_gather_single``."""
-    row = math.prod(trail)
-    src = _layouts(p, lead, row, n)
-    pad = max(lay.local_numel for lay in src)
-    out = torch.empty(math.prod(lead) * row, dtype=x.dtype, device=x.device)
-    if pad:
-        send = x.new_zeros(pad) if x.numel() != pad else None
-        if send is None:
-            send = x.contiguous().view(-1)
-        else:
-            send[: x.numel()].copy_(x.reshape(-1))
-        gathered = torch.empty(n * pad, dtype=x.dtype, device=x.device)
-        g, _ = _as_movable(gathered)
-        s, _ = _as_movable(send)
-        _compat.all_gather_single(g, s, group=group)
-        contiguous = isinstance(p, RaggedShard) and p.split_factor == 1  # runs in rank order
-        if contiguous and all(lay.local_numel == pad for lay in src):
-            return gathered.view(*lead, *trail)  # equal runs: the gathered buffer is the tensor
-        if contiguous:
-            torch.cat([gathered[r * pad: r * pad + src[r].local_numel] for r in range(n)], out=out)
-        else:
-            full = _layouts(Replicate(), lead, row, 1)[0]
-            for r in range(n):
-                seg = gathered[r * pad: r * pad + src[r].local_numel]
-                for i, b in enumerate(src[r].boxes):
-                    full.view(out, b, 0).copy_(src[r].view(seg, b, i))
-    return out.view(*lead, *trail)
-
-
-def _slice(x, q, lead, trail, me: int, n: int) -> torch.Tensor:
-    """``Replicate`` -> sharded ``q``: copy this rank's region (no communication)."""
-    row = math.prod(trail)
-    dst = layout(q, lead, row, me, n)
-    full = layout(Replicate(), lead, row, 0, 1)
-    src_flat = x.contiguous().view(-1)
-    out = torch.empty(dst.local_numel, dtype=x.dtype, device=x.device)
-    for i, b in enumerate(dst.boxes):
-        dst.view(out, b, i).copy_(full.view(src_flat, b, 0))
-    return out.view(_local_shape(q, lead, trail, me, n))
-
-
-def _reduce_scatter(x, partial: Partial, q, lead, trail, group, me: int, n: int) -> torch.Tensor:
-    """``Partial`` -> sharded ``q`` with one padded ``reduce_scatter_single``."""
-    row = math.prod(trail)
-    dst = _layouts(q, lead, row, n)
-    full = layout(Replicate(), lead, row, 0, 1)
-    pad = max(lay.local_numel for lay in dst)
-    out = torch.empty(dst[me].local_numel, dtype=x.dtype, device=x.device)
-    if pad:
-        src_flat = x.contiguous().view(-1)
-        if isinstance(q, RaggedShard) and q.split_factor == 1 and all(lay.local_numel == pad for lay in dst):
-            send = src_flat  # equal runs in rank order: the tensor is the send buffer
-        else:
-            send = x.new_zeros(n * pad)
-            for r in range(n):
-                seg = send[r * pad: r * pad + dst[r].local_numel]
-                for i, b in enumerate(dst[r].boxes):
-                    dst[r].view(seg, b, i).copy_(full.view(src_flat, b, 0))
-        recv = x.new_empty(pad)
-        _compat.reduce_scatter_single(recv, send, op=_REDUCE_OPS[partial.reduce_op], group=group)
-        out.copy_(recv[: dst[me].local_numel])
-        if partial.reduce_op == "avg":
-            out.div_(n)
-    return out.view(_local_shape(q, lead, trail, me, n))
-
-
-def _to_partial(x, p, partial: Partial, lead, trail, me: int, n: int) -> torch.Tensor:
-    """Sharded ``p`` -> ``Partial(sum | avg)``: zeros outside this rank's region (local)."""
-    if partial.reduce_op not in ("sum", "avg"):
-        raise ValueError(f"cannot redistribute {p!r} to {partial!r}: only Partial sum/avg can be formed locally")
-    row = math.prod(trail)
-    src = layout(p, lead, row, me, n)
-    full = layout(Replicate(), lead, row, 0, 1)
-    out = x.new_zeros(math.prod(lead) * row)
-    flat = x.contiguous().view(-1)
-    for i, b in enumerate(src.boxes):
-        full.view(out, b, 0).copy_(src.view(flat, b, i))
-    if partial.reduce_op == "avg":
-        out.mul_(n)
-    return out.view(*lead, *trail)
-
-
-def _local_shape(q: Placement, lead, trail, me: int, n: int) -> tuple[int, ...]:
-    return (*cut_shape(list(lead), q, me, n), *trail)
-
-
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
-def _transform(x, p, q, mesh: DeviceMesh, i: int, global_shape, placements, coord) -> torch.Tensor:
-    """Transform the local tensor from ``p`` to ``q`` on mesh dim ``i``; ``placements`` are the
-    current placements of every mesh dim (``placements[i] == p``)."""
-    n, me = mesh.size(i), coord[i]
-    k = max(involved_dims(p), involved_dims(q))
-    lead, trail = _step_shapes(global_shape, placements, mesh, coord, i, k)
-    group = mesh.get_group(i)
-    if _is_sharded(p) and _is_sharded(q):
-        return _exchange(x, p, q, lead, trail, group, me, n)
-    if _is_sharded(p) and isinstance(q, Replicate):
-        return _gather(x, p, lead, trail, group, me, n)
-    if isinstance(p, Replicate) and _is_sharded(q):
-        return _slice(x, q, lead, trail, me, n)
-    if _is_sharded(p) and isinstance(q, Partial):
-        return _to_partial(x, p, q, lead, trail, me, n)
-    if isinstance(p, Partial) and _is_sharded(q):
-        if type(p) is Partial and p.reduce_op in _REDUCE_OPS:
-            return _reduce_scatter(x, p, q, lead, trail, group, me, n)
-        # A custom Partial (norms, weighted means) reduces with its own rule first.
-        return _slice(_wait(p._reduce_value(x, mesh, i)), q, lead, trail, me, n)
-    if isinstance(p, Partial) and isinstance(q, Replicate):
-        return _wait(p._reduce_value(x, mesh, i))
-    if isinstance(p, Replicate) and isinstance(q, Partial):
-        return q._partition_value(x, mesh, i)
-    raise ValueError(f"cannot redistribute {p!r} -> {q!r} on mesh dim {i}")
+def _step(x, p: Placement, q: Placement, mesh: DeviceMesh, i: int, logical_shape) -> torch.Tensor:
+    """One step on mesh dim ``i``: the RaggedShard side owns the transform; steps between
+    torch's placements (on a mesh dim of a spec with a RaggedShard elsewhere) use the same
+    region-based data movement."""
+    if isinstance(p, RaggedShard):
+        return p._transform_to(q, x, mesh, i, logical_shape)
+    if isinstance(q, RaggedShard):
+        return q._transform_from(p, x, mesh, i, logical_shape)
+    return transforms.transform(x, p, q, mesh, i, logical_shape)
 
 
 def plan_steps(current: Sequence[Placement], target: Sequence[Placement]) -> list[tuple[int, Placement]]:
@@ -333,6 +155,6 @@ def redistribute_local_tensor(
     cur = list(current_spec.placements)
     x = local_tensor
     for i, q in plan_steps(cur, target_spec.placements):
-        x = _transform(x, cur[i], q, mesh, i, shape, cur, coord)
+        x = _step(x, cur[i], q, mesh, i, _level_shape(shape, cur, mesh, coord, i))
         cur[i] = q
     return x

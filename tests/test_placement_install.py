@@ -4,8 +4,9 @@
   object again (same identity, a class's staticmethod included), the names we added are gone,
   stock DTensor works and RaggedShard is unknown to torch; :func:`install` brings it back.
 * :func:`install` refuses (``ImportError``, nothing patched) when an attribute is not torch's.
-* torch's debug helpers for the sharding-propagation cache, and what its ``op_strategy_context``
-  test helper does, work with the package installed (the propagator keeps a ``LocalLRUCache``).
+* torch's debug helpers for the sharding-propagation cache, what its ``op_strategy_context``
+  test helper does, and its ``test_custom_recursive_decomp`` work with the package installed
+  (the propagator keeps a ``LocalLRUCache``).
 """
 
 from __future__ import annotations
@@ -121,3 +122,48 @@ def test_torch_debug_cache_helpers_and_strategy_registration_work_installed():
         if saved[1] is not None:
             propagator.op_to_schema_info[op] = saved[1]
         debug._clear_sharding_prop_cache()
+
+
+def _recursive_decomp_cache(rank: int, world: int) -> tuple:
+    """torch's test_decomp_sharding.py::test_custom_recursive_decomp, which failed only with the
+    package imported: decompositions hit the Python sharding cache."""
+    import torch.distributed.tensor as dtensor
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.debug import _get_python_sharding_prop_cache_info
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    x = dtensor.empty(16, 16, device_mesh=mesh, placements=[Shard(0), Shard(1)])
+    y = dtensor.empty(16, 16, device_mesh=mesh, placements=[Replicate(), Shard(0)])
+    ops = torch.ops.ragged_install_test
+    first = ops.op1(x, y)
+    size = _get_python_sharding_prop_cache_info().currsize
+    ops.op1(x, y)
+    again = _get_python_sharding_prop_cache_info().currsize
+    second = ops.op2(x, y)
+    return first.placements, second.placements, (Shard(0), Partial("sum")), size, again, \
+        _get_python_sharding_prop_cache_info().currsize
+
+
+def test_custom_recursive_decomposition_hits_the_sharding_cache_installed():
+    from torch._decomp import register_decomposition
+
+    with torch.library._scoped_library("ragged_install_test", "FRAGMENT") as lib:
+        lib.define("op1(Tensor x, Tensor y) -> Tensor")
+        lib.define("op2(Tensor x, Tensor y) -> Tensor")
+        torch.library.impl(lib, "op1", "CPU")(lambda x, y: x @ y * 1.0)
+        torch.library.impl(lib, "op2", "CPU")(lambda x, y: x @ y)
+        op1, op2 = torch.ops.ragged_install_test.op1.default, torch.ops.ragged_install_test.op2.default
+        register_decomposition(op1)(lambda x, y: torch.ops.ragged_install_test.op2(x, y) * 1.0)
+        register_decomposition(op2)(lambda x, y: x @ y)
+        torch.library.register_fake("ragged_install_test::op1")(lambda x, y: torch.empty_like(x) @ torch.empty_like(y))
+        torch.library.register_fake("ragged_install_test::op2")(lambda x, y: torch.empty_like(x) @ torch.empty_like(y))
+        try:
+            for first, second, want, size, again, after in run_threaded(_recursive_decomp_cache, 4):
+                assert first == want and second == want
+                assert size == again == after
+        finally:
+            from torch._decomp import global_decomposition_table
+
+            for table in global_decomposition_table.values():
+                table.pop(op1, None)
+                table.pop(op2, None)
