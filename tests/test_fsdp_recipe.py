@@ -15,9 +15,9 @@ Tolerances (measured with ``pytest tests/test_fsdp_recipe.py -s`` on torch 2.13 
   ``clip_grad_norm_`` the two are bitwise equal (2 threaded ranks, 10 bf16 steps); with it they
   are 4.9e-4 apart there: the total norm sums per-rank squared norms over different shard
   layouts (RaggedShard row runs vs FSDP2's dim-0 chunks), so the clip coefficients differ in
-  the last fp32 bits, and the bf16 casts of the parameters round some elements the other way. Resumed on 2 ranks against the
-  same steps on 4: 4.8e-4 (FSDP2: 1.2e-4), other per-rank batches in bf16. Checked at
-  ``BF16_VS_FSDP2``.
+  the last fp32 bits, and the bf16 casts of the parameters round some elements the other way.
+  Resumed on 2 ranks against the same steps on 4: 4.8e-4 (FSDP2: 1.2e-4), other per-rank
+  batches in bf16. Checked at ``BF16_VS_FSDP2``.
 * bf16 against the fp32 one-process run: 2.0e-3 for ours and for FSDP2; checked at ``BF16_TOL``.
 """
 
