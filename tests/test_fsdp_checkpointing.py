@@ -115,22 +115,28 @@ def _model(mode: str | None) -> GPT:
 
 
 def _shard(
-    m: GPT, runtime: str, mode: str | None, mesh: DeviceMesh, reshard: bool = True, bf16: bool = False
+    m: GPT,
+    runtime: str,
+    mode: str | None,
+    mesh: DeviceMesh,
+    reshard: bool = True,
+    bf16: bool = False,
 ) -> None:
     shard = fsdp2_fully_shard if runtime == "fsdp2" else fully_shard
     if bf16:
         policy = FSDP2MixedPrecision if runtime == "fsdp2" else MixedPrecisionPolicy
         shard = functools.partial(shard, mp_policy=policy(torch.bfloat16, torch.float32))
+    shard_block = functools.partial(shard, mesh=mesh, reshard_after_forward=reshard)
     if mode in ("wrapper_before", "wrapper_after"):
         for i, block in enumerate(m.layers):
             if mode == "wrapper_before":
-                m.layers[i] = shard(checkpoint_wrapper(block), mesh=mesh, reshard_after_forward=reshard)
+                m.layers[i] = shard_block(checkpoint_wrapper(block))
             else:
-                m.layers[i] = checkpoint_wrapper(shard(block, mesh=mesh, reshard_after_forward=reshard))
+                m.layers[i] = checkpoint_wrapper(shard_block(block))
     else:
         for block in [b for b in m.modules() if isinstance(b, Block)]:
-            shard(block, mesh=mesh, reshard_after_forward=reshard)
-    shard(m, mesh=mesh)
+            shard_block(block)
+    shard(m, mesh=mesh)  # the root: each runtime's default (kept from forward to backward)
 
 
 def _local_batch(step: int, rank: int, ws: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +283,8 @@ def _gathers_per_step(
         _FSDP2_GATHERS.pop(threading.get_ident(), None)
         m(*_local_batch(step, rank, ws)).backward()
         if runtime == "ours":
-            counts.append(tuple((u.stats.all_gathers, u.stats.reduce_scatters) for u in _units(m, runtime)))
+            stats = [u.stats for u in _units(m, runtime)]
+            counts.append(tuple((s.all_gathers, s.reduce_scatters) for s in stats))
         else:
             seen = _FSDP2_GATHERS.get(threading.get_ident(), Counter())
             counts.append(tuple(seen[id(params)] for params in _units(m, runtime)))
@@ -376,7 +383,8 @@ def _forward_between_backward_and_step(rank: int, ws: int, runtime: str):
 
 
 def test_forward_without_backward_before_the_step_regathers_after_it(one_torch_thread):
-    _assert_matches_reference(None, *run_threaded(_forward_between_backward_and_step, WORLD, "ours")[0])
+    ours = run_threaded(_forward_between_backward_and_step, WORLD, "ours")[0]
+    _assert_matches_reference(None, *ours)
     # FSDP2's root keeps the all-gather of that forward and the next forward reuses it: from the
     # second step on its root parameters are one optimizer step behind.
     losses, _ = run_threaded(_forward_between_backward_and_step, WORLD, "fsdp2")[0]
