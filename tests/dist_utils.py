@@ -10,6 +10,10 @@
 
 Both call ``fn(rank, world_size, *args)`` on every rank and return the per-rank results in rank
 order; an exception on any rank is re-raised in the caller. Process groups are always destroyed.
+Their ``timeout`` is a hang guard, never what decides a pass on a slow machine: on expiry the
+``TimeoutError`` names each rank still running, the c10d call it is blocked in and its stack.
+Whatever ends a call, its ranks are gone before it returns (threads torn down, processes
+killed), so a failed or hung test cannot leak ranks or process groups into the next one.
 """
 
 from __future__ import annotations
@@ -91,6 +95,9 @@ _THREADED_LOCK = threading.Lock()
 _straggling: list[tuple[threading.Thread, threading.Event]] = []
 # Hang guard of run_threaded (seconds): >= 10x any test's time on an idle 2-core machine.
 THREADED_TIMEOUT = 600.0
+# Hang guard of run_gloo (seconds), from the spawn: 8 ranks importing torch on 2 busy cores
+# take minutes.
+GLOO_TIMEOUT = 600.0
 # How long a torn-down world's rank threads get to exit.
 TEARDOWN_GRACE = 60.0
 
@@ -263,9 +270,13 @@ def run_threaded(
         return results
 
 
-def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_gloo(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = GLOO_TIMEOUT
+) -> list[Any]:
     """:func:`ragged_placement.launch.run_gloo` with tests/ importable in the spawned ranks (``fn``
-    is a module-level function of a test module)."""
+    is a module-level function of a test module). ``timeout`` is a hang guard: on expiry the
+    ``TimeoutError`` names each rank still running, the c10d call it is blocked in and its
+    stack."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     if tests_dir not in sys.path:
         sys.path.insert(0, tests_dir)
