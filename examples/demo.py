@@ -37,7 +37,9 @@ def _bar(done: int, total: int, width: int = 30) -> str:
     return "[" + "#" * filled + "-" * (width - filled) + "]"
 
 
-def _progress(label: str, done: int, total: int, loss: float, tokens_per_step: int, t0: float) -> None:
+def _progress(
+    label: str, done: int, total: int, loss: float, tokens_per_step: int, t0: float
+) -> None:
     """On a terminal, one bar rewritten in place every 10 steps; otherwise (a CI log, ``| tee``)
     one line every ``total // 10`` steps."""
     tty = sys.stdout.isatty()

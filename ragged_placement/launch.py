@@ -60,7 +60,9 @@ def in_flight_call(frames: list[tuple[str, int, str]]) -> str:
 
 
 _FAULTHANDLER_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>\S+)')
-_FAULTHANDLER_THREAD = re.compile(r"(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\)")
+_FAULTHANDLER_THREAD = re.compile(
+    r"(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\)"
+)
 
 
 def _parse_faulthandler(text: str, thread_id: int) -> list[tuple[str, int, str]]:
@@ -92,10 +94,11 @@ def _hang_report(ctx, out_dir: str, fn_name: str, timeout: float) -> str:
             lines.append(f"rank {r}: still starting (it had not reached its rank entry point)")
             continue
         first, _, dump = open(paths[r]).read().partition("\n")  # main thread id, then the dump
-        frames = _parse_faulthandler(dump, int(first))
-        entry = [i for i, (f, _, func) in enumerate(frames) if func == "_rank_main" and f == __file__]
+        frames = _parse_faulthandler(dump, int(first)) if first.isdigit() else []
+        here = os.path.join("ragged_placement", "launch.py")
+        entry = [i for i, (f, _, n) in enumerate(frames) if f.endswith(here) and n == "_rank_main"]
         frames = frames[entry[-1] :] if entry else frames  # drop the spawn machinery above it
-        where = in_flight_call(frames) if frames else f"no stack within {_STACK_DUMP_WAIT}s of SIGUSR1"
+        where = in_flight_call(frames) if frames else f"no stack {_STACK_DUMP_WAIT}s after SIGUSR1"
         lines.append(f"rank {r}: blocked in {where}")
         lines.extend(f"    {f}:{n} in {fn}" for f, n, fn in frames)
     done = [r for r in range(len(ctx.processes)) if r not in alive]
@@ -104,7 +107,9 @@ def _hang_report(ctx, out_dir: str, fn_name: str, timeout: float) -> str:
     return "\n".join(lines)
 
 
-def _rank_main(rank: int, fn, world_size: int, port: int, args: tuple, out_dir: str, threads: int) -> None:
+def _rank_main(
+    rank: int, fn, world_size: int, port: int, args: tuple, out_dir: str, threads: int
+) -> None:
     global _stack_file
     _stack_file = open(os.path.join(out_dir, f"{rank}.stack"), "w")  # noqa: SIM115 - kept open
     _stack_file.write(f"{threading.main_thread().ident}\n")
@@ -155,4 +160,5 @@ def run_gloo(
                     p.kill()
             for p in ctx.processes:
                 p.join()
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+        paths = [os.path.join(out_dir, f"{r}.pt") for r in range(world_size)]
+        return [torch.load(p, weights_only=False) for p in paths]

@@ -24,7 +24,8 @@ def no_leaked_ranks():
     """Fail the test that leaves a default process group or running rank threads behind (the
     harnesses in dist_utils tear their worlds down; this names a test that bypassed them)."""
     yield
-    leaked = [t.name for t in threading.enumerate() if t.name.startswith("run_threaded:") and t.is_alive()]
+    threads = threading.enumerate()
+    leaked = [t.name for t in threads if t.name.startswith("run_threaded:") and t.is_alive()]
     initialized = dist.is_available() and dist.is_initialized()
     if initialized:
         dist.destroy_process_group()

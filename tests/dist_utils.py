@@ -88,6 +88,7 @@ def recording_collectives(names: tuple[str, ...] = COLLECTIVES) -> Iterator[Coll
             stack.enter_context(mock.patch.object(dist, n, recording(n, getattr(dist, n))))
         yield record
 
+
 # One threaded world at a time: torch's threaded process group keeps its in-flight collectives in
 # class attributes keyed by group name, so two worlds alive at once would join each other's calls.
 _THREADED_LOCK = threading.Lock()
@@ -111,12 +112,15 @@ class WorldTornDown(BaseException):
 def _frames(thread: threading.Thread) -> list[tuple[str, int, str]]:
     """``thread``'s stack from its rank function on, outermost first."""
     frame = sys._current_frames().get(thread.ident)
-    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)] if frame else []
+    stack = traceback.extract_stack(frame) if frame else []
+    frames = [(f.filename, f.lineno, f.name) for f in stack]
     entry = [i for i, (f, _, name) in enumerate(frames) if name == "rank_main" and f == __file__]
     return frames[entry[-1] + 1 :] if entry else frames
 
 
-def _hang_report(fn: Callable[..., Any], timeout: float, threads: list[threading.Thread], running: list[int]) -> str:
+def _hang_report(
+    fn: Callable[..., Any], timeout: float, threads: list[threading.Thread], running: list[int]
+) -> str:
     lines = [f"run_threaded({getattr(fn, '__name__', fn)}) exceeded its {timeout}s hang guard"]
     for rank in running:
         frames = _frames(threads[rank])
@@ -146,7 +150,9 @@ class _RankThreads:
         self.done = [threading.Event() for _ in range(world_size)]
         self._target = target
         self.threads = [
-            threading.Thread(target=self._run, args=(r,), name=f"run_threaded:{name}:rank{r}", daemon=True)
+            threading.Thread(
+                target=self._run, args=(r,), name=f"run_threaded:{name}:rank{r}", daemon=True
+            )
             for r in range(world_size)
         ]
 
@@ -179,7 +185,9 @@ class _RankThreads:
             if not self.done[rank].is_set():
                 _raise_in(self.threads[rank], WorldTornDown)
 
-    def tear_down(self, pg_class: Any, grace: float) -> list[tuple[threading.Thread, threading.Event]]:
+    def tear_down(
+        self, pg_class: Any, grace: float
+    ) -> list[tuple[threading.Thread, threading.Event]]:
         """Stop the rank threads still running: wake those waiting in a threaded collective (they
         exit with ``SystemExit``), raise :class:`WorldTornDown` in the others, and wait up to
         ``grace`` seconds. Returns the threads still running."""
