@@ -8,16 +8,25 @@ torch's threaded process group matches calls by group name, and corrupt or hang 
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from dist_utils import run_gloo, run_threaded
 
 import dist_utils
+from ragged_placement import launch
+
+TESTS = Path(__file__).parent
 
 
 def _sum_and_gather(rank: int, ws: int) -> tuple[float, list[int]]:
@@ -131,23 +140,44 @@ def test_rank_that_outlives_the_teardown_blocks_the_next_world_with_a_clear_erro
     _assert_next_world_is_clean()
 
 
-def _gloo_rank_0_waits(rank: int, ws: int) -> None:
+def _gloo_rank_0_waits(rank: int, ws: int, ready_dir: str) -> None:
     dist.barrier()  # both ranks are up
+    open(os.path.join(ready_dir, str(rank)), "w").close()
     if rank == 0:
-        dist.all_reduce(torch.ones(1))
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
     else:
         time.sleep(3600)
 
 
 @pytest.mark.multiprocess
-def test_gloo_hang_guard_names_the_rank_the_collective_and_the_stack():
-    # The guard counts from the spawn; a slow spawn (a busy machine) gets a longer guard.
-    for timeout in (10.0, 40.0, 160.0):
-        with pytest.raises(TimeoutError) as info:
-            run_gloo(_gloo_rank_0_waits, 2, timeout=timeout)
-        report = str(info.value)
-        if _ranks_inside(report, "_gloo_rank_0_waits") == 2:  # both ranks reached fn
-            break
+def test_gloo_hang_guard_kills_the_ranks():
+    with tempfile.TemporaryDirectory() as ready_dir:
+        with pytest.raises(TimeoutError, match=r"run_gloo\(_gloo_rank_0_waits\) exceeded its 1.0s"):
+            run_gloo(_gloo_rank_0_waits, 2, ready_dir, timeout=1.0)
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.multiprocess
+def test_gloo_hang_report_names_the_rank_the_collective_and_the_stack(tmp_path):
+    """The report ``run_gloo``'s hang guard raises, taken once both ranks are at their hang (the
+    guard itself counts from the spawn, which takes long on a busy machine)."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))  # the ranks import this module
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    args = (_gloo_rank_0_waits, 2, launch.free_port(), (str(ready),), str(tmp_path), 1)
+    ctx = mp.start_processes(launch._rank_main, args, nprocs=2, join=False, start_method="spawn")
+    try:
+        deadline = time.monotonic() + dist_utils.GLOO_TIMEOUT
+        while len(os.listdir(ready)) < 2 and time.monotonic() < deadline:
+            assert all(p.is_alive() for p in ctx.processes), "a rank exited"
+            time.sleep(0.1)
+        report = launch._hang_report(ctx, str(tmp_path), "_gloo_rank_0_waits", 1.0)
+    finally:
+        for p in ctx.processes:
+            p.kill()
+            p.join()
     assert "rank 0: blocked in c10d all_reduce" in report, report
     rank_1 = report.split("rank 1: blocked in ")[1].splitlines()[0]
     assert rank_1.endswith("in _gloo_rank_0_waits") and "test_dist_utils.py" in rank_1, report
+    assert report.split("rank 1:")[1].splitlines()[1].endswith("in _rank_main")  # trimmed stack
