@@ -37,6 +37,20 @@ def _bar(done: int, total: int, width: int = 30) -> str:
     return "[" + "#" * filled + "-" * (width - filled) + "]"
 
 
+def _progress(
+    label: str, done: int, total: int, loss: float, tokens_per_step: int, t0: float
+) -> None:
+    """On a terminal, one bar rewritten in place every 10 steps; otherwise (a CI log, ``| tee``)
+    one line every ``total // 10`` steps."""
+    tty = sys.stdout.isatty()
+    every = 10 if tty else max(1, total // 10)
+    if done % every and done != total:
+        return
+    tps = tokens_per_step * done / (time.perf_counter() - t0)
+    line = f"  {label} {_bar(done, total)} {done:4d}/{total}  loss {loss:.3f}  {tps:8,.0f} tok/s"
+    print(f"\r{line}" if tty else line, end="" if tty else "\n", flush=True)
+
+
 def _build(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, corpus):
     """The sharded model and ``step(i)``, one training step (clip, AdamW) returning the loss."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -78,16 +92,10 @@ def _train(
             loss = step(i)
             dist.all_reduce(loss)
             losses.append(loss.item() / ws)
-            if rank == 0 and ((i + 1) % 10 == 0 or i + 1 == args.steps):
-                tps = tokens_per_step * (i + 1) / (time.perf_counter() - t0)
-                print(
-                    f"\r  {label} {_bar(i + 1, args.steps)} {i + 1:4d}/{args.steps}  "
-                    f"loss {losses[-1]:.3f}  {tps:8,.0f} tok/s",
-                    end="",
-                    flush=True,
-                )
+            if rank == 0:
+                _progress(label, i + 1, args.steps, losses[-1], tokens_per_step, t0)
         elapsed = time.perf_counter() - t0
-    if rank == 0:
+    if rank == 0 and sys.stdout.isatty():
         print()
     comm_bytes = (meter.all_gather_bytes + meter.reduce_scatter_bytes) / args.steps
     collectives = (meter.counts["all_gather"] + meter.counts["reduce_scatter"]) / args.steps

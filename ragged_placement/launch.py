@@ -7,13 +7,22 @@ The examples, benchmarks and multi-process tests all launch ranks the same way:
 Each rank is a spawned process with one intra-op thread, a gloo process group over a free
 loopback port, and the group destroyed at the end; ``fn``'s return values come back in rank
 order. ``fn`` must be importable (a module-level function) and its results ``torch.save``-able.
+
+``timeout`` is a hang guard. When it expires, every rank still running dumps its Python stack
+(``faulthandler`` on ``SIGUSR1``) before it is killed, and the ``TimeoutError`` names each such
+rank, the c10d call it is blocked in (the innermost ``torch.distributed.distributed_c10d``
+frame, e.g. ``all_reduce``) or else the line it is at, and its stack.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import re
+import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_gloo"]
+__all__ = ["free_port", "in_flight_call", "run_gloo"]
+
+# Seconds a hung rank is given to write its stack after SIGUSR1.
+_STACK_DUMP_WAIT = 5.0
+# Kept open for faulthandler in a spawned rank (it writes to the file descriptor on SIGUSR1).
+_stack_file = None
 
 
 def free_port() -> int:
@@ -32,7 +46,75 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, fn, world_size: int, port: int, args: tuple, out_dir: str, threads: int) -> None:
+def in_flight_call(frames: list[tuple[str, int, str]]) -> str:
+    """Name what a stuck rank is blocked in, from its stack ``frames`` as ``(file, line,
+    function)``, outermost first: the innermost ``torch.distributed.distributed_c10d`` function
+    (the c10d collective, e.g. ``all_reduce``), else the innermost frame as ``file:line in fn``."""
+    for filename, _, func in reversed(frames):
+        if filename.replace(os.sep, "/").endswith("torch/distributed/distributed_c10d.py"):
+            return f"c10d {func}"
+    if not frames:
+        return "no Python frame"
+    filename, line, func = frames[-1]
+    return f"{filename}:{line} in {func}"
+
+
+_FAULTHANDLER_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>\S+)')
+_FAULTHANDLER_THREAD = re.compile(
+    r"(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\)"
+)
+
+
+def _parse_faulthandler(text: str, thread_id: int) -> list[tuple[str, int, str]]:
+    """Thread ``thread_id``'s frames, outermost first, from a ``faulthandler`` dump of all
+    threads (one block per thread, most recent call first)."""
+    for block in text.split("\n\n"):
+        header = _FAULTHANDLER_THREAD.search(block)
+        if header and int(header[1], 16) == thread_id:
+            matches = map(_FAULTHANDLER_FRAME.match, block.splitlines())
+            return [(m["file"], int(m["line"]), m["func"]) for m in matches if m][::-1]
+    return []
+
+
+def _hang_report(ctx, out_dir: str, fn_name: str, timeout: float) -> str:
+    """Ask every live rank for its stack (SIGUSR1), wait for the dumps, and describe each."""
+    alive = {r: p for r, p in enumerate(ctx.processes) if p.is_alive()}
+    for p in alive.values():
+        os.kill(p.pid, signal.SIGUSR1)
+    paths = {r: os.path.join(out_dir, f"{r}.stack") for r in alive}
+    deadline = time.monotonic() + _STACK_DUMP_WAIT
+    while time.monotonic() < deadline and not all(
+        os.path.exists(p) and "most recent call first" in open(p).read() for p in paths.values()
+    ):
+        time.sleep(0.1)
+    time.sleep(0.2)  # let a dump that has started finish
+    lines = [f"run_gloo({fn_name}) exceeded its {timeout}s hang guard; ranks still running:"]
+    for r in alive:
+        if not os.path.exists(paths[r]):
+            lines.append(f"rank {r}: still starting (it had not reached its rank entry point)")
+            continue
+        first, _, dump = open(paths[r]).read().partition("\n")  # main thread id, then the dump
+        frames = _parse_faulthandler(dump, int(first)) if first.isdigit() else []
+        here = os.path.join("ragged_placement", "launch.py")
+        entry = [i for i, (f, _, n) in enumerate(frames) if f.endswith(here) and n == "_rank_main"]
+        frames = frames[entry[-1] :] if entry else frames  # drop the spawn machinery above it
+        where = in_flight_call(frames) if frames else f"no stack {_STACK_DUMP_WAIT}s after SIGUSR1"
+        lines.append(f"rank {r}: blocked in {where}")
+        lines.extend(f"    {f}:{n} in {fn}" for f, n, fn in frames)
+    done = [r for r in range(len(ctx.processes)) if r not in alive]
+    if done:
+        lines.append(f"ranks that had exited: {done}")
+    return "\n".join(lines)
+
+
+def _rank_main(
+    rank: int, fn, world_size: int, port: int, args: tuple, out_dir: str, threads: int
+) -> None:
+    global _stack_file
+    _stack_file = open(os.path.join(out_dir, f"{rank}.stack"), "w")  # noqa: SIM115 - kept open
+    _stack_file.write(f"{threading.main_thread().ident}\n")
+    _stack_file.flush()
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
@@ -53,8 +135,9 @@ def run_gloo(
     threads_per_rank: int = 1,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return the
-    results in rank order. An exception on any rank is raised here; ``timeout`` (seconds) kills
-    the ranks and raises ``TimeoutError``."""
+    results in rank order. An exception on any rank is raised here (the other ranks are killed).
+    ``timeout`` (seconds, a hang guard) kills the ranks and raises ``TimeoutError`` naming each
+    rank still running, the c10d call it is blocked in and its stack."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     with tempfile.TemporaryDirectory() as out_dir:
@@ -66,9 +149,16 @@ def run_gloo(
             start_method="spawn",
         )
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if deadline is not None and time.monotonic() > deadline:
-                for p in ctx.processes:
+        try:
+            while not ctx.join(timeout=1.0):
+                if deadline is not None and time.monotonic() > deadline:
+                    name = getattr(fn, "__name__", str(fn))
+                    raise TimeoutError(_hang_report(ctx, out_dir, name, timeout))
+        finally:  # also on KeyboardInterrupt or a test runner's own timeout: no orphan ranks
+            for p in ctx.processes:
+                if p.is_alive():
                     p.kill()
-                raise TimeoutError(f"run_gloo({getattr(fn, '__name__', fn)!s}) exceeded {timeout}s")
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+            for p in ctx.processes:
+                p.join()
+        paths = [os.path.join(out_dir, f"{r}.pt") for r in range(world_size)]
+        return [torch.load(p, weights_only=False) for p in paths]

@@ -22,6 +22,8 @@ from ragged_placement.fsdp import fully_shard
 from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama, pipeline_stage
 from ragged_placement.placement import RaggedShard
 
+pytestmark = pytest.mark.multiprocess
+
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
 STEPS, BATCH, SEQ, LR = 10, 4, 8, 1e-2
 

@@ -3,6 +3,7 @@ HSDP x TP on (replicate=2, shard=2, tp=2). One spawn runs both (8 processes on a
 
 from __future__ import annotations
 
+import pytest
 import torch
 from dist_utils import run_gloo
 from test_compose import _batches, _init_state, _mean_over, _model, _pipeline_losses, _train
@@ -13,6 +14,8 @@ from torch.distributed.tensor import Replicate, Shard
 from ragged_placement.fsdp import fully_shard
 from ragged_placement.models.llama import parallelize_llama
 from ragged_placement.placement import RaggedShard
+
+pytestmark = pytest.mark.multiprocess
 
 
 def _pp_dp_tp(rank: int, state) -> list[float]:

@@ -355,15 +355,16 @@ def _val_loss_rank(rank: int, ws: int, quant, steps: int) -> float:
     return total.item() / (4 * ws)
 
 
-def test_gpt_200_steps_fp8_under_fully_shard_within_tolerance_of_bf16():
-    """1-layer GPT (width 128), 200 AdamW steps (lr 1e-3, batch 8 x 64 over 4 ranks), bf16
-    parameters / fp32 reduction for both. Measured validation loss (torch 2.13 CPU): bf16
-    2.3024, FP8 2.2843 (-0.8%); tolerance 2% relative."""
-    bf16 = run_threaded(_val_loss_rank, WORLD, None, 200)
-    fp8 = run_threaded(_val_loss_rank, WORLD, QUANT, 200)
+def test_gpt_fp8_under_fully_shard_within_tolerance_of_bf16():
+    """1-layer GPT (width 128), 30 AdamW steps (lr 1e-3, batch 8 x 64 over 4 ranks), bf16
+    parameters / fp32 reduction for both. Measured validation loss (torch 2.13 CPU): at 20 steps
+    bf16 3.0588, FP8 3.0554 (-0.11%); at 40, 2.8050 / 2.8052 (+0.01%); tolerance 1% relative. The
+    200-step comparison is ``benchmarks/fp8_training.py``."""
+    bf16 = run_threaded(_val_loss_rank, WORLD, None, 30)
+    fp8 = run_threaded(_val_loss_rank, WORLD, QUANT, 30)
     assert len(set(bf16)) == 1 and len(set(fp8)) == 1
-    assert bf16[0] < 2.6 and fp8[0] < 2.6  # both learned (ln 256 = 5.55 at initialization)
-    assert abs(fp8[0] - bf16[0]) / bf16[0] < 0.02, (fp8[0], bf16[0])
+    assert bf16[0] < 3.3 and fp8[0] < 3.3  # both learned (ln 256 = 5.55 at initialization)
+    assert abs(fp8[0] - bf16[0]) / bf16[0] < 0.01, (fp8[0], bf16[0])
 
 
 # -- bad input ---------------------------------------------------------------------------------

@@ -150,15 +150,15 @@ def _train_gpt(mode: str, steps: int) -> float:
 
 
 def test_gpt_trains_in_fp8_within_tolerance_of_bf16():
-    """A 1-layer GPT (width 128) on the stdlib byte corpus, 200 AdamW steps (lr 1e-3), CPU
-    emulation of FP8 vs bf16 autocast. Measured validation loss: bf16 2.2542, FP8 2.2607
-    (+0.29%), fp32 2.2595; tolerance 2% relative. (At lr 3e-3 both runs are less stable and FP8
-    ends 3% behind: it is the more sensitive one to a too-high learning rate.)"""
+    """A 1-layer GPT (width 128) on the stdlib byte corpus, 30 AdamW steps (lr 1e-3), CPU
+    emulation of FP8 vs bf16 autocast. Measured validation loss (torch 2.13 CPU): at 20 steps bf16
+    3.0536, FP8 3.0508 (-0.09%); at 40, 2.7864 / 2.7871 (+0.02%); tolerance 1% relative. The
+    200-step comparison (bf16 2.2542, FP8 2.2607: +0.29%) is ``benchmarks/fp8_training.py``."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small matmuls: one thread is fastest and immune to CPU contention
     try:
-        bf16, fp8 = _train_gpt("bf16", 200), _train_gpt("fp8", 200)
+        bf16, fp8 = _train_gpt("bf16", 30), _train_gpt("fp8", 30)
     finally:
         torch.set_num_threads(threads)
-    assert bf16 < 2.6 and fp8 < 2.6  # both learned (ln 256 = 5.55 at initialization)
-    assert abs(fp8 - bf16) / bf16 < 0.02, (fp8, bf16)
+    assert bf16 < 3.3 and fp8 < 3.3  # both learned (ln 256 = 5.55 at initialization)
+    assert abs(fp8 - bf16) / bf16 < 0.01, (fp8, bf16)
