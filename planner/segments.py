@@ -188,8 +188,8 @@ def plan_segmented(
     ``even_padding`` of the parameters, no more than per-parameter ``Shard(0)``
     (:func:`shard0_padding`), and at most one band per rank (so its chunk also meets the uneven
     bound): equal chunks run as one ring all-gather on NCCL, uneven ones as a group of ``W``
-    broadcasts. With ``groups``, the uneven plan has one uneven segment per
-    (folded) group. The choice depends only on the shapes, granularities and arguments, and is
+    broadcasts. An uneven plan is one segment whatever ``groups`` says, so that the unit still
+    issues one collective per pass. The choice depends only on the shapes, granularities and arguments, and is
     cached, so identical layers plan once.
     """
     if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 1:
@@ -294,8 +294,9 @@ def _choose(specs: tuple[CutSpec, ...], world_size: int, align: int, max_segment
     balanced = (numel + padding) // world_size <= -(-numel // world_size) + piece
     if uneven and numel and (padding > even_padding * numel or not balanced
                              or padding > shard0_padding(specs, world_size)):
-        segments = folded if folded is not None and len(folded) <= max_segments else None
-        return "uneven", tuple(tuple(g) for g in segments) if segments else (tuple(range(n_params)),)
+        # One segment: uneven segments cannot be coalesced into one collective on every backend
+        # (gloo drops coalesced broadcasts), and a unit issues one collective per pass.
+        return "uneven", (tuple(range(n_params)),)
     return "equal", best
 
 

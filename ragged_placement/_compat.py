@@ -15,7 +15,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_single", "reduce_scatter_single", "all_gather_segments", "reduce_scatter_segments",
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
-    "global_tensor_info_name", "local_shape_helper_bindings", "dispatcher_runs_rewritten_ops",
+    "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
     "functional_all_gather",
 ]
 
@@ -51,16 +51,6 @@ def global_tensor_info_name() -> str:
     if hasattr(torch._C, "_DTensor_compute_global_tensor_info"):
         return "torch._C._DTensor_compute_global_tensor_info"
     return "torch.distributed.tensor._utils.compute_global_tensor_info"  # pragma: no cover
-
-
-def local_shape_helper_bindings() -> tuple[str, ...]:
-    """Modules other than ``torch.distributed.tensor._utils`` that bind
-    ``_compute_local_shape_and_global_offset`` by name (the others call it through ``_utils``)."""
-    import importlib
-
-    candidates = ("torch.distributed.tensor.debug._visualize_sharding",)
-    return tuple(m for m in candidates
-                 if hasattr(importlib.import_module(m), "_compute_local_shape_and_global_offset"))
 
 
 def rng_offset_helpers() -> tuple[str, ...]:

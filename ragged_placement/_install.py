@@ -276,6 +276,34 @@ def _build_local_shape_and_offset(original):
     return _compute_local_shape_and_global_offset
 
 
+def _local_shape_trampoline(global_shape, mesh_shape, my_coordinate, placements, skip_offset=False):
+    # Runs with torch's ``_utils`` globals (its code object replaces the helper's).
+    return _ragged_placement_local_shape_and_offset(  # noqa: F821 - injected into torch's _utils
+        global_shape, mesh_shape, my_coordinate, placements, skip_offset
+    )
+
+
+def _build_local_shape_global(_absent):
+    from torch.distributed.tensor import _utils
+
+    fn = _utils._compute_local_shape_and_global_offset
+    expected = ["global_shape", "mesh_shape", "my_coordinate", "placements", "skip_offset"]
+    if list(inspect.signature(fn).parameters) != expected or fn.__code__.co_freevars:
+        raise ImportError(
+            f"ragged_placement: unexpected _compute_local_shape_and_global_offset signature in "
+            f"torch {torch.__version__}"
+        )
+    original = type(fn)(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return _build_local_shape_and_offset(original)
+
+
+def _build_local_shape_trampoline(_code):
+    # Swapping the code of torch's function (not the module attribute) reaches every module that
+    # bound it by name, imported before or after us (``debug._visualize_sharding``), without
+    # importing them here (``torch.distributed.tensor.debug`` imports Dynamo: ~0.6 s).
+    return _local_shape_trampoline.__code__
+
+
 # -- random ops -----------------------------------------------------------------------------------
 def _build_init_helper(original):
     @functools.wraps(original)
@@ -325,7 +353,7 @@ def _build_rng_guard(original):
 _API = "torch.distributed.tensor._api"
 _PROPAGATOR = f"{_API}:DTensor._op_dispatcher.sharding_propagator"
 _REDISTRIBUTE = "torch.distributed.tensor._redistribute.redistribute_local_tensor"
-_LOCAL_SHAPE = "torch.distributed.tensor._utils._compute_local_shape_and_global_offset"
+_UTILS = "torch.distributed.tensor._utils"
 
 #: Every torch attribute the package replaces, in install order (uninstall runs it backwards).
 PATCHES: tuple[Patch, ...] = (
@@ -345,12 +373,9 @@ PATCHES: tuple[Patch, ...] = (
         Patch(f"{_API}:DTensor", name, f"{_API}.DTensor.{name}", _build_checkpoint_method(name))
         for name in ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
     ),
-    Patch("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset", _LOCAL_SHAPE,
-          _build_local_shape_and_offset),
-    *(
-        Patch(module, "_compute_local_shape_and_global_offset", _LOCAL_SHAPE, _build_local_shape_and_offset)
-        for module in _compat.local_shape_helper_bindings()
-    ),
+    Patch(_UTILS, "_ragged_placement_local_shape_and_offset", None, _build_local_shape_global),
+    Patch(f"{_UTILS}:_compute_local_shape_and_global_offset", "__code__",
+          "_utils.py:_compute_local_shape_and_global_offset", _build_local_shape_trampoline),
     Patch("torch.distributed._state_dict_utils", "_distribute_tensors",
           "torch.distributed._state_dict_utils._distribute_tensors", _build_distribute_tensors),
     Patch(_API, "_dtensor_init_helper", f"{_API}._dtensor_init_helper", _build_init_helper),

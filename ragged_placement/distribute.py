@@ -146,6 +146,22 @@ def local_shape_from_plain(
     return tuple(shape)
 
 
+def _merge_adjacent_rows(boxes: list[Chunk]) -> list[Chunk]:
+    """Chunks in local order, with each run of boxes that continue one another along dim 0
+    (same offset and size in every other dim) merged into one: a strided RaggedShard whose rank
+    holds consecutive blocks holds one box."""
+    merged: list[Chunk] = []
+    for offset, size, flat in boxes:
+        offset, size = tuple(offset), tuple(size)
+        if merged:
+            o, z, f = merged[-1]
+            if o[1:] == offset[1:] and z[1:] == size[1:] and o[0] + z[0] == offset[0]:
+                merged[-1] = (o, (z[0] + size[0], *z[1:]), f)
+                continue
+        merged.append((offset, size, flat))
+    return merged
+
+
 def local_shape_and_global_offset(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -176,7 +192,9 @@ def local_shape_and_global_offset(
     if skip_offset:
         return local, ()
     flattened = [p for p in placements if isinstance(p, RaggedShard) and len(p.dims) > 1]
-    boxes = [b for b in local_boxes(global_shape, mesh_shape, coord, placements) if math.prod(b[1])]
+    boxes = _merge_adjacent_rows(
+        [b for b in local_boxes(global_shape, mesh_shape, coord, placements) if math.prod(b[1])]
+    )
     if flattened or len(boxes) > 1:
         why = (f"{flattened[0]!r} flattens dims {flattened[0].dims}, so the local tensor has fewer dims than "
                f"the global one" if flattened else f"the local tensor is {len(boxes)} boxes of the global tensor")

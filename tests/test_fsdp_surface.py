@@ -172,11 +172,23 @@ _COUNTS: dict[int, Counter] = {}
 _COUNT_LOCK = threading.Lock()
 
 
+_IN_COLLECTIVE = threading.local()
+
+
 def _counting(name: str, fn):
+    """Count one call of ``fn`` (the threaded PG implements some collectives through others:
+    only the outermost call counts)."""
+
     def wrapped(self, *args, **kwargs):
+        if getattr(_IN_COLLECTIVE, "active", False):
+            return fn(self, *args, **kwargs)
         with _COUNT_LOCK:
             _COUNTS.setdefault(threading.get_ident(), Counter())[name] += 1
-        return fn(self, *args, **kwargs)
+        _IN_COLLECTIVE.active = True
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            _IN_COLLECTIVE.active = False
 
     return wrapped
 
@@ -193,8 +205,11 @@ def _count_collectives(rank: int, ws: int, runtime: str, shard) -> dict[str, int
 
 @pytest.fixture
 def count_collectives(monkeypatch):
-    for name in ("all_gather", "reduce_scatter"):
-        method = f"{name}_single"
+    # the single-tensor forms (equal chunks) and the list forms (uneven per-rank chunks)
+    for method, name in (
+        ("all_gather_single", "all_gather"), ("allgather", "all_gather"),
+        ("reduce_scatter_single", "reduce_scatter"), ("reduce_scatter", "reduce_scatter"),
+    ):
         monkeypatch.setattr(
             ProcessLocalGroup, method, _counting(name, getattr(ProcessLocalGroup, method))
         )
