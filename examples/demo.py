@@ -1,9 +1,11 @@
 """Train a small GPT on the Python standard library's sources with 4 CPU ranks, then compare.
 
-``make demo`` runs this file. It spawns ``--world`` gloo ranks on this machine, shards the model
-with ``ragged_placement.fsdp.fully_shard`` (one unit per transformer block plus the root), trains
-it with ``torch.optim.AdamW`` on the RaggedShard DTensor parameters, and then trains the same
-model on the same batches with torch's FSDP2 ``fully_shard``. It prints the planner's layout,
+``make demo`` runs this file. It spawns ``--world`` gloo ranks on this machine and runs the
+large-model recipe with ``ragged_placement.fsdp.fully_shard``: the model is built on the meta
+device, each transformer block is activation-checkpointed and is one unit (plus the root),
+``to_empty`` materializes each rank's shards, the initial weights are loaded from a full state
+dict, and ``torch.optim.AdamW`` trains the RaggedShard DTensor parameters with gradient clipping.
+Then torch's FSDP2 ``fully_shard`` runs the same recipe on the same batches. It prints the planner's layout,
 a progress bar, loss, tokens/s, bytes communicated and peak memory per rank, and a side-by-side.
 """
 
@@ -22,14 +24,33 @@ from ragged_placement.launch import run_gloo
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 
 
-def _shard(model: GPT, runtime: str, mesh) -> None:
+def _build_sharded(runtime: str, mesh, cfg: GPTConfig, init: dict, args) -> GPT:
+    """torchtitan's recipe, the same for both runtimes: build on the meta device, activation
+    checkpointing per block, ``fully_shard`` per block then the root, (optionally) compile each
+    block, ``to_empty``, then load the initial weights from a full state dict."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     if runtime == "ours":
         wrap = fully_shard
     else:
         from torch.distributed.fsdp import fully_shard as wrap
-    for block in model.layers:
+    with torch.device("meta"):
+        model = GPT(cfg)
+    for i, block in enumerate(model.layers):
+        if args.checkpoint:
+            block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            model.layers[i] = block
         wrap(block, mesh=mesh)
+        if args.compile:
+            block.compile()
     wrap(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, init, options=StateDictOptions(full_state_dict=True))
+    return model
 
 
 def _bar(done: int, total: int, width: int = 30) -> str:
@@ -56,9 +77,7 @@ def _build(rank: int, ws: int, runtime: str, args, cfg: GPTConfig, init: dict, c
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ws,))
-    model = GPT(cfg)
-    model.load_state_dict(init)
-    _shard(model, runtime, mesh)
+    model = _build_sharded(runtime, mesh, cfg, init, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=True)
     per = args.batch
 
@@ -144,6 +163,9 @@ def _worker(rank: int, ws: int, args) -> dict:
             f"{len(corpus.train):,} bytes of Python {sys.version.split()[0]} stdlib sources; "
             f"{ws} gloo ranks x {args.batch} sequences of {cfg.block_size} bytes per step"
         )
+        recipe = ["meta-device init", "to_empty", "full state dict load"]
+        recipe += ["activation checkpointing"] * args.checkpoint + ["per-block compile"] * args.compile
+        print(f"recipe (both runtimes): {', '.join(recipe)}, gradient clipping, AdamW")
     results = {rt: _train(rank, ws, rt, args, cfg, init, corpus) for rt in ("ours", "fsdp2")}
     return results
 
@@ -159,6 +181,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--val-batches", type=int, default=4)
+    ap.add_argument("--no-checkpoint", dest="checkpoint", action="store_false",
+                    help="no activation checkpointing (on by default, as in torchtitan)")
+    ap.add_argument("--compile", action="store_true",
+                    help="compile each block (inductor); off by default: on this CPU model the "
+                         "compile time outweighs the gain")
     args = ap.parse_args()
     t0 = time.perf_counter()
     res = run_gloo(_worker, args.world, args)
