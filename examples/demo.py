@@ -49,7 +49,8 @@ def _build_sharded(runtime: str, mesh, cfg: GPTConfig, init: dict, args) -> GPT:
             block.compile()
     wrap(model, mesh=mesh)
     model.to_empty(device="cpu")
-    set_model_state_dict(model, init, options=StateDictOptions(full_state_dict=True))
+    # a copy: torch's set_model_state_dict replaces the given dict's values with the loaded shards
+    set_model_state_dict(model, dict(init), options=StateDictOptions(full_state_dict=True))
     return model
 
 
