@@ -38,7 +38,7 @@ from ragged_placement.planner.plan import (
     _resolve_unit,
     _rotated,
 )
-from ragged_placement.planner.uneven import UnevenPlan, _cuts, shard0_padding
+from ragged_placement.planner.uneven import UnevenPlan, cached_uneven_cuts, shard0_padding
 
 __all__ = ["SegmentedPlan", "plan_segmented"]
 
@@ -221,7 +221,7 @@ def plan_segmented(
         sub_grans = [grans[i] for i in g]
         if kind == "uneven":
             parts.append(UnevenPlan(sub_names, sub_specs, sub_grans,
-                                    *_cuts(sub_specs, world_size), dtype))
+                                    *cached_uneven_cuts(sub_specs, world_size), dtype))
         else:
             parts.append(Plan(sub_names, sub_specs, sub_grans,
                               *_rotated(sub_specs, world_size, align, 0), dtype))

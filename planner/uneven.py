@@ -43,7 +43,8 @@ from ragged_placement.planner.plan import (
 )
 
 __all__ = [
-    "UnevenPlan", "plan_uneven", "uneven_cuts", "shard0_padding", "widest_band", "layers_per_unit",
+    "UnevenPlan", "plan_uneven", "uneven_cuts", "cached_uneven_cuts", "shard0_padding",
+    "widest_band", "layers_per_unit",
 ]
 
 
@@ -249,7 +250,9 @@ class UnevenPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def _cuts(specs: tuple[CutSpec, ...], world_size: int) -> tuple[np.ndarray, tuple[int, ...]]:
+def cached_uneven_cuts(
+    specs: tuple[CutSpec, ...], world_size: int
+) -> tuple[np.ndarray, tuple[int, ...]]:
     """The cuts of ``specs`` as a read-only array and a tuple; identical units share both."""
     starts = uneven_cuts(specs, world_size)
     starts.setflags(write=False)
@@ -270,7 +273,7 @@ def plan_uneven(
     """
     _check_args(world_size, dtype, None)
     names, grans, specs = _resolve_unit(named_shapes, granularity)
-    return UnevenPlan(names, specs, grans, *_cuts(tuple(specs), world_size), dtype)
+    return UnevenPlan(names, specs, grans, *cached_uneven_cuts(tuple(specs), world_size), dtype)
 
 
 def shard0_padding(specs: Sequence[CutSpec], world_size: int) -> int:

@@ -7,7 +7,9 @@ the old ones. Everything in this package calls the wrappers below.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -16,7 +18,7 @@ __all__ = [
     "all_gather_single", "reduce_scatter_single", "all_gather_segments", "reduce_scatter_segments",
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
     "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
-    "functional_all_gather",
+    "functional_all_gather", "outside_selective_checkpoint",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -254,3 +256,21 @@ def functional_all_gather(tensor: torch.Tensor, gather_dim: int, group) -> torch
 
     fn = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
     return fn(tensor, gather_dim, group)
+
+
+@contextlib.contextmanager
+def outside_selective_checkpoint() -> Iterator[None]:
+    """Run the FSDP hooks' own tensor ops (all-gathers, casts, views of the flat buffers) outside
+    the dispatch modes of selective activation checkpointing, when a checkpointed region holds a
+    unit's hooks (``checkpoint(fsdp_block, x, context_fn=...)``): those modes cache and replay ops
+    by call index per op, and collectives the forward issues but the recomputation does not (or
+    the other way round) would shift the index of the model's own ops. The mode classes are
+    private to ``torch.utils.checkpoint`` (same names in torch 2.11 and 2.13)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    modes = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+    with contextlib.ExitStack() as stack:
+        while (stack_now := _get_current_dispatch_mode_stack()) and isinstance(stack_now[-1], modes):
+            stack.enter_context(_pop_mode_temporarily())
+        yield

@@ -83,9 +83,9 @@ def test_uneven_plan_invariants(unit, world):
         return
     p = plan_uneven(shapes, world, granularity=grans, dtype=torch.float32)
     check_uneven(p, shapes, grans)
-    from ragged_placement.planner.uneven import _cuts
+    from ragged_placement.planner.uneven import cached_uneven_cuts
 
-    _cuts.cache_clear()  # deterministic from the shapes: a fresh computation gives the same plan
+    cached_uneven_cuts.cache_clear()  # deterministic from the shapes: a fresh computation gives the same plan
     assert plan_uneven(shapes, world, granularity=grans, dtype=torch.float32).digest() == p.digest()
 
 

@@ -58,24 +58,20 @@ gathers there, the recomputation does not.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
+from ragged_placement._compat import outside_selective_checkpoint
 from ragged_placement.fsdp._dynamo import dynamo_disable
 from ragged_placement.fsdp.unit import FSDPUnit
 
 __all__ = ["FSDPState", "RootContext", "TrainingState"]
-
-_SAC_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
 
 
 class TrainingState(enum.Enum):
@@ -85,21 +81,6 @@ class TrainingState(enum.Enum):
     FORWARD = enum.auto()  # between the unit's pre-forward and post-forward
     PRE_BACKWARD = enum.auto()  # its backward started: unsharded and registered for it
     POST_BACKWARD = enum.auto()  # its gradients are reduced and it is resharded
-
-
-@contextlib.contextmanager
-def _outside_selective_checkpoint() -> Iterator[None]:
-    """Run the hooks' own tensor ops (all-gathers, casts, views of the flat buffers) outside the
-    dispatch modes of selective activation checkpointing, when a checkpointed region holds a
-    unit's hooks (``checkpoint(fsdp_block, x, context_fn=...)``): those modes cache and replay
-    ops by call index per op, and collectives the forward issues but the recomputation does not
-    (or the other way round) would shift the index of the model's own ops."""
-    with contextlib.ExitStack() as stack:
-        while (modes := _get_current_dispatch_mode_stack()) and isinstance(
-            modes[-1], _SAC_MODES
-        ):
-            stack.enter_context(_pop_mode_temporarily())
-        yield
 
 
 def _in_backward() -> bool:
@@ -247,7 +228,7 @@ class FSDPState:
         self.training_state = TrainingState.FORWARD
         ctx = self.root
         first = self._first_in_pass(module)
-        with _outside_selective_checkpoint():
+        with outside_selective_checkpoint():
             if self.is_root and first:
                 ctx.start_forward()
                 for s in ctx.states:
@@ -280,7 +261,7 @@ class FSDPState:
 
     def _pre_forward_recompute(self, args: tuple, kwargs: dict):
         """Pre-forward of a forward recomputed in backward: unshard if needed, register."""
-        with _outside_selective_checkpoint():
+        with outside_selective_checkpoint():
             self._unshard_and_register()  # a no-op after this unit's pre-backward
         args, kwargs = self._cast_inputs(args, kwargs)
         if self._expects_nested_backward():
@@ -322,7 +303,7 @@ class FSDPState:
         idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
         if not idx:
             return args, kwargs
-        with _outside_selective_checkpoint():
+        with outside_selective_checkpoint():
             wrapped = _PostBackward.apply(self, *(leaves[i] for i in idx))
         for i, t in zip(idx, wrapped):
             leaves[i] = t
@@ -344,7 +325,7 @@ class FSDPState:
             return self._cast_output(output)
         if self.is_root:
             self.root.end_forward()
-        with _outside_selective_checkpoint():
+        with outside_selective_checkpoint():
             if (self.reshard_after_forward and not self.is_root) or not grad:
                 self.unit.reshard()
             else:
