@@ -166,14 +166,9 @@ class UnevenPlan:
         self._check_rank(rank)
         return int(self.rank_starts[rank + 1] - self.rank_starts[rank])
 
-    def segment_index(self, name: str) -> int:
-        if name not in self.offsets:
-            raise ValueError(f"no parameter named {name!r} in this plan")
-        return 0
-
-    def _check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+    # one segment, and the same rank check as an equal-chunk plan
+    segment_index = Plan.segment_index
+    _check_rank = Plan._check_rank
 
     def local_slice(self, name: str, rank: int) -> tuple[int, int]:
         """``[begin, end)`` of ``name``'s local run inside ``rank``'s chunk (empty: begin == end)."""
