@@ -7,8 +7,10 @@ dispatch and the checkpoint helpers only know ``Shard``, ``_StridedShard``, ``Re
 every other call to torch's own function unchanged, so DTensors without a RaggedShard behave
 exactly as before.
 
-:data:`PATCHES` is the whole list: one :class:`Patch` per torch attribute we replace (owner,
-name, the torch original we expect there, the replacement). :func:`install` checks every row's
+:data:`PATCHES` is the whole list for DTensor: one :class:`Patch` per torch attribute we replace
+(owner, name, the torch original we expect there, the replacement). :data:`FSDP2_PATCHES` holds
+the one row for torch's FSDP2 (a clear error when its ``fully_shard`` meets a RaggedShard
+parameter), applied when :mod:`ragged_placement.fsdp` is imported. :func:`install` checks every row's
 current value against its expected original before patching anything (``ImportError`` naming the
 row if torch changed, so a torch upgrade fails loudly at import instead of misbehaving), and
 :func:`uninstall` puts every original back, so torch is exactly as before the import.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -33,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from ragged_placement import _compat
 from ragged_placement.placement import RaggedShard
 
-__all__ = ["PATCHES", "Patch", "install", "installed", "uninstall"]
+__all__ = ["FSDP2_PATCHES", "PATCHES", "Patch", "install", "install_fsdp2", "installed", "uninstall"]
 
 _ABSENT = object()
 _LOCK = threading.Lock()
@@ -389,8 +392,57 @@ PATCHES: tuple[Patch, ...] = (
     ),
 )
 
+
+# -- torch FSDP2 ----------------------------------------------------------------------------------
+def _build_fsdp2_param_guard(original):
+    """torch FSDP2 takes any DTensor parameter for a tensor-parallel one and fails deep inside
+    (torch 2.13: ``TypeError: Invariant encountered`` from ``DeviceMesh._concatenate``); a
+    RaggedShard parameter (ragged_placement's ``fully_shard`` made it) gets a ``ValueError``
+    naming the module and the parameter instead. Upstream: FSDP2 checks a DTensor parameter's
+    placements against those it composes with (``Shard``, ``_StridedShard``, ``Replicate``)."""
+
+    @functools.wraps(original)
+    def _init_sharded_param(self, param, *args, **kwargs):
+        if isinstance(param, DTensor) and _ragged(param.placements):
+            raise ValueError(_fsdp2_mix_message(self._module_info, param))
+        return original(self, param, *args, **kwargs)
+
+    return _init_sharded_param
+
+
+def _fsdp2_mix_message(module_info, param) -> str:
+    from ragged_placement.fsdp.api import sharded_by
+
+    what = f"parameter {module_info.param_name!r} of {type(module_info.module).__name__}"
+    owner = sharded_by(module_info.module)
+    if owner is not None:
+        return (
+            f"torch.distributed.fsdp.fully_shard reached {what}, which "
+            f"ragged_placement.fsdp.fully_shard sharded already (as part of {owner}): the two "
+            f"fully_shard functions cannot be mixed in one model; shard every module with one of "
+            f"them"
+        )
+    return (
+        f"torch.distributed.fsdp.fully_shard got {what}, a DTensor with {tuple(param.placements)}: "
+        f"torch's FSDP2 composes only with Shard/Replicate (tensor-parallel) placements; shard "
+        f"RaggedShard modules with ragged_placement.fsdp.fully_shard"
+    )
+
+
+_FSDP_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam"
+
+#: The rows for torch's FSDP2, applied when :mod:`ragged_placement.fsdp` is imported (importing
+#: torch's FSDP2 costs about 0.2 s, which the placement alone does not pay) and restored by
+#: :func:`uninstall` with the others.
+FSDP2_PATCHES: tuple[Patch, ...] = (
+    Patch(_FSDP_PARAM, "_init_sharded_param",
+          "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._init_sharded_param",
+          _build_fsdp2_param_guard),
+)
+
 # (patch, owner, original raw value) of every applied row, in install order
 _applied: list[tuple[Patch, object, object]] = []
+_applied_fsdp2: list[tuple[Patch, object, object]] = []
 
 
 def installed() -> bool:
@@ -421,24 +473,40 @@ def install() -> None:
                 f"ragged_placement is tested on torch {_compat.SUPPORTED_TORCH}, found {torch.__version__}",
                 stacklevel=2,
             )
-        owners = [patch.resolve_owner() for patch in PATCHES]
-        for patch, owner in zip(PATCHES, owners):
-            _check(patch, owner)
-        try:
-            for patch, owner in zip(PATCHES, owners):
-                original = _raw_get(owner, patch.name)
-                replacement = patch.build(getattr(owner, patch.name, _ABSENT))
-                _raw_set(owner, patch.name, replacement)
-                _applied.append((patch, owner, original))
-        except BaseException:
-            _restore()
-            raise
+        _apply(PATCHES, _applied)
+        if "ragged_placement.fsdp" in sys.modules:  # installed again after uninstall()
+            _apply(FSDP2_PATCHES, _applied_fsdp2)
 
 
-def _restore() -> None:
-    while _applied:
-        patch, owner, original = _applied.pop()
-        _raw_set(owner, patch.name, original)
+def install_fsdp2() -> None:
+    """Apply :data:`FSDP2_PATCHES` (idempotent; :mod:`ragged_placement.fsdp` calls it on import).
+    ``ImportError`` naming the row if torch's FSDP2 is not what the rows expect."""
+    with _LOCK:
+        if _applied and not _applied_fsdp2:
+            _apply(FSDP2_PATCHES, _applied_fsdp2)
+
+
+def _apply(patches: tuple[Patch, ...], applied: list[tuple[Patch, object, object]]) -> None:
+    """Check every row of ``patches``, then apply them all (none on an error)."""
+    owners = [patch.resolve_owner() for patch in patches]
+    for patch, owner in zip(patches, owners):
+        _check(patch, owner)
+    try:
+        for patch, owner in zip(patches, owners):
+            original = _raw_get(owner, patch.name)
+            replacement = patch.build(getattr(owner, patch.name, _ABSENT))
+            _raw_set(owner, patch.name, replacement)
+            applied.append((patch, owner, original))
+    except BaseException:
+        _restore(applied)
+        raise
+
+
+def _restore(applied: list[tuple[Patch, object, object]] | None = None) -> None:
+    for rows in [applied] if applied is not None else [_applied_fsdp2, _applied]:
+        while rows:
+            patch, owner, original = rows.pop()
+            _raw_set(owner, patch.name, original)
 
 
 def uninstall() -> None:

@@ -570,6 +570,17 @@ def _mixed_with_torch(rank: int, ws: int):
     already = "torch.distributed.fsdp.fully_shard was already applied to this FSDPBlock"
     with pytest.raises(ValueError, match=already):
         fully_shard(m.blocks[1], mesh=mesh)
+    # torch's fully_shard over modules ours sharded: on the module itself, and over a root
+    # (each on a fresh model: torch leaves a failed call's state on the module)
+    reached = (
+        r"torch.distributed.fsdp.fully_shard reached parameter 'weight' of LayerNorm, which "
+        r"ragged_placement.fsdp.fully_shard sharded already \(as part of FSDPBlock\)"
+    )
+    for torch_target in (lambda m: m.blocks[0], lambda m: m):
+        ours = _net()
+        fully_shard(ours.blocks[0], mesh=mesh)
+        with pytest.raises(ValueError, match=reached):
+            torch_fully_shard(torch_target(ours), mesh=mesh)
     return True
 
 

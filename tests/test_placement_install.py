@@ -26,10 +26,13 @@ from ragged_placement import _install
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+ALL_PATCHES = (*_install.PATCHES, *_install.FSDP2_PATCHES)
+
+
 def _torch_names() -> dict[tuple[str, str], str | None]:
     """What each patched attribute is, described independently of the package's own check."""
     out = {}
-    for patch in _install.PATCHES:
+    for patch in ALL_PATCHES:
         value = getattr(patch.resolve_owner(), patch.name, None)
         if value is None:
             out[(patch.owner, patch.name)] = None
@@ -57,16 +60,18 @@ def _stock_and_ragged(rank: int, world: int) -> dict:
 
 
 def test_uninstall_restores_torch_exactly_and_install_again_works(one_torch_thread):
+    import ragged_placement.fsdp  # noqa: F401 - applies FSDP2_PATCHES
+
     assert _install.installed()
-    originals = [(patch, owner, original) for patch, owner, original in _install._applied]
-    assert [p for p, _, _ in originals] == list(_install.PATCHES)
+    originals = [*_install._applied, *_install._applied_fsdp2]
+    assert [p for p, _, _ in originals] == list(ALL_PATCHES)
     try:
         _install.uninstall()
         assert not _install.installed()
         for patch, owner, original in originals:
             now = owner.__code__ if patch.name == "__code__" else vars(owner).get(patch.name, _install._ABSENT)
             assert now is original, f"{patch.owner}.{patch.name} was not restored"
-        assert _torch_names() == {(p.owner, p.name): p.expected for p in _install.PATCHES}
+        assert _torch_names() == {(p.owner, p.name): p.expected for p in ALL_PATCHES}
         propagator = DTensor._op_dispatcher.sharding_propagator
         assert "propagate_op_sharding_non_cached" not in vars(propagator)
         results = run_threaded(_stock_and_ragged, 2)
@@ -75,6 +80,7 @@ def test_uninstall_restores_torch_exactly_and_install_again_works(one_torch_thre
     finally:
         _install.install()
     assert _install.installed()
+    assert [p for p, _, _ in _install._applied_fsdp2] == list(_install.FSDP2_PATCHES)
     results = run_threaded(_stock_and_ragged, 2)
     assert all(r["stock"] is True and r["ragged"] is True for r in results)
 

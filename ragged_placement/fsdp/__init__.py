@@ -7,7 +7,10 @@ DTensors, so stock torch optimizers, ``clip_grad_norm_`` and ``torch.distributed
 work on them.
 """
 
+from ragged_placement._install import install_fsdp2
 from ragged_placement.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard
 from ragged_placement.fsdp.unit import CommStats, FSDPUnit
+
+install_fsdp2()  # torch's fully_shard over these modules: a ValueError naming the module
 
 __all__ = ["CommStats", "FSDPModule", "FSDPUnit", "MixedPrecisionPolicy", "fully_shard"]

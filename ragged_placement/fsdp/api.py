@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -303,6 +304,16 @@ def _load_sharded(
         raise ValueError(f"state_dict[{key!r}] must be a tensor, got {type(value).__name__}")
 
 
+# Every module whose parameters a fully_shard unit owns -> that fully_shard module's class name
+# (torch's fully_shard reaching one of them raises naming it: ragged_placement._install).
+_SHARDED_BY: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def sharded_by(module: nn.Module) -> str | None:
+    """The class name of the ``fully_shard`` module whose unit owns ``module``'s parameters."""
+    return _SHARDED_BY.get(module)
+
+
 _CLASS_LOCK = threading.Lock()
 _FSDP_CLASSES: dict[type, type] = {}
 
@@ -530,11 +541,9 @@ def fully_shard(
     The arguments shared with ``torch.distributed.fsdp.fully_shard`` take FSDP2's values, so
     changing the import is enough; where FSDP2 allows a value this runtime cannot honour exactly,
     it raises (never a silent difference). Mixing this ``fully_shard`` and torch's in one model
-    is refused with a ``ValueError`` naming the module where this side can see it: torch's on a
-    module below this call, or on ``module`` itself. Torch's ``fully_shard`` over a module that
-    this one sharded fails inside torch (on torch 2.13: ``TypeError`` from
-    ``DeviceMesh._concatenate``, as it takes the RaggedShard parameters for tensor-parallel ones)
-    before any code of this package runs.
+    is refused with a ``ValueError`` naming the module, in both orders: torch's on ``module`` or
+    a module below it before this call, and torch's over a module this one sharded (a guard on
+    FSDP2's parameter initialization, :data:`ragged_placement._install.FSDP2_PATCHES`).
 
     Args:
         module: the module to shard; its class is swapped to a subclass that also derives from
@@ -626,4 +635,6 @@ def fully_shard(
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
+    for m in owned_modules:
+        _SHARDED_BY[m] = type(modules[0]).__name__
     return module
