@@ -19,42 +19,13 @@ import sys
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from dist_utils import run_threaded  # noqa: E402
 
 from ragged_placement.fsdp import fully_shard  # noqa: E402
+from ragged_placement.fsdp.profiling import AllocationMeter  # noqa: E402
 from ragged_placement.models import GPT, GPTConfig  # noqa: E402
-
-
-def _storage_ptr(x: object) -> int | None:
-    if isinstance(x, DTensor):
-        x = x._local_tensor
-    if isinstance(x, torch.Tensor) and not x.is_meta:
-        x = x.untyped_storage()
-    return x.data_ptr() if isinstance(x, torch.UntypedStorage) and x.nbytes() else None
-
-
-class Allocations(TorchDispatchMode):
-    """Bytes of every storage an op returns that none of its inputs holds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.nbytes: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {_storage_ptr(x) for x in tree_leaves((args, kwargs))}
-        for t in tree_leaves(out):
-            ptr = _storage_ptr(t)
-            if ptr is not None and ptr not in inputs:
-                t = t._local_tensor if isinstance(t, DTensor) else t
-                self.nbytes.append(t.untyped_storage().nbytes())
-        return out
 
 
 def _measure(rank: int, ws: int, runtime: str, cfg: GPTConfig) -> tuple[int, ...]:
@@ -62,11 +33,11 @@ def _measure(rank: int, ws: int, runtime: str, cfg: GPTConfig) -> tuple[int, ...
     with torch.device("meta"):
         m = GPT(cfg)
     shard = fully_shard if runtime == "ours" else fsdp2_fully_shard
-    with Allocations() as at_shard:
+    with AllocationMeter() as at_shard:
         for block in m.layers:
             shard(block, mesh=mesh)
         shard(m, mesh=mesh)
-    with Allocations() as at_materialize:
+    with AllocationMeter() as at_materialize:
         m.to_empty(device="cpu")
     storages = {p._local_tensor.untyped_storage().data_ptr(): p for p in m.parameters()}
     kept = sum(p._local_tensor.untyped_storage().nbytes() for p in storages.values())

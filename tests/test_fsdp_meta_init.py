@@ -14,10 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ragged_placement.fsdp import fully_shard
+from ragged_placement.fsdp.profiling import AllocationMeter
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
 
@@ -82,40 +81,12 @@ def _meta_sharded(runtime: str, mesh: DeviceMesh) -> GPT:
     return m
 
 
-def _storage_ptr(x: object) -> int | None:
-    if isinstance(x, DTensor):
-        x = x._local_tensor
-    if isinstance(x, torch.Tensor) and not x.is_meta:
-        x = x.untyped_storage()
-    return x.data_ptr() if isinstance(x, torch.UntypedStorage) and x.nbytes() else None
-
-
-class _Allocations(TorchDispatchMode):
-    """Bytes of every storage an op returns that none of its inputs holds (a DTensor counts its
-    local tensor; meta tensors count nothing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.nbytes: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {_storage_ptr(x) for x in tree_leaves((args, kwargs))}
-        for t in tree_leaves(out):
-            ptr = _storage_ptr(t)
-            if ptr is not None and ptr not in inputs:
-                t = t._local_tensor if isinstance(t, DTensor) else t
-                self.nbytes.append(t.untyped_storage().nbytes())
-        return out
-
-
 def _meta_init_and_train(rank: int, ws: int, runtime: str):
     mesh = DeviceMesh("cpu", list(range(ws)))
-    with _Allocations() as at_shard:
+    with AllocationMeter() as at_shard:
         m = _meta_sharded(runtime, mesh)
     assert all(p.is_meta for p in m.parameters())
-    with _Allocations() as at_materialize:
+    with AllocationMeter() as at_materialize:
         m.to_empty(device="cpu")
     init_weights(m)
     facts = {}

@@ -28,11 +28,13 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import ragged_placement._compat as compat
 
-__all__ = ["CollectiveMeter", "HeapPeakMeter", "LayoutCopyMeter", "heap_in_use"]
+__all__ = ["AllocationMeter", "CollectiveMeter", "HeapPeakMeter", "LayoutCopyMeter", "heap_in_use"]
 
 _LAYOUT_COPY_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "_chunk_cat", "chunk_cat")
 
@@ -128,6 +130,37 @@ class LayoutCopyMeter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.bytes.values())
+
+
+def _storage_ptr(x: object) -> int | None:
+    """The data pointer of ``x``'s storage (a DTensor's local tensor's); ``None`` for a meta
+    tensor, an empty storage or a non-tensor."""
+    if isinstance(x, DTensor):
+        x = x._local_tensor
+    if isinstance(x, torch.Tensor) and not x.is_meta:
+        x = x.untyped_storage()
+    return x.data_ptr() if isinstance(x, torch.UntypedStorage) and x.nbytes() else None
+
+
+class AllocationMeter(TorchDispatchMode):
+    """Bytes of every storage an op returns that none of its inputs holds, one entry per op
+    result, in ``nbytes`` (a DTensor counts its local tensor; meta tensors count nothing): what a
+    rank allocates inside the ``with`` block, e.g. for ``fully_shard`` and ``to_empty``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {_storage_ptr(x) for x in tree_leaves((args, kwargs))}
+        for t in tree_leaves(out):
+            ptr = _storage_ptr(t)
+            if ptr is not None and ptr not in inputs:
+                t = t._local_tensor if isinstance(t, DTensor) else t
+                self.nbytes.append(t.untyped_storage().nbytes())
+        return out
 
 
 def _tensors(x) -> Iterable[torch.Tensor]:

@@ -1,0 +1,117 @@
+"""How gloo runs a unit of several segments: coalesced, separate, or packed into one collective.
+
+A unit's plan can hold several segments (a GPT block: 3). NCCL runs them coalesced as one group
+call without copies; gloo runs a coalesced collective through staging of its own. This measures,
+on ``--world`` gloo ranks, one all-gather and one reduce-scatter of a unit's segments (default:
+the GPT 4x128 block's, ``--sizes``) issued
+
+* ``single``: as one collective over the whole chunk (the bytes, with no segment structure);
+* ``coalesced``: in torch's ``_coalescing_manager`` (zero-copy, what NCCL runs);
+* ``separate``: as one async collective per segment, waited together;
+* ``packed``: as one collective through a staging buffer with FSDP2's copy ops (what
+  :func:`ragged_placement._compat.reduce_scatter_segments` runs on gloo).
+
+Medians of ``--reps`` alternating repetitions, each between barriers; ratios to ``single``.
+
+Run: ``.venv/bin/python benchmarks/collectives.py``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ragged_placement import _compat
+from ragged_placement.launch import run_gloo
+from ragged_placement.planner.plan import Segment
+
+
+def _packed_all_gather(out: torch.Tensor, chunk: torch.Tensor, sizes: list[int], ws: int) -> None:
+    """One all-gather into a staging buffer, then FSDP2's copy-out into the segments' places."""
+    staging = chunk.new_empty(ws, sum(sizes))
+    _compat.all_gather_single(staging.view(-1), chunk)
+    outs, offset = [], 0
+    for c in sizes:
+        outs.append(out[offset:offset + ws * c].view(ws, c))
+        offset += ws * c
+    torch.split_with_sizes_copy(staging, sizes, dim=1, out=outs)
+
+
+def _variants(sizes: list[int], ws: int) -> dict[str, dict]:
+    total = sum(sizes)
+    segments = [Segment(sum(sizes[:k]), ws * sum(sizes[:k]), c) for k, c in enumerate(sizes)]
+    out, chunk = torch.empty(ws * total), torch.randn(total)
+    grads, full, reduced = [torch.randn(ws * c) for c in sizes], torch.randn(ws * total), torch.empty(total)
+
+    def coalesced(call):
+        with dist._coalescing_manager(async_ops=True) as cm:
+            for k, s in enumerate(segments):
+                call(k, s)
+        cm.wait()
+
+    def separate(call):
+        for w in [call(k, s) for k, s in enumerate(segments)]:
+            w.wait()
+
+    def ag(k, s):
+        return _compat.all_gather_single(
+            out[s.buffer_offset:s.buffer_offset + ws * s.chunk_numel],
+            chunk[s.chunk_offset:s.chunk_offset + s.chunk_numel], async_op=True)
+
+    def rs(k, s):
+        return _compat.reduce_scatter_single(
+            reduced[s.chunk_offset:s.chunk_offset + s.chunk_numel], grads[k], async_op=True)
+
+    return {
+        "all-gather": {
+            "single": lambda: _compat.all_gather_single(out, chunk),
+            "coalesced": lambda: coalesced(ag),
+            "separate": lambda: separate(ag),
+            "packed": lambda: _packed_all_gather(out, chunk, sizes, ws),
+        },
+        "reduce-scatter": {
+            "single": lambda: _compat.reduce_scatter_single(reduced, full),
+            "coalesced": lambda: coalesced(rs),
+            "separate": lambda: separate(rs),
+            "packed": lambda: _compat.reduce_scatter_segments(reduced, grads, segments, ws),
+        },
+    }
+
+
+def _worker(rank: int, ws: int, sizes: list[int], reps: int) -> dict:
+    torch.set_num_threads(1)
+    variants = _variants(sizes, ws)
+    times = {(c, v): [] for c, vs in variants.items() for v in vs}
+    for _ in range(reps):
+        for c, vs in variants.items():
+            for v, fn in vs.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dist.barrier()
+                times[(c, v)].append(time.perf_counter() - t0)
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[416, 32768, 16384],
+                    help="per-rank elements of each segment (fp32)")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    res = run_gloo(_worker, args.world, args.sizes, args.reps)[0]
+    print(f"\n{len(args.sizes)} segments {args.sizes} (fp32 elements per rank) on {args.world} gloo "
+          f"ranks, median of {args.reps}, torch {torch.__version__}\n")
+    print(f"{'collective':16s}{'variant':12s}{'time':>10s}{'/ single':>10s}")
+    print("-" * 48)
+    for (c, v), t in res.items():
+        print(f"{c:16s}{v:12s}{t * 1e3:8.2f} ms{t / res[(c, 'single')]:10.2f}")
+
+
+if __name__ == "__main__":
+    main()

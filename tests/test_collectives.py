@@ -1,0 +1,97 @@
+"""The segment collectives of :mod:`ragged_placement._compat` on real gloo ranks.
+
+A unit of several equal segments is reduce-scattered on gloo as one packed collective (a staging
+buffer filled by FSDP2's copy-in op, :func:`ragged_placement._compat._packed_sizes`) instead of
+gloo's coalesced one; all-gathers stay coalesced and zero-copy.
+Both paths must give the same results (the gathers bitwise; the reductions up to the rounding of
+gloo's summation order): each is compared with the other on the same inputs, and
+the packed one issues one c10d op per call and counts its copies in ``LayoutCopyMeter``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+
+from dist_utils import run_gloo
+from ragged_placement import _compat
+from ragged_placement.fsdp.profiling import LayoutCopyMeter
+from ragged_placement.planner.plan import Segment
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 4
+# three equal segments tiling the chunk in order (the shape of a GPT block's plan), and the same
+# segments listed out of chunk order (not packed: the staging layout needs the chunk order)
+SIZES = (3, 7, 2)
+TILED = tuple(
+    Segment(sum(SIZES[:k]), WORLD * sum(SIZES[:k]), c) for k, c in enumerate(SIZES)
+)
+SHUFFLED = (TILED[1], TILED[0], TILED[2])
+
+
+def _inputs(rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(rank)
+    chunk = torch.randn(sum(SIZES), generator=gen)
+    grads = [torch.randn(WORLD * c, generator=gen) for c in SIZES]
+    return chunk, grads
+
+
+def _run(segments, packed: bool, async_op: bool):
+    rank = dist.get_rank()
+    chunk, grads = _inputs(rank)
+    by_segment = {id(s): g for s, g in zip(TILED, grads)}
+    inputs = [by_segment[id(s)] for s in segments]
+    gathered = torch.full((WORLD * sum(SIZES),), float("nan"))
+    reduced = torch.full((sum(SIZES),), float("nan"))
+    original = _compat._packed_sizes
+    if not packed:
+        _compat._packed_sizes = lambda segments, group: None
+    try:
+        with CommDebugMode() as comm, LayoutCopyMeter() as copies:
+            work = _compat.all_gather_segments(gathered, chunk, segments, WORLD, async_op=async_op)
+            if async_op:
+                work.wait()
+            work = _compat.reduce_scatter_segments(reduced, inputs, segments, WORLD,
+                                                   async_op=async_op)
+            if async_op:
+                work.wait()
+    finally:
+        _compat._packed_sizes = original
+    ops = {str(k).rsplit(".", 1)[-1]: v for k, v in comm.get_comm_counts().items()}
+    return gathered, reduced, ops, copies.total
+
+
+def _compare(rank: int, ws: int):
+    out = {}
+    for name, segments in (("tiled", TILED), ("shuffled", SHUFFLED)):
+        for async_op in (False, True):
+            packed = _run(segments, True, async_op)
+            coalesced = _run(segments, False, async_op)
+            assert torch.equal(packed[0], coalesced[0]), (name, async_op, packed[0], coalesced[0])
+            # gloo's two reduce-scatters sum in different orders: equal up to rounding
+            torch.testing.assert_close(packed[1], coalesced[1], rtol=1e-6, atol=1e-6)
+            out[(name, async_op)] = (packed[2], packed[3])
+    # the reference: every rank's chunk in place, the sum of every rank's gradient chunk
+    chunks = [_inputs(r)[0] for r in range(ws)]
+    expect = torch.cat([torch.cat([c[s.chunk_offset:s.chunk_offset + s.chunk_numel] for c in chunks])
+                        for s in TILED])
+    gathered, reduced, _, _ = _run(TILED, True, False)
+    assert torch.equal(gathered, expect)
+    mine = [sum(_inputs(r)[1][k].view(ws, -1)[rank] for r in range(ws)) for k in range(len(SIZES))]
+    torch.testing.assert_close(reduced, torch.cat(mine))
+    return out
+
+
+def test_packed_segments_match_coalesced_ones_with_one_op_and_counted_copies():
+    results = run_gloo(_compare, WORLD)
+    numel = WORLD * sum(SIZES)
+    for out in results:
+        for async_op in (False, True):
+            ops, copied = out[("tiled", async_op)]
+            assert ops == {"allgather_into_tensor_coalesced_": 1, "_reduce_scatter_base_": 1}
+            assert copied == numel * 4  # the reduce-scatter's staging: its input, once
+            ops, copied = out[("shuffled", async_op)]
+            assert "allgather_into_tensor_coalesced_" in ops and copied == 0
