@@ -326,6 +326,59 @@ def test_reshard_after_forward_2_on_4_gloo_ranks_trains_as_one_process_and_fsdp2
         assert all(segments == 3 for *_, segments in pair_gathers[0])
 
 
+def _tp_and_hsdp_pairs(rank: int, ws: int) -> list[tuple[list[float], list[float], int]]:
+    """A small Llama on 8 ranks, tensor parallel on a (dp=4, tp=2) mesh, then HSDP on a
+    (replicate=2, shard=4) one, with ``reshard_after_forward`` 2 and ``True``: per run the
+    losses of 2 steps, the full parameters' sums, and block 0's backward gathers over the pair."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
+
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 4, 9), generator=g)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        init = Llama(cfg).state_dict()
+    out = []
+    for dims, names in (((4, 2), ("dp", "tp")), ((2, 4), ("replicate", "shard"))):
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+        for value in (2, True):
+            m = Llama(cfg)
+            m.load_state_dict(init)
+            if names[1] == "tp":
+                parallelize_llama(m, mesh["tp"])
+                dp, row = mesh["dp"], mesh["dp"].get_local_rank()
+            else:
+                dp, row = mesh, mesh.get_local_rank(0) * 4 + mesh.get_local_rank(1)
+            for block in m.layers.values():
+                fully_shard(block, mesh=dp, reshard_after_forward=value)
+            fully_shard(m, mesh=dp)
+            opt = torch.optim.AdamW(m.parameters(), lr=LR)
+            losses = []
+            for batch in tokens:
+                b = batch[row % 4 : row % 4 + 1]
+                logits = m(b[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), b[:, 1:].reshape(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            sums = [float(p.full_tensor().sum()) for p in m.parameters()]
+            out.append((losses, sums, m.layers["0"].fsdp_unit.stats.post_forward_all_gathers))
+    return out
+
+
+def test_reshard_after_forward_2_with_tensor_parallel_and_hsdp_trains_as_true():
+    """With tensor parallel beside a 4-rank data-parallel dim, and with HSDP (the 2-D mesh
+    flattened: pairs inside each replica's shard row), ``2`` trains bitwise as ``True``."""
+    for tp2, tp_true, hsdp2, hsdp_true in run_threaded(_tp_and_hsdp_pairs, 8):
+        for pairs, whole in ((tp2, tp_true), (hsdp2, hsdp_true)):
+            assert pairs[:2] == whole[:2]
+            assert (pairs[2], whole[2]) == (2, 0)  # one backward gather over the pair per step
+
+
 def _held_between_forward_and_backward(rank: int, ws: int, value):
     """Per block after a forward: (bytes of its unsharded buffer, of its post-forward shard,
     whether the modules show the sharded parameters); then the backward's gathers by group."""
