@@ -322,8 +322,8 @@ def test_state_dict_is_sharded_and_loads_from_full_sharded_and_fsdp2_values():
 def _bad_arguments(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
     m = _model()
-    with pytest.raises(ValueError, match="reshard_after_forward"):
-        fully_shard(m, mesh=mesh, reshard_after_forward=3)
+    with pytest.raises(ValueError, match="reshard_after_forward=3 must be a factor of .* 4"):
+        fully_shard(m, mesh=mesh, reshard_after_forward=3)  # 2 (pairs of ranks) would be one
     with pytest.raises(ValueError, match="mp_policy"):
         fully_shard(m, mesh=mesh, mp_policy=torch.bfloat16)
     with pytest.raises(ValueError, match="module"):

@@ -310,6 +310,30 @@ def test_recomputation_gathers_each_unit_once_per_backward(monkeypatch, one_torc
             assert theirs == [tuple(ag for ag, _ in expected)] * 3, (mode, reshard)
 
 
+def _pairs_checkpointed(rank: int, ws: int, mode: str):
+    """``reshard_after_forward=2`` on 4 ranks: training, and per unit of the last step
+    (all-gathers, those over the pair)."""
+    m = _model(mode)
+    _shard(m, "ours", mode, DeviceMesh("cpu", list(range(ws))), reshard=2)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    losses = _train(m, opt, rank, ws)
+    units = _units(m, "ours")
+    for unit in units:
+        unit.stats.reset()
+    m(*_local_batch(0, rank, ws)).backward()
+    counts = [(u.stats.all_gathers, u.stats.post_forward_all_gathers) for u in units]
+    return losses, _full_params(m), counts
+
+
+@pytest.mark.parametrize("mode", ("inline", "region"))
+def test_recomputation_with_reshard_to_pairs_gathers_once_over_the_pair(mode, one_torch_thread):
+    """A recomputed forward (for "region", the first block's, before its own backward)
+    re-gathers from the post-forward shard over the pair, once per backward."""
+    for losses, params, counts in run_threaded(_pairs_checkpointed, 4, mode):
+        _assert_matches_reference(mode, losses, params)
+        assert counts == [(1, 0), (2, 1), (2, 1)]  # the root, then the two blocks
+
+
 # -- gloo integration -------------------------------------------------------------------------
 
 

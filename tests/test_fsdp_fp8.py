@@ -62,9 +62,12 @@ def _gpt(cfg: GPTConfig = CFG, init: dict[str, torch.Tensor] = INIT) -> GPT:
 FP32 = MixedPrecisionPolicy()
 
 
-def _shard(m: GPT, mesh, quant=QUANT, mp=FP32, granularity=None) -> None:
+def _shard(m: GPT, mesh, quant=QUANT, mp=FP32, granularity=None, reshard=True) -> None:
     for block in m.layers:
-        fully_shard(block, mesh=mesh, quant=quant, mp_policy=mp, granularity=granularity)
+        fully_shard(
+            block, mesh=mesh, quant=quant, mp_policy=mp, granularity=granularity,
+            reshard_after_forward=reshard,
+        )
     fully_shard(m, mesh=mesh, quant=quant, mp_policy=mp, granularity=granularity)
 
 
@@ -334,6 +337,41 @@ def test_fp8_training_under_fully_shard_matches_one_process_fp8():
         assert losses[0] == pytest.approx(ref_losses[0], abs=GRAD_TOL)  # same FP8 weights
         assert losses == pytest.approx(ref_losses, abs=LOSS_TOL)
     assert ref_losses[-1] < ref_losses[0] - 1.0  # it trains
+
+
+def _fp8_pairs_rank(rank: int, ws: int, reshard) -> tuple[list[float], list[float], list]:
+    """3 steps of the FP8 GPT; per block between forward and backward: (bytes of the kept
+    post-forward shard, of the whole FP8 all-gather), and the gathers over the pair."""
+    torch.set_num_threads(1)
+    m = _gpt()
+    _shard(m, _mesh(ws), reshard=reshard)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    units = [block.fsdp_unit for block in m.layers]
+    losses, held = [], []
+    for s in range(3):
+        x, y = _corpus().batch(s, 8, SEQ)
+        loss = m(_rows(x, rank, ws), _rows(y, rank, ws))
+        held.append([
+            (0 if u.post_forward_shard is None else u.post_forward_shard.untyped_storage().nbytes(),
+             u.fp8.gathered_nbytes) for u in units
+        ])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    pair_gathers = [u.stats.post_forward_all_gathers for u in units]
+    return losses, [float(p.full_tensor().sum()) for p in m.parameters()], held, pair_gathers
+
+
+def test_fp8_units_reshard_to_pairs_after_forward():
+    """``reshard_after_forward=2`` on 4 ranks: the FP8 unit keeps half its gathered FP8 bytes
+    and scales, re-gathers them over the pair in backward, and trains bitwise as ``True``."""
+    pairs = run_threaded(_fp8_pairs_rank, WORLD, 2)
+    whole = run_threaded(_fp8_pairs_rank, WORLD, True)
+    for (losses, params, held, gathers), (losses_w, params_w, _, gathers_w) in zip(pairs, whole):
+        assert losses == losses_w and params == params_w
+        assert all(kept == full // 2 for step in held for kept, full in step)
+        assert gathers == [3] * len(gathers) and gathers_w == [0] * len(gathers)
 
 
 def _val_loss_rank(rank: int, ws: int, quant, steps: int) -> float:

@@ -176,14 +176,14 @@ _IN_COLLECTIVE = threading.local()
 
 
 def _counting(name: str, fn):
-    """Count one call of ``fn`` (the threaded PG implements some collectives through others:
-    only the outermost call counts)."""
+    """Count one call of ``fn`` by ``(name, group size)`` (the threaded PG implements some
+    collectives through others: only the outermost call counts)."""
 
     def wrapped(self, *args, **kwargs):
         if getattr(_IN_COLLECTIVE, "active", False):
             return fn(self, *args, **kwargs)
         with _COUNT_LOCK:
-            _COUNTS.setdefault(threading.get_ident(), Counter())[name] += 1
+            _COUNTS.setdefault(threading.get_ident(), Counter())[name, self.size()] += 1
         _IN_COLLECTIVE.active = True
         try:
             return fn(self, *args, **kwargs)
@@ -193,14 +193,19 @@ def _counting(name: str, fn):
     return wrapped
 
 
-def _count_collectives(rank: int, ws: int, runtime: str, shard) -> dict[str, int]:
+def _count_collectives(
+    rank: int, ws: int, runtime: str, shard, by_group: bool
+) -> dict[str, int] | dict[tuple[str, int], int]:
     m = _net()
     fs = fully_shard if runtime == "ours" else torch_fully_shard
     shard(m, DeviceMesh("cpu", list(range(ws))), fs)
     F.mse_loss(m(X[0, :2]), Y[0, :2]).backward()  # warm-up: records the order for prefetching
     _COUNTS.pop(threading.get_ident(), None)
     F.mse_loss(m(X[1, :2]), Y[1, :2]).backward()
-    return dict(_COUNTS.get(threading.get_ident(), {}))
+    counts = _COUNTS.get(threading.get_ident(), Counter())
+    if by_group:
+        return dict(counts)
+    return dict(sum((Counter({name: n}) for (name, _), n in counts.items()), Counter()))
 
 
 @pytest.fixture
@@ -213,7 +218,11 @@ def count_collectives(monkeypatch):
         monkeypatch.setattr(
             ProcessLocalGroup, method, _counting(name, getattr(ProcessLocalGroup, method))
         )
-    return lambda runtime, shard: run_threaded(_count_collectives, WORLD, runtime, shard)
+    def count(runtime, shard, world: int = WORLD, by_group: bool = False):
+        """Per rank: collectives of one step by name, or by ``(name, group size)``."""
+        return run_threaded(_count_collectives, world, runtime, shard, by_group)
+
+    return count
 
 
 @pytest.mark.parametrize("value, blocks_all_gather", [(WORLD, 2), (1, 1)])
@@ -229,26 +238,195 @@ def test_reshard_after_forward_int_matches_fsdp2(value, blocks_all_gather, count
 
 def _reshard_values(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
-    with pytest.raises(ValueError, match=r"reshard_after_forward=2 .*not implemented.*True \(= 4"):
-        fully_shard(_net().blocks[0], mesh=mesh, reshard_after_forward=2)
-    for bad in (3, 0, 8):
+    for bad in (3, 0, 8, -2):
         with pytest.raises(ValueError, match=f"reshard_after_forward={bad} must be a factor of"):
             fully_shard(_net().blocks[0], mesh=mesh, reshard_after_forward=bad)
-    with pytest.raises(ValueError, match="reshard_after_forward must be a bool, None or an int"):
-        fully_shard(_net().blocks[0], mesh=mesh, reshard_after_forward="yes")
+    for bad in ("yes", 2.0):
+        with pytest.raises(ValueError, match="reshard_after_forward must be a bool, None or an int"):
+            fully_shard(_net().blocks[0], mesh=mesh, reshard_after_forward=bad)
     m = _net()
     fully_shard(m.blocks[0], mesh=mesh, reshard_after_forward=None)
     fully_shard(m, mesh=mesh, reshard_after_forward=4)
-    assert m.blocks[0]._fsdp_state.reshard_after_forward is True
+    state = m.blocks[0]._fsdp_state
+    assert state.reshard_after_forward is True
     m.set_reshard_after_forward(1)
-    assert m.blocks[0]._fsdp_state.reshard_after_forward is False
-    with pytest.raises(ValueError, match="reshard_after_forward=2"):
-        m.set_reshard_after_forward(2)
+    assert state.reshard_after_forward is False
+    m.set_reshard_after_forward(2)  # groups of 2 consecutive ranks: (0, 1), (2, 3)
+    pf = state.reshard_after_forward
+    assert (pf.size, pf.rank, pf.factor) == (2, rank % 2, 2)
+    assert torch.distributed.get_process_group_ranks(pf.group) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    m.set_reshard_after_forward(2)
+    assert state.reshard_after_forward.group is pf.group  # created once per mesh and size
+    for bad in (3, "yes"):
+        with pytest.raises(ValueError, match=f"reshard_after_forward.*{bad}"):
+            m.set_reshard_after_forward(bad)
     return True
 
 
-def test_reshard_after_forward_divisors_other_than_world_and_one_raise():
+def test_reshard_after_forward_values_and_bad_values():
+    """A divisor of the shard world size (4) or a bool; others raise naming the argument."""
     assert all(run_threaded(_reshard_values, 4))
+
+
+def _per_block_pairs(m, mesh, fs):
+    # element granularity: equal chunks on 4 ranks (row cuts would make uneven ones, which
+    # gather per segment), so that the counts compare with FSDP2's one all-gather per unit
+    kw = {"granularity": Granularity.element()} if fs is fully_shard else {}
+    for block in m.blocks:
+        fs(block, mesh=mesh, reshard_after_forward=2, **kw)
+    fs(m, mesh=mesh, **kw)
+
+
+def test_reshard_after_forward_2_of_4_gathers_backward_over_pairs(count_collectives):
+    """On 4 ranks, ``2``: forward gathers each block over the 4 ranks, backward over its pair
+    (2 consecutive ranks), as FSDP2; the root (kept from forward to backward) gathers once."""
+    expected = {
+        ("all_gather", 4): 1 + 3,  # the root, then each block's forward
+        ("all_gather", 2): 3,  # each block's backward, within the pair
+        ("reduce_scatter", 4): 1 + 3,
+    }
+    for runtime in ("ours", "fsdp2"):
+        assert count_collectives(runtime, _per_block_pairs, 4, True) == [expected] * 4, runtime
+
+
+def _train_pairs_on_gloo(rank: int, ws: int):
+    """Ours and FSDP2 with ``reshard_after_forward=2`` on real gloo ranks; ours also reports,
+    per step and block, the backward all-gathers over the pair and their bytes."""
+    torch.set_num_threads(1)
+    shard = _per_block(reshard_after_forward=2)
+    pair_gathers: list[list[tuple[int, int, int, int]]] = []
+
+    def after_backward(m):
+        units = [b.fsdp_unit for b in m.blocks]
+        pair_gathers.append([
+            (u.stats.post_forward_all_gathers, u.stats.post_forward_all_gather_bytes,
+             u.plan.buffer_numel * 4, len(u.plan.segments))
+            for u in units
+        ])
+        for u in units:
+            u.stats.reset()
+
+    ours = _train(rank, ws, "ours", shard, after_backward)
+    return ours, _train(rank, ws, "fsdp2", shard), pair_gathers
+
+
+@pytest.mark.multiprocess
+def test_reshard_after_forward_2_on_4_gloo_ranks_trains_as_one_process_and_fsdp2():
+    ref_losses, ref_params = _reference()
+    for ours, theirs, pair_gathers in run_gloo(_train_pairs_on_gloo, 4):
+        for runtime, (losses, params) in (("ours", ours), ("fsdp2", theirs)):
+            assert losses == pytest.approx(ref_losses, abs=TOL), runtime
+            for k, v in params.items():
+                torch.testing.assert_close(v, ref_params[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
+        # every step, each block gathers once over its pair in backward: its whole buffer
+        assert len(pair_gathers) == STEPS
+        for step in pair_gathers:
+            assert [(n, nbytes) for n, nbytes, _, _ in step] == [(1, full) for *_, full, _ in step]
+        # row cuts on 4 ranks: 3 segments per block, coarsened and gathered as one collective
+        assert all(segments == 3 for *_, segments in pair_gathers[0])
+
+
+def _tp_and_hsdp_pairs(rank: int, ws: int) -> list[tuple[list[float], list[float], int]]:
+    """A small Llama on 8 ranks, tensor parallel on a (dp=4, tp=2) mesh, then HSDP on a
+    (replicate=2, shard=4) one, with ``reshard_after_forward`` 2 and ``True``: per run the
+    losses of 2 steps, the full parameters' sums, and block 0's backward gathers over the pair."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
+
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 4, 9), generator=g)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        init = Llama(cfg).state_dict()
+    out = []
+    for dims, names in (((4, 2), ("dp", "tp")), ((2, 4), ("replicate", "shard"))):
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+        for value in (2, True):
+            m = Llama(cfg)
+            m.load_state_dict(init)
+            if names[1] == "tp":
+                parallelize_llama(m, mesh["tp"])
+                dp, row = mesh["dp"], mesh["dp"].get_local_rank()
+            else:
+                dp, row = mesh, mesh.get_local_rank(0) * 4 + mesh.get_local_rank(1)
+            for block in m.layers.values():
+                fully_shard(block, mesh=dp, reshard_after_forward=value)
+            fully_shard(m, mesh=dp)
+            opt = torch.optim.AdamW(m.parameters(), lr=LR)
+            losses = []
+            for batch in tokens:
+                b = batch[row % 4 : row % 4 + 1]
+                logits = m(b[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), b[:, 1:].reshape(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            sums = [float(p.full_tensor().sum()) for p in m.parameters()]
+            out.append((losses, sums, m.layers["0"].fsdp_unit.stats.post_forward_all_gathers))
+    return out
+
+
+def test_reshard_after_forward_2_with_tensor_parallel_and_hsdp_trains_as_true():
+    """With tensor parallel beside a 4-rank data-parallel dim, and with HSDP (the 2-D mesh
+    flattened: pairs inside each replica's shard row), ``2`` trains bitwise as ``True``."""
+    for tp2, tp_true, hsdp2, hsdp_true in run_threaded(_tp_and_hsdp_pairs, 8):
+        for pairs, whole in ((tp2, tp_true), (hsdp2, hsdp_true)):
+            assert pairs[:2] == whole[:2]
+            assert (pairs[2], whole[2]) == (2, 0)  # one backward gather over the pair per step
+
+
+def _held_between_forward_and_backward(rank: int, ws: int, value):
+    """Per block after a forward: (bytes of its unsharded buffer, of its post-forward shard,
+    whether the modules show the sharded parameters); then the backward's gathers by group."""
+    m = _net()
+    _per_block(reshard_after_forward=value)(m, DeviceMesh("cpu", list(range(ws))), fully_shard)
+    blocks = [b.fsdp_unit for b in m.blocks]
+    loss = F.mse_loss(m(X[0, :2]), Y[0, :2])
+    held = []
+    for unit in blocks:
+        shard = unit.post_forward_shard
+        held.append((
+            unit.unsharded.untyped_storage().nbytes(),
+            0 if shard is None else shard.untyped_storage().nbytes(),
+            unit.plan.buffer_numel * 4,
+        ))
+    sharded = all(isinstance(p, DTensor) for p in m.parameters())
+    for unit in blocks:
+        unit.stats.reset()
+    loss.backward()
+    gathers = [(u.stats.all_gathers, u.stats.post_forward_all_gathers,
+                u.stats.post_forward_all_gather_bytes) for u in blocks]
+    # a forward no backward follows (an optimizer may step after it), then another: the
+    # second gathers from the sharded parameters over all ranks, not from the stale shards
+    m(X[0, :2])
+    for unit in blocks:
+        unit.stats.reset()
+    m(X[0, :2])
+    next_forward = [(u.stats.all_gathers, u.stats.post_forward_all_gathers) for u in blocks]
+    return held, sharded, gathers, next_forward
+
+
+@pytest.mark.parametrize("value", [4, 2, 1])
+def test_reshard_after_forward_holds_1_over_n_between_forward_and_backward(value):
+    for held, sharded, gathers, next_forward in run_threaded(
+        _held_between_forward_and_backward, 4, value
+    ):
+        assert sharded
+        for unsharded, shard, full in held:
+            if value == 4:  # True: nothing held
+                assert (unsharded, shard) == (0, 0)
+            elif value == 1:  # False: the whole gathered buffer
+                assert (unsharded, shard) == (full, 0)
+            else:
+                assert (unsharded, shard) == (0, full // value)
+        for (gathers_, over_pair, pair_bytes), (*_, full) in zip(gathers, held):
+            assert gathers_ == (0 if value == 1 else 1)
+            assert (over_pair, pair_bytes) == ((1, full) if value == 2 else (0, 0))
+        assert next_forward == [(1, 0)] * 3  # over all ranks (for 1 too: the kept gather is stale)
 
 
 # -- fully_shard([a, b]) -------------------------------------------------------------------------

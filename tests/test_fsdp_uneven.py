@@ -1,5 +1,6 @@
 """Training on uneven per-rank chunks (issue 16): 4 spawned gloo ranks, fp32, against one process
-on the whole batch and against torch FSDP2 on the same model and data, in one spawn."""
+on the whole batch and against torch FSDP2 on the same model and data, in one spawn; also with
+``reshard_after_forward=2`` (backward gathers each pair's coarsened uneven chunks)."""
 
 from __future__ import annotations
 
@@ -62,11 +63,32 @@ def _full(m: nn.Module) -> dict[str, torch.Tensor]:
             for k, v in m.state_dict().items()}
 
 
-def _ranks(rank: int, world: int):
+def _ours(reshard_after_forward: bool | int = True) -> nn.Sequential:
     ours = _model()
-    fully_shard(ours[0], granularity=POLICY)
-    fully_shard(ours[2], granularity=POLICY)
+    fully_shard(ours[0], granularity=POLICY, reshard_after_forward=reshard_after_forward)
+    fully_shard(ours[2], granularity=POLICY, reshard_after_forward=reshard_after_forward)
     fully_shard(ours, granularity=POLICY)
+    return ours
+
+
+def _pairs(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], list, int]:
+    """``reshard_after_forward=2``: losses, parameters, each block's post-forward shard size
+    between forward and backward (elements) and the bytes gathered over the pairs."""
+    ours = _ours(2)
+    units = [ours[0].fsdp_unit, ours[2].fsdp_unit]
+    x, _ = _data(0)
+    out = ours(x[rank * 2:(rank + 1) * 2])
+    held = [u.post_forward_shard.numel() for u in units]
+    out.sum().backward()
+    ours.zero_grad()
+    for u in units:
+        u.stats.reset()
+    losses = _train(ours, rank, world)
+    return losses, _full(ours), held, sum(u.stats.post_forward_all_gather_bytes for u in units)
+
+
+def _ranks(rank: int, world: int):
+    ours = _ours()
     units = [u for _, u in ours.fsdp_units() if u.plan is not None]
     layout = [(isinstance(u.plan, UnevenPlan), [u.plan.rank_numel(r) for r in range(world)],
                u.plan.padding_numel, u.plan.numel) for u in units]
@@ -80,14 +102,15 @@ def _ranks(rank: int, world: int):
     fsdp2_fully_shard(theirs[2])
     fsdp2_fully_shard(theirs)
     fsdp2_losses = _train(theirs, rank, world)
-    return losses, fsdp2_losses, _full(ours), layout, gathered, reduced
+    return losses, fsdp2_losses, _full(ours), layout, gathered, reduced, _pairs(rank, world)
 
 
 def test_uneven_chunks_train_like_one_process_and_fsdp2():
     ref_model = _model()
     ref_losses = _train(ref_model, 0, 1)
     ref_state = _full(ref_model)
-    losses, fsdp2_losses, state, layout, gathered, reduced = run_gloo(_ranks, WORLD)[1]
+    results = run_gloo(_ranks, WORLD)
+    losses, fsdp2_losses, state, layout, gathered, reduced, pairs = results[1]
     # both units are uneven, really (chunks of different sizes), and pad nothing
     assert len(layout) == 2
     for uneven, sizes, padding, numel in layout:
@@ -103,3 +126,14 @@ def test_uneven_chunks_train_like_one_process_and_fsdp2():
     # FSDP2 pads dim 0 of every parameter to a multiple of the world size
     fsdp2 = sum(-(-p.shape[0] // WORLD) * WORLD * p[0].numel() for p in _model().parameters())
     assert numel <= fsdp2
+    # reshard_after_forward=2: the same training; between forward and backward each rank holds
+    # its pair place (ranks 2j, 2j+1 of rank_starts[::2]: the largest place's size, so 1/2 of
+    # the unit up to the unevenness), and backward gathers each block's buffer over the pair
+    for r, (pair_losses, pair_state, held, pair_bytes) in enumerate(p[-1] for p in results):
+        assert pair_losses == pytest.approx(ref_losses, abs=1e-5)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(pair_state[k], v, atol=1e-5, rtol=1e-5)
+        for (_, sizes, _, unit_numel), kept in zip(layout, held):
+            assert kept == max(sizes[0] + sizes[1], sizes[2] + sizes[3])
+            assert abs(kept - unit_numel / 2) < max(sizes)
+        assert pair_bytes == STEPS * 4 * numel

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState
-from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout
+from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout, PostForwardMesh
 from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot, build_unit
 from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config
@@ -138,13 +138,12 @@ class FSDPModule:
         self, reshard_after_forward: bool | int | None, *, recurse: bool = True
     ) -> None:
         """Whether units free their unsharded parameters after forward (root units never do);
-        the values :func:`fully_shard` takes, checked against each unit's shard world size."""
+        the values :func:`fully_shard` takes, checked against each unit's shard world size (an
+        ``int`` creates its groups the first time for a mesh: call it on every rank)."""
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
                 state = m._fsdp_state
-                state.reshard_after_forward = _resolve_reshard_after_forward(
-                    reshard_after_forward, state.unit.dp.shard_size
-                )
+                state.reshard_after_forward = _reshard_setting(reshard_after_forward, state.unit)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted as FSDP2 (pipeline schedules call it): every backward here finishes its
@@ -373,8 +372,9 @@ def _check_modules(module: object) -> list[nn.Module]:
     return _root_modules(modules)
 
 
-def _resolve_reshard_after_forward(value: object, shard_size: int) -> bool:
-    """FSDP2's ``reshard_after_forward`` as this runtime's bool (see :func:`fully_shard`)."""
+def _resolve_reshard_after_forward(value: object, shard_size: int) -> bool | int:
+    """FSDP2's ``reshard_after_forward`` as a bool, or the int ``1 < N < shard_size`` of the
+    groups to reshard to (see :func:`fully_shard`)."""
     if value is None or isinstance(value, bool):
         return value is not False
     if not isinstance(value, int):
@@ -390,12 +390,16 @@ def _resolve_reshard_after_forward(value: object, shard_size: int) -> bool:
         return True
     if value == 1:
         return False
-    raise ValueError(
-        f"reshard_after_forward={value} (reshard to {value}-rank groups after forward and "
-        f"all-gather over them in backward) is not implemented: pass True (= {shard_size}, "
-        f"free the unsharded parameters and all-gather over all {shard_size} ranks in backward) "
-        f"or False (= 1, keep them until backward)"
-    )
+    return int(value)
+
+
+def _reshard_setting(value: object, unit) -> bool | PostForwardMesh:
+    """What a unit's hooks take for ``reshard_after_forward`` ``value``: a bool, or the
+    :class:`PostForwardMesh` of an int ``1 < N < W`` (its groups created on first use)."""
+    resolved = _resolve_reshard_after_forward(value, unit.dp.shard_size)
+    if isinstance(resolved, bool):
+        return resolved
+    return PostForwardMesh.of(unit.dp, resolved)
 
 
 def _check_offload_policy(offload_policy: object, mesh: DeviceMesh) -> None:
@@ -562,10 +566,16 @@ def fully_shard(
             parameters after forward and all-gather them again in backward; ``False``: keep
             them until backward. The outermost (root) unit always keeps them (FSDP2 does so
             for ``None``; with an explicit ``True`` it re-gathers the root, to the same values),
-            which changes no result. As FSDP2, an ``int`` is the world size to reshard to after
-            forward and must divide the shard world size ``W``; ``W`` means ``True`` and ``1``
-            means ``False``. Other divisors (keep a shard over a smaller group after forward,
-            all-gather within it in backward) are not implemented and raise ``ValueError``.
+            which changes no result. As FSDP2, an ``int`` ``N`` is the world size to reshard to
+            after forward and must divide the shard world size ``W``; ``W`` means ``True`` and
+            ``1`` means ``False``. For ``1 < N < W`` each rank keeps, between forward and
+            backward, ``1/N`` of the unit's gathered parameters (one copy out of the all-gather
+            buffer, which is then freed), and backward all-gathers within its group of ``N``
+            consecutive ranks (rows of ``mesh.mesh.reshape(-1, N)``; for HSDP the 2-D mesh
+            flattened, as FSDP2 does), e.g. inside a node. The groups are created once per mesh
+            and ``N`` by their members (collective over each group at that call). FP8 units
+            (``quant``) and tensor-parallel parameters take it too. Values that are not a bool,
+            ``None`` or a divisor of ``W`` raise ``ValueError``.
         shard_placement_fn: FSDP2's per-parameter placement, ``Callable[[nn.Parameter],
             Shard | None]``, called once per managed parameter. ``None`` and ``Shard(0)`` are
             this runtime's layout: RaggedShard cuts a parameter between whole dim-0 rows (the
@@ -608,7 +618,7 @@ def fully_shard(
     ignored = _check_ignored_params(ignored_params)
     mesh = mesh if mesh is not None else _default_mesh()
     dp = DataParallelMesh.of(mesh)
-    reshard = _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)
+    _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # checked before building
     _check_offload_policy(offload_policy, mesh)
     device = _mesh_device(mesh)
     slots, params, owned_modules = _collect_params(modules, ignored)
@@ -631,7 +641,7 @@ def fully_shard(
         slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
         split_by_submodule=wraps_units,
     )
-    state = FSDPState(modules, unit, reshard, mp_policy)
+    state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))

@@ -19,9 +19,11 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   nodes run first).
 * post-forward (FORWARD -> IDLE): reshard (free the unsharded buffer) unless
   ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
-  first); a unit that keeps its buffer still registers its *sharded* parameters, so that
-  ``model.parameters()`` outside forward and backward are always the sharded ones (autograd holds
-  the unsharded tensors it saved). Hook the outputs.
+  first); with a :class:`~ragged_placement.fsdp.mesh.PostForwardMesh` (an ``int``
+  ``reshard_after_forward``) keep this rank's ``1/N`` of the gathered buffer first, which
+  backward all-gathers over the ``N``-rank group. A unit that keeps its buffer still registers
+  its *sharded* parameters, so that ``model.parameters()`` outside forward and backward are
+  always the sharded ones (autograd holds the unsharded tensors it saved). Hook the outputs.
 * pre-backward (a hook on ``u``'s outputs; -> PRE_BACKWARD, once per backward of ``u``):
   re-gather, register the unsharded parameters (a recomputed forward reads them from the module)
   and prefetch the all-gather of the unit whose backward runs next (on GPUs). The first gradient
@@ -69,6 +71,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_placement._compat import outside_selective_checkpoint
 from ragged_placement.fsdp._dynamo import dynamo_disable
+from ragged_placement.fsdp.mesh import PostForwardMesh
 from ragged_placement.fsdp.unit import FSDPUnit
 
 __all__ = ["FSDPState", "RootContext", "TrainingState"]
@@ -175,13 +178,17 @@ def _map_float_tensors(fn, tree: Any) -> Any:
 
 
 class FSDPState:
-    """The hooks and the :class:`TrainingState` of one ``fully_shard`` call."""
+    """The hooks and the :class:`TrainingState` of one ``fully_shard`` call.
+
+    ``reshard_after_forward``: ``True`` (free the unsharded parameters after forward),
+    ``False`` (keep them until backward) or a :class:`PostForwardMesh` (keep a ``1/N`` shard of
+    them over its ``N``-rank groups)."""
 
     def __init__(
         self,
         module: nn.Module | Sequence[nn.Module],
         unit: FSDPUnit,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | PostForwardMesh,
         mp_policy,
     ) -> None:
         # ``fully_shard([a, b])``: one unit, hooks on every module of the group (_first_in_pass)
@@ -195,7 +202,8 @@ class FSDPState:
         self.root: RootContext | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
-        # The unit kept a forward's all-gather for backward (root, reshard_after_forward=False)
+        # The unit kept a forward's all-gather for backward (root, reshard_after_forward=False),
+        # or its post-forward shard (an int reshard_after_forward)
         self.holds_forward_gather = False
         for m in self.modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -275,9 +283,10 @@ class FSDPState:
         return torch.is_grad_enabled() and self.training_state is not TrainingState.PRE_BACKWARD
 
     def drop_stale_gather(self) -> None:
-        """Reshard a unit still holding the all-gather of a forward no backward followed: an
-        optimizer may have stepped its sharded parameters since (in-place updates of DTensor
-        parameters leave no trace on the flat buffer's version counter)."""
+        """Reshard a unit still holding the all-gather (or the post-forward shard) of a forward
+        no backward followed: an optimizer may have stepped its sharded parameters since
+        (in-place updates of DTensor parameters leave no trace on the flat buffer's version
+        counter)."""
         if self.holds_forward_gather:
             self.unit.reshard()
             self.holds_forward_gather = False
@@ -325,9 +334,13 @@ class FSDPState:
             return self._cast_output(output)
         if self.is_root:
             self.root.end_forward()
+        raf = self.reshard_after_forward
         with outside_selective_checkpoint():
-            if (self.reshard_after_forward and not self.is_root) or not grad:
+            if not grad or (raf and not self.is_root and not isinstance(raf, PostForwardMesh)):
                 self.unit.reshard()
+            elif isinstance(raf, PostForwardMesh) and not self.is_root:
+                self.unit.reshard_post_forward(raf)  # sharded parameters registered
+                self.holds_forward_gather = True
             else:
                 # Keep the gathered buffer for backward, but expose the sharded parameters:
                 # autograd already holds the unsharded tensors it saved, and pre-backward

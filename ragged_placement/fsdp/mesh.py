@@ -22,14 +22,20 @@ plain parameter     ``(RaggedShard(dims, units), Replicate())`` in a unit that h
 HSDP prepends ``Replicate()`` for the replicate dim. For forward and backward the unsharded
 TP-local tensor is wrapped back as a DTensor on the TP mesh with its original placements, so
 tensor parallel's module hooks and DTensor ops run unchanged.
+
+With an ``int`` ``reshard_after_forward`` ``N`` a unit keeps, between forward and backward, a
+shard of its unsharded parameters over groups of ``N`` consecutive ranks of the shard dim
+(:class:`PostForwardMesh`, FSDP2's post-forward mesh), and backward all-gathers within the group.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -43,6 +49,7 @@ from ragged_placement.planner.granularity import resolve_policy
 __all__ = [
     "DataParallelMesh",
     "ParamLayout",
+    "PostForwardMesh",
     "spmd_mesh",
     "tp_policy",
     "tp_spec_of",
@@ -100,6 +107,71 @@ class DataParallelMesh:
     def placements(self, fsdp: RaggedShard) -> tuple[Placement, ...]:
         """The data-parallel placements of a parameter: ``(Replicate(),)`` for HSDP, then ``fsdp``."""
         return (Replicate(), fsdp) if self.hsdp else (fsdp,)
+
+
+# id(mesh) -> (a weak reference to the mesh, {N: this rank's N-rank post-forward group})
+_POST_FORWARD_GROUPS: dict[int, tuple[weakref.ref, dict[int, dist.ProcessGroup]]] = {}
+
+
+def _post_forward_group(mesh: DeviceMesh, size: int) -> dist.ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks of ``mesh`` (its row of
+    ``mesh.mesh.reshape(-1, size)``), created once per mesh object and size.
+
+    Only the group's members create it (``use_local_synchronization``): the groups of one
+    mesh are disjoint, and a data-parallel sub-mesh (tensor parallel beside it) is not known to
+    the ranks of its sibling sub-meshes, which create their own groups."""
+    key = id(mesh)
+    entry = _POST_FORWARD_GROUPS.get(key)
+    if entry is None or entry[0]() is not mesh:
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if _POST_FORWARD_GROUPS.get(key, (None,))[0] is ref:
+                del _POST_FORWARD_GROUPS[key]
+
+        entry = (weakref.ref(mesh, forget), {})
+        _POST_FORWARD_GROUPS[key] = entry
+    groups = entry[1]
+    if size not in groups:
+        me = dist.get_rank()
+        row = next(r for r in mesh.mesh.reshape(-1, size).tolist() if me in r)
+        groups[size] = dist.new_group(row, use_local_synchronization=True)
+    return groups[size]
+
+
+@dataclass(frozen=True)
+class PostForwardMesh:
+    """Where a unit keeps its parameters between forward and backward under an ``int``
+    ``reshard_after_forward`` ``N`` (``1 < N < W``, ``W`` the shard world size), as FSDP2's
+    post-forward mesh: groups of ``N`` consecutive ranks (rows of ``mesh.mesh.reshape(-1, N)``;
+    for HSDP the 2-D mesh flattened, so each group lies inside one replica's shard row).
+
+    The ``W`` chunks of the unit's flat buffer are coarsened into ``N`` *places*: place ``j``
+    holds the chunks of shard ranks ``j * factor`` to ``(j + 1) * factor - 1``
+    (``factor = W // N``), contiguous in every plan segment. After forward the rank at place
+    ``rank`` of its group keeps that place's part of the gathered buffer (``1/N`` of the
+    unit); backward all-gathers the ``N`` places over ``group``.
+
+    Args:
+        size: ``N``, the ranks per group.
+        rank: this rank's place in its group (its shard rank modulo ``N``).
+        factor: shard ranks per place, ``W // N``.
+        group: this rank's ``N``-rank process group (created once per mesh and ``N``).
+    """
+
+    size: int
+    rank: int
+    factor: int
+    group: dist.ProcessGroup
+
+    @staticmethod
+    def of(dp: DataParallelMesh, size: int) -> PostForwardMesh:
+        """The post-forward mesh of ``size``-rank groups of ``dp`` (``size`` divides the shard
+        world size; checked by the caller). Collective over each group the first time."""
+        world = dp.shard_size
+        if size < 1 or world % size:
+            raise ValueError(f"size={size} must divide the shard world size {world}")
+        group = _post_forward_group(dp.mesh, size)
+        return PostForwardMesh(size, dp.shard_rank % size, world // size, group)
 
 
 def tp_spec_of(fqn: str, param: torch.Tensor, dp: DataParallelMesh) -> DTensorSpec | None:

@@ -69,6 +69,13 @@ With ``quant`` (block-wise FP8, :mod:`ragged_placement.fsdp.fp8`) a unit holding
 replaces the cast by quantizing its own blocks into a uint8 send buffer, and ``unsharded`` is the
 uint8 all-gather output (FP8 bytes, block scales and the other parameters in ``P``); the
 gradient buffers are unchanged.
+
+With an ``int`` ``reshard_after_forward`` ``N`` (:class:`~ragged_placement.fsdp.mesh.PostForwardMesh`)
+post-forward keeps ``post_forward_shard``: this rank's ``1/N`` of the gathered buffer (the
+chunks of ``W // N`` consecutive shard ranks, contiguous in every plan segment: the plan's
+segments coarsened, :meth:`FSDPUnit.post_forward_segments`), copied out once before
+``unsharded`` is freed; backward's all-gather runs over the ``N``-rank group from it, into
+``unsharded`` as before, and frees it.
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -90,6 +97,7 @@ from ragged_placement.fsdp.fp8 import FP8UnitGather, fp8_granularity, is_fp8_wei
 from ragged_placement.fsdp.mesh import (
     DataParallelMesh,
     ParamLayout,
+    PostForwardMesh,
     spmd_mesh,
     tp_policy,
     tp_spec_of,
@@ -123,7 +131,11 @@ class ParamSlot:
 
 @dataclass
 class CommStats:
-    """Per-unit counters of collectives issued and bytes moved (this rank's send + receive view)."""
+    """Per-unit counters of collectives issued and bytes moved (this rank's send + receive view).
+
+    ``all_gathers`` / ``all_gather_bytes`` count every all-gather (bytes: its output, the unit's
+    gathered buffer); the ``post_forward_`` ones count those of them that ran over the
+    post-forward group (an ``int`` ``reshard_after_forward``) instead of the shard group."""
 
     all_gathers: int = 0
     reduce_scatters: int = 0
@@ -131,10 +143,12 @@ class CommStats:
     all_gather_bytes: int = 0
     reduce_scatter_bytes: int = 0
     all_reduce_bytes: int = 0
+    post_forward_all_gathers: int = 0
+    post_forward_all_gather_bytes: int = 0
 
     def reset(self) -> None:
-        self.all_gathers = self.reduce_scatters = self.all_reduces = 0
-        self.all_gather_bytes = self.reduce_scatter_bytes = self.all_reduce_bytes = 0
+        for f in fields(self):
+            setattr(self, f.name, 0)
 
 
 class UnitState(enum.Enum):
@@ -397,6 +411,10 @@ class FSDPUnit:
         self.state = UnitState.SHARDED
         self._ag_work: dist.Work | None = None
         self._ag_send: torch.Tensor | None = None
+        # Between forward and backward under an int reshard_after_forward: this rank's place
+        # of the gathered buffer and the mesh it was kept for (see reshard_post_forward).
+        self.post_forward_shard: torch.Tensor | None = None
+        self._post_forward: PostForwardMesh | None = None
         # Gradient buffers, one per plan segment, each allocated at the first gradient that
         # reaches one of its parameters (see prepare_grads).
         n_segments = len(self.plan.segments) if self.slots else 0
@@ -640,23 +658,37 @@ class FSDPUnit:
                 f"meta device: materialize the model with model.to_empty(device=...) and "
                 f"initialize it (init_weights() / reset_parameters()) before the first forward"
             )
+        pf = self._post_forward if self.post_forward_shard is not None else None
         if self.fp8 is not None:
             self.fp8.allocate()
+        else:
+            self._storage.resize_(self._storage_nbytes)
+        if pf is not None:
+            send = self.post_forward_shard
+        elif self.fp8 is not None:
             send = self.fp8.pack(self.rank, self.sharded)  # own blocks -> FP8 + scales, no comm
         elif self.param_dtype == self.orig_dtype:
-            self._storage.resize_(self._storage_nbytes)
             send = self.sharded
         else:
-            self._storage.resize_(self._storage_nbytes)
             send = self.sharded.to(self.param_dtype)  # the mixed-precision cast: the only copy
         self._ag_send = send
+        nbytes = self.unsharded.numel() * self.unsharded.element_size()
         self.stats.all_gathers += 1
-        self.stats.all_gather_bytes += self.unsharded.numel() * self.unsharded.element_size()
+        self.stats.all_gather_bytes += nbytes
+        group = self.group if pf is None else pf.group
+        if pf is not None:
+            self.stats.post_forward_all_gathers += 1
+            self.stats.post_forward_all_gather_bytes += nbytes
         if self.fp8 is not None:
-            self._ag_work = all_gather_single(self.unsharded, send, group=self.group, async_op=True)
+            self._ag_work = all_gather_single(self.unsharded, send, group=group, async_op=True)
+        elif pf is None:
+            self._ag_work = all_gather_segments(
+                self.unsharded, send, self.plan.segments, self.world_size, group=group, async_op=True
+            )
         else:
             self._ag_work = all_gather_segments(
-                self.unsharded, send, self.plan.segments, self.world_size, group=self.group, async_op=True
+                self.unsharded, send, self.post_forward_segments(pf), pf.size, group=group,
+                async_op=True,
             )
         self.state = UnitState.UNSHARDING
         if not async_op:
@@ -669,12 +701,14 @@ class FSDPUnit:
             self._ag_work.wait()
             self._ag_work = None
             self._ag_send = None
+            self.post_forward_shard = None  # gathered from, if it was kept: free it
             if self.fp8 is not None:
                 self.fp8.assemble()
             self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
-        """Register the sharded parameters and free the unsharded buffer's storage."""
+        """Register the sharded parameters and free the unsharded buffer's storage (and a
+        post-forward shard)."""
         self.wait_unshard()
         self.register(sharded=True)
         if self.state is UnitState.UNSHARDED:
@@ -683,6 +717,49 @@ class FSDPUnit:
             else:
                 self._storage.resize_(0)
             self.state = UnitState.SHARDED
+        self.post_forward_shard = None
+
+    # -- reshard after forward to a smaller group (an int reshard_after_forward) ---------------
+    def post_forward_segments(self, pf: PostForwardMesh) -> list:
+        """The plan's segments coarsened to ``pf``'s ``N`` places: place ``j`` owns, in each
+        segment, the chunks of shard ranks ``j * factor`` to ``(j + 1) * factor - 1`` (equal:
+        ``factor * chunk_numel`` elements; uneven: ``rank_starts[::factor]``), at
+        ``chunk_offset`` in :attr:`post_forward_shard`."""
+        out, offset = [], 0
+        for seg in self.plan.segments:
+            if seg.rank_starts is None:
+                starts, numel = None, seg.chunk_numel * pf.factor
+            else:
+                starts = seg.rank_starts[:: pf.factor]
+                numel = max(b - a for a, b in zip(starts, starts[1:]))
+            out.append(replace(seg, chunk_offset=offset, chunk_numel=numel, rank_starts=starts))
+            offset += numel
+        return out
+
+    def reshard_post_forward(self, pf: PostForwardMesh) -> None:
+        """Keep this rank's place of the gathered unit (``1/N`` of it, one copy) in
+        :attr:`post_forward_shard`, then :meth:`reshard`; the next :meth:`unshard` all-gathers
+        over ``pf.group`` from it (FSDP2's ``to_sharded_post_forward``). A unit that is not
+        unsharded only reshards."""
+        self.wait_unshard()
+        if self.state is not UnitState.UNSHARDED or not self.slots:
+            self.reshard()
+            return
+        if self.fp8 is not None:  # the gathered send buffers, rank-major: places are contiguous
+            n = self.fp8.send_nbytes * pf.factor
+            kept = self.unsharded[pf.rank * n : (pf.rank + 1) * n].clone()
+        else:
+            segments = self.post_forward_segments(pf)
+            kept = torch.empty(
+                sum(s.chunk_numel for s in segments), dtype=self.param_dtype, device=self.device
+            )
+            for seg in segments:
+                lo, hi = seg.rank_range(pf.rank)
+                kept[seg.chunk_offset : seg.chunk_offset + hi - lo].copy_(
+                    self.unsharded[seg.buffer_offset + lo : seg.buffer_offset + hi]
+                )
+        self.reshard()
+        self.post_forward_shard, self._post_forward = kept, pf
 
     # -- gradients -------------------------------------------------------------------------------
     def release_dropped_grads(self) -> None:
@@ -934,6 +1011,10 @@ class MultiDtypeUnit:
     def reshard(self) -> None:
         for p in self.parts:
             p.reshard()
+
+    def reshard_post_forward(self, pf: PostForwardMesh) -> None:
+        for p in self.parts:
+            p.reshard_post_forward(pf)
 
     def release_dropped_grads(self) -> None:
         for p in self.parts:
