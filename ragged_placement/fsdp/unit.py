@@ -31,6 +31,12 @@ With mixed precision the sharded chunk is cast into a ``[S]`` send buffer in ``P
 all-gather and the gradient buffer is cast to ``R`` before the reduce-scatter: those casts are the
 only element-wise passes besides the collectives.
 
+With CPU offload (``CPUOffloadPolicy``, as FSDP2) ``sharded`` and ``sharded_grad`` live on
+``offload_device`` (CPU, pinned if asked) and the rest on the mesh's device ``device``: the chunk
+is copied host-to-device into the send buffer (with the cast, one ``copy_``) before each
+all-gather, and the averaged reduction is copied device-to-host into the sharded gradient. The
+copies are made even where both devices are the CPU, so that CPU runs take the CUDA code path.
+
 Parameters of several dtypes (fp32 norms next to bf16 matrices; FSDP2 refuses such a unit at
 its first forward) make a :class:`MultiDtypeUnit` (:func:`build_unit`): one unit as above per
 dtype, each zero-copy in its own dtype, driven together; it issues one all-gather and one
