@@ -7,8 +7,8 @@ copies a CUDA run makes (its ``CommStats`` counts them). One world of 4 real glo
 training (the module-scoped ``runs`` fixture): ours and torch FSDP2 with
 ``CPUOffloadPolicy(pin_memory=False)`` against the one-process reference in fp32 (1e-5), the
 same with ``MixedPrecisionPolicy(bf16, fp32)`` against FSDP2 (within 1e-4; measured bitwise
-equal) and bitwise against ours without offload, and a meta-device build materialized with
-``to_empty(device="cpu")``.
+equal) and bitwise against ours without offload, HSDP on a 2x2 mesh, and a meta-device build
+materialized with ``to_empty(device="cpu")``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_gloo, run_threaded
 from test_fsdp_surface import BATCH, INIT, STEPS, TOL, X, Y, Net, _full, _net, _reference
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp import fully_shard
+from ragged_placement.quant import BlockFP8Config
 
 WORLD = 4
 OFFLOAD = CPUOffloadPolicy(pin_memory=False)
@@ -71,10 +73,14 @@ def _check_step(m: Net) -> None:
 
 
 def _train(rank: int, ws: int, runtime: str, offload: OffloadPolicy,
-           mp: MixedPrecisionPolicy = MixedPrecisionPolicy(), meta: bool = False):
+           mp: MixedPrecisionPolicy = MixedPrecisionPolicy(), meta: bool = False,
+           hsdp: bool = False):
     """``STEPS`` AdamW steps on this rank's part of the batch: the global losses and the full
-    parameters."""
-    mesh = DeviceMesh("cpu", list(range(ws)))
+    parameters. ``hsdp``: a ``(2, ws // 2)`` (replicate, shard) mesh."""
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = DeviceMesh("cpu", list(range(ws)))
     m = _build(runtime, mesh, offload, mp, meta)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     per = BATCH // ws
@@ -107,6 +113,8 @@ RUNS = {
     "fsdp2_bf16": ("fsdp2", OFFLOAD, BF16),
     "ours_bf16_no_offload": ("ours", OffloadPolicy(), BF16),
     "ours_meta": ("ours", OFFLOAD, MixedPrecisionPolicy(), True),
+    "ours_hsdp": ("ours", OFFLOAD, MixedPrecisionPolicy(), False, True),
+    "fsdp2_hsdp": ("fsdp2", OFFLOAD, MixedPrecisionPolicy(), False, True),
 }
 
 
@@ -147,6 +155,13 @@ def test_cpu_offload_with_bf16_mixed_precision_trains_as_fsdp2(runs):
         assert torch.equal(v, runs["ours_bf16_no_offload"][1][k]), k
 
 
+def test_cpu_offload_hsdp_trains_as_the_reference_and_fsdp2(runs):
+    """The D2H copy follows the all-reduce over the replicas and the averaging."""
+    ref = _reference()
+    _assert_matches(runs["ours_hsdp"], ref, "ours hsdp")
+    _assert_matches(runs["fsdp2_hsdp"], ref, "fsdp2 hsdp")
+
+
 def test_cpu_offload_meta_device_init_with_to_empty_cpu(runs):
     _assert_matches(runs["ours_meta"], _reference(), "meta")
 
@@ -176,6 +191,37 @@ def _bad_input(rank: int, ws: int):
 
 def test_cpu_offload_bad_input_and_moves():
     assert all(run_threaded(_bad_input, 2))
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(0)
+    FP8_INIT = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 128)).state_dict()
+
+
+def _fp8_train(rank: int, ws: int, offload: OffloadPolicy):
+    """3 AdamW steps of a block-FP8 unit (the chunk staged to the device, then quantized)."""
+    m = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 128))
+    m.load_state_dict(FP8_INIT)
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    fully_shard(m, mesh=mesh, quant=BlockFP8Config(block=(128, 128)), offload_policy=offload)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        loss = m(torch.randn(4, 256, generator=gen)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, m.fsdp_unit.stats.h2d_copies, m.fsdp_unit.sharded.device.type
+
+
+def test_cpu_offload_fp8_unit_trains_as_without_offload():
+    offloaded = run_threaded(_fp8_train, 2, OFFLOAD)
+    plain = run_threaded(_fp8_train, 2, OffloadPolicy())
+    assert [r[0] for r in offloaded] == [r[0] for r in plain]  # bitwise
+    assert [r[1:] for r in offloaded] == [(3, "cpu")] * 2  # the root gathers once a step
+    assert [r[1] for r in plain] == [0, 0]
 
 
 if __name__ == "__main__":
