@@ -102,7 +102,7 @@ def main() -> None:
     rows += [(f"fully_shard x {args.world} ranks, {m}", sharded[m]) for m in ("bf16", "fp8")]
     ref = {"one process": rows[1][1], "fully_shard": rows[3][1]}
     print(f"{args.steps} steps; validation loss (ln 256 = 5.545 at initialization)\n")
-    print(f"| run | validation loss | vs bf16 |\n|---|---|---|")
+    print("| run | validation loss | vs bf16 |\n|---|---|---|")
     for label, loss in rows:
         bf16 = ref[label.split(",")[0].split(" x ")[0]]
         print(f"| {label} | {loss:.4f} | {(loss - bf16) / bf16:+.2%} |")

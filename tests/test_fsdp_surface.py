@@ -663,9 +663,14 @@ def test_shard_placement_fn_other_dims_raise_naming_the_parameter():
 
 def _surface_checks(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
-    # CPUOffloadPolicy on a cpu mesh: parameters, gradients and optimizer state are on CPU
-    m = fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy())
+    # CPUOffloadPolicy: the sharded chunk on CPU, staged through the mesh's device (see
+    # tests/test_fsdp_offload.py); pinned memory needs an accelerator, as in FSDP2
+    m = fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     assert isinstance(m, FSDPModule) and not isinstance(m, TorchFSDPModule)
+    assert m.fsdp_unit.offload_device == torch.device("cpu")
+    if not torch.accelerator.is_available():
+        with pytest.raises(ValueError, match="pin_memory=True needs an accelerator"):
+            fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy())
     fully_shard(_net(), mesh=mesh, offload_policy=OffloadPolicy())
     with pytest.raises(ValueError, match="offload_policy must be"):
         fully_shard(_net(), mesh=mesh, offload_policy="cpu")

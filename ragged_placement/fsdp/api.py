@@ -133,6 +133,7 @@ class FSDPModule:
                 if unit.has_unsharded_grads:
                     unit.reduce_grads()
                     unit.finish_reduce(scale=float(scale))
+                    unit.wait_offload_copies()
 
     def set_reshard_after_forward(
         self, reshard_after_forward: bool | int | None, *, recurse: bool = True
@@ -402,17 +403,26 @@ def _reshard_setting(value: object, unit) -> bool | PostForwardMesh:
     return PostForwardMesh.of(unit.dp, resolved)
 
 
-def _check_offload_policy(offload_policy: object, mesh: DeviceMesh) -> None:
+def _check_offload_policy(offload_policy: object) -> CPUOffloadPolicy | None:
+    """The ``CPUOffloadPolicy`` to honour, or ``None`` for ``OffloadPolicy()`` (no offload).
+
+    ``pin_memory=True`` needs an accelerator (pinned host memory is allocated through its
+    driver): without one torch's allocator raises ``RuntimeError``, as does FSDP2's
+    ``fully_shard`` with this policy; here it is a ``ValueError`` naming the argument."""
     if not isinstance(offload_policy, OffloadPolicy):
         raise ValueError(
             f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got {offload_policy!r}"
         )
-    if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
-        raise NotImplementedError(
-            f"offload_policy={offload_policy!r} on a {mesh.device_type} mesh: this runtime does "
-            f"not offload sharded parameters to CPU yet; use OffloadPolicy() (no offload) or a "
-            f"cpu mesh"
+    if not isinstance(offload_policy, CPUOffloadPolicy):
+        return None
+    _check_bool("offload_policy.pin_memory", offload_policy.pin_memory)
+    if offload_policy.pin_memory and not torch.accelerator.is_available():
+        raise ValueError(
+            f"offload_policy={offload_policy!r}: pin_memory=True needs an accelerator (pinned "
+            f"host memory is allocated through its driver) and none is available; pass "
+            f"CPUOffloadPolicy(pin_memory=False)"
         )
+    return offload_policy
 
 
 def _torch_fsdp_error(root: nn.Module, path: str, child: nn.Module) -> ValueError:
@@ -590,10 +600,18 @@ def fully_shard(
             dtype), ``reduce_dtype`` that of the gradient reduce-scatter (default
             ``param_dtype``), ``output_dtype`` casts floating outputs, ``cast_forward_inputs``
             casts floating inputs to ``param_dtype``.
-        offload_policy: torch's :class:`~torch.distributed.fsdp.OffloadPolicy` (no offload).
-            :class:`~torch.distributed.fsdp.CPUOffloadPolicy` is honoured on a ``cpu`` mesh,
-            where sharded parameters, gradients and optimizer states already live on CPU; on
-            other meshes it raises ``NotImplementedError``.
+        offload_policy: torch's :class:`~torch.distributed.fsdp.OffloadPolicy` (no offload)
+            or :class:`~torch.distributed.fsdp.CPUOffloadPolicy`, as FSDP2: the unit's sharded
+            chunk and sharded gradient live on CPU (pinned with ``pin_memory=True``, which
+            needs an accelerator, else ``ValueError``), so each sharded parameter is a DTensor
+            on ``mesh`` whose local tensor is on CPU and the optimizer steps on CPU. Before
+            each all-gather the chunk is copied host-to-device into the send buffer (with the
+            ``param_dtype`` cast); the all-gather output and the unsharded parameters stay on
+            the mesh's device; the averaged reduce-scatter (and HSDP all-reduce) output is
+            copied device-to-host into the sharded gradient. Moving the module to another
+            device than CPU afterwards (``to("cuda")``, ``to_empty(device="cuda")``) raises
+            ``ValueError`` (FSDP2 raises at the first forward); materialize a meta-device model
+            with ``to_empty(device="cpu")``. See ``docs/fsdp.md``.
         ignored_params: parameters left unsharded and unmanaged, as FSDP2: not planned, not
             moved to the mesh's device, their gradients not reduced (each rank keeps its own).
         granularity: the planner's policy: ``None``, a callable ``(name, shape) -> Granularity``
@@ -619,7 +637,7 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh()
     dp = DataParallelMesh.of(mesh)
     _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # checked before building
-    _check_offload_policy(offload_policy, mesh)
+    offload = _check_offload_policy(offload_policy)
     device = _mesh_device(mesh)
     slots, params, owned_modules = _collect_params(modules, ignored)
     _check_shard_placements(shard_placement_fn, slots, params, granularity)
@@ -632,14 +650,15 @@ def fully_shard(
         for k, b in m._buffers.items():
             if b is not None and b.device != device and not b.is_meta:
                 m._buffers[k] = b.to(device)
-    if params and any(p.device != device and not p.is_meta for p in params):
+    # Under CPU offload the unit copies each rank's run straight into its CPU chunk.
+    if offload is None and params and any(p.device != device and not p.is_meta for p in params):
         params = [p if p.is_meta else p.to(device) for p in params]
     wraps_units = any(
         isinstance(sub, FSDPModule) for m in modules for sub in m.modules() if sub is not m
     )
     unit = build_unit(
         slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
-        split_by_submodule=wraps_units,
+        split_by_submodule=wraps_units, offload_policy=offload,
     )
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
     for m in modules:

@@ -407,4 +407,6 @@ class FSDPState:
             s.post_backward()
             s.training_state = TrainingState.IDLE
         ctx.finish_pending_reduce()
+        for s in ctx.states:  # CPU offload: the optimizer reads the host gradients next
+            s.unit.wait_offload_copies()
         ctx.callback_queued = False

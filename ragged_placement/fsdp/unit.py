@@ -31,6 +31,12 @@ With mixed precision the sharded chunk is cast into a ``[S]`` send buffer in ``P
 all-gather and the gradient buffer is cast to ``R`` before the reduce-scatter: those casts are the
 only element-wise passes besides the collectives.
 
+With CPU offload (``CPUOffloadPolicy``, as FSDP2) ``sharded`` and ``sharded_grad`` live on
+``offload_device`` (CPU, pinned if asked) and the rest on the mesh's device ``device``: the chunk
+is copied host-to-device into the send buffer (with the cast, one ``copy_``) before each
+all-gather, and the averaged reduction is copied device-to-host into the sharded gradient. The
+copies are made even where both devices are the CPU, so that CPU runs take the CUDA code path.
+
 Parameters of several dtypes (fp32 norms next to bf16 matrices; FSDP2 refuses such a unit at
 its first forward) make a :class:`MultiDtypeUnit` (:func:`build_unit`): one unit as above per
 dtype, each zero-copy in its own dtype, driven together; it issues one all-gather and one
@@ -89,6 +95,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
@@ -135,7 +142,9 @@ class CommStats:
 
     ``all_gathers`` / ``all_gather_bytes`` count every all-gather (bytes: its output, the unit's
     gathered buffer); the ``post_forward_`` ones count those of them that ran over the
-    post-forward group (an ``int`` ``reshard_after_forward``) instead of the shard group."""
+    post-forward group (an ``int`` ``reshard_after_forward``) instead of the shard group. The
+    ``h2d_`` / ``d2h_`` ones count the CPU-offload staging copies: host-to-device before each
+    all-gather, device-to-host after each reduction (zero without offload)."""
 
     all_gathers: int = 0
     reduce_scatters: int = 0
@@ -145,6 +154,10 @@ class CommStats:
     all_reduce_bytes: int = 0
     post_forward_all_gathers: int = 0
     post_forward_all_gather_bytes: int = 0
+    h2d_copies: int = 0
+    d2h_copies: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
 
     def reset(self) -> None:
         for f in fields(self):
@@ -321,6 +334,11 @@ class FSDPUnit:
         quant: block-wise FP8 for the weights of the unit's ``FP8Linear`` modules (planned at
             block granularity, all-gathered as FP8 + scales); ``None`` for none.
         split_by_submodule: prefer one plan segment per direct submodule (see :func:`plan_unit`).
+        offload_policy: a :class:`~torch.distributed.fsdp.CPUOffloadPolicy` keeps ``sharded``
+            and ``sharded_grad`` on :attr:`offload_device` (CPU; pinned with ``pin_memory``)
+            and stages them through the compute device :attr:`device` (see
+            :meth:`_copy_to_device`, :meth:`_copy_to_host`); ``None`` or a plain
+            ``OffloadPolicy``: no offload.
     """
 
     def __init__(
@@ -333,8 +351,13 @@ class FSDPUnit:
         granularity,
         quant=None,
         split_by_submodule: bool = False,
+        offload_policy=None,
     ) -> None:
         self.dp = DataParallelMesh.of(mesh)
+        # CPU offload: where ``sharded`` / ``sharded_grad`` live (None: on ``device``)
+        offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self.offload_device = torch.device("cpu") if offload else None
+        self.pin_memory = offload and offload_policy.pin_memory
         self.slots = slots
         self.mesh = mesh
         self.group = self.dp.shard_group
@@ -397,16 +420,20 @@ class FSDPUnit:
     def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the flat buffers for parameters in ``dtype`` on ``device``: the zeroed
         ``[S]`` sharded chunk and the unsharded (all-gather output) buffer with its storage
-        freed. On the meta device nothing is allocated. Gradients and the binding of the
-        parameters are left to the caller (:meth:`bind`)."""
-        self.device = torch.device(device)
+        freed. On the meta device nothing is allocated. With CPU offload the sharded chunk is
+        on :attr:`offload_device` (pinned if asked) and the unsharded buffer on the mesh's
+        device, whatever ``device`` is but meta. Gradients and the binding of the parameters
+        are left to the caller (:meth:`bind`)."""
+        device = torch.device(device)
+        offloaded = self.offload_device is not None and device.type != "meta"
+        self.device = _mesh_device(self.mesh) if offloaded else device  # the compute device
         self.orig_dtype = dtype
         param_dtype, reduce_dtype = self._mp_dtypes
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         # The unsharded parameters never live on the meta device: they keep their hooks only
         # through moves between devices of one tensor type (see _rebind).
-        self.sharded = torch.zeros(self.chunk_numel, dtype=dtype, device=self.device)
+        self.sharded = self._new_sharded(dtype)
         self._allocate_unsharded(self.device)
         self.state = UnitState.SHARDED
         self._ag_work: dist.Work | None = None
@@ -415,6 +442,10 @@ class FSDPUnit:
         # of the gathered buffer and the mesh it was kept for (see reshard_post_forward).
         self.post_forward_shard: torch.Tensor | None = None
         self._post_forward: PostForwardMesh | None = None
+        # CUDA offload with pinned memory: the last asynchronous staging copies (see
+        # wait_offload_copies)
+        self._h2d_event: torch.Event | None = None
+        self._d2h_event: torch.Event | None = None
         # Gradient buffers, one per plan segment, each allocated at the first gradient that
         # reaches one of its parameters (see prepare_grads).
         n_segments = len(self.plan.segments) if self.slots else 0
@@ -423,6 +454,22 @@ class FSDPUnit:
         self._rs_work: dist.Work | None = None
         self._rs_input: list[torch.Tensor] | None = None
         self._rs_output: torch.Tensor | None = None
+
+    @property
+    def sharded_device(self) -> torch.device:
+        """Where ``sharded`` and ``sharded_grad`` live: :attr:`offload_device` under CPU
+        offload (unless on the meta device), else the compute device :attr:`device`."""
+        if self.offload_device is None or self.device.type == "meta":
+            return self.device
+        return self.offload_device
+
+    def _new_sharded(self, dtype: torch.dtype, *, zero: bool = True) -> torch.Tensor:
+        """A new ``[S]`` buffer for the sharded chunk or gradient on :attr:`sharded_device`,
+        in pinned memory under ``CPUOffloadPolicy(pin_memory=True)``."""
+        device = self.sharded_device
+        pin = self.pin_memory and device.type == "cpu"
+        new = torch.zeros if zero else torch.empty
+        return new(self.chunk_numel, dtype=dtype, device=device, pin_memory=pin)
 
     def _allocate_unsharded(self, device: torch.device) -> None:
         """The all-gather output on ``device`` in ``param_dtype``, its storage freed; kept as
@@ -611,6 +658,16 @@ class FSDPUnit:
                 f"cannot cast the FP8 unit holding {fp8[0]} to {dtype}: the parameters it "
                 f"all-gathers next to the FP8 weights must be float32, bfloat16 or float16"
             )
+        if self.offload_device is not None:
+            if device.type not in (self.offload_device.type, "meta"):
+                raise ValueError(
+                    f"cannot move parameter {fqn} of a fully_shard unit to {device}: the unit "
+                    f"offloads its sharded parameters (offload_policy=CPUOffloadPolicy()), so "
+                    f"they stay on {self.offload_device} and are copied to the mesh's "
+                    f"{self.mesh.device_type} device for each all-gather; materialize a "
+                    f"meta-device model with to_empty(device='cpu') (as FSDP2 requires)"
+                )
+            return
         if device.type not in (self.mesh.device_type, "meta"):
             raise ValueError(
                 f"cannot move parameter {fqn} of a fully_shard unit to {device}: its mesh is on "
@@ -637,7 +694,7 @@ class FSDPUnit:
         """Copy gradients mapped by :meth:`apply_` into a new flat sharded gradient."""
         if all(g is None for g in grads):
             return
-        self.sharded_grad = torch.zeros(self.chunk_numel, dtype=self.orig_dtype, device=self.device)
+        self.sharded_grad = self._new_sharded(self.orig_dtype)
         views = self.plan.local_views(self.sharded_grad, self.rank)
         for slot, spec, p, g in zip(self.slots, self.specs, self.sharded_params, grads):
             if g is None:
@@ -666,7 +723,12 @@ class FSDPUnit:
         if pf is not None:
             send = self.post_forward_shard
         elif self.fp8 is not None:
-            send = self.fp8.pack(self.rank, self.sharded)  # own blocks -> FP8 + scales, no comm
+            own = self.sharded
+            if self.offload_device is not None:
+                own = self._copy_to_device(self.orig_dtype)
+            send = self.fp8.pack(self.rank, own)  # own blocks -> FP8 + scales, no comm
+        elif self.offload_device is not None:
+            send = self._copy_to_device(self.param_dtype)  # with the mixed-precision cast
         elif self.param_dtype == self.orig_dtype:
             send = self.sharded
         else:
@@ -694,6 +756,55 @@ class FSDPUnit:
         if not async_op:
             self.wait_unshard()
 
+    def _copy_to_device(self, dtype: torch.dtype) -> torch.Tensor:
+        """CPU offload's host-to-device staging: the sharded chunk copied into a new ``[S]``
+        buffer on the compute device in ``dtype`` (the mixed-precision cast, if any, in the
+        same ``copy_``). The copy is always made, also where both devices are the CPU.
+
+        From pinned memory to an accelerator it is asynchronous (``non_blocking``): it is
+        ordered before the all-gather on the current stream, and :meth:`reshard` (and
+        :meth:`wait_offload_copies`) block the host on its event before the host chunk can be
+        written (optimizer step, load, init)."""
+        send = torch.empty(self.chunk_numel, dtype=dtype, device=self.device)
+        non_blocking = self._async_copies
+        send.copy_(self.sharded, non_blocking=non_blocking)
+        if non_blocking:
+            self._h2d_event = _recorded_event(self.device)
+        self.stats.h2d_copies += 1
+        self.stats.h2d_bytes += self.sharded.numel() * self.sharded.element_size()
+        return send
+
+    def _copy_to_host(self, reduced: torch.Tensor, *, landing: bool) -> torch.Tensor:
+        """CPU offload's device-to-host staging: the reduced gradient chunk (averaged, in the
+        parameters' dtype) copied into a new ``[S]`` buffer on :attr:`offload_device`.
+
+        Asynchronous from an accelerator into pinned memory only where it lands as a new
+        gradient (``landing``), as FSDP2: a gradient added to an existing one is read by the
+        host right away. :meth:`wait_offload_copies` (called at the end of backward and of
+        ``reduce_gradients``) blocks the host on its event before the optimizer can read it."""
+        host = self._new_sharded(reduced.dtype, zero=False)
+        non_blocking = self._async_copies and landing
+        host.copy_(reduced, non_blocking=non_blocking)
+        if non_blocking:
+            self._d2h_event = _recorded_event(self.device)
+        self.stats.d2h_copies += 1
+        self.stats.d2h_bytes += host.numel() * host.element_size()
+        return host
+
+    @property
+    def _async_copies(self) -> bool:
+        """Whether the staging copies are asynchronous: pinned host memory and an accelerator."""
+        return self.pin_memory and self.device.type != "cpu"
+
+    def wait_offload_copies(self) -> None:
+        """Block the host until this unit's asynchronous staging copies are complete (CUDA
+        with pinned memory; nothing to wait for otherwise): afterwards the host may write the
+        sharded chunk and read the sharded gradient."""
+        for event in (self._h2d_event, self._d2h_event):
+            if event is not None:
+                event.synchronize()
+        self._h2d_event = self._d2h_event = None
+
     def wait_unshard(self) -> None:
         """Wait for an issued all-gather; afterwards the unsharded parameters hold the full values."""
         if self.state is UnitState.UNSHARDING:
@@ -710,6 +821,9 @@ class FSDPUnit:
         """Register the sharded parameters and free the unsharded buffer's storage (and a
         post-forward shard)."""
         self.wait_unshard()
+        if self._h2d_event is not None:  # the host may write the chunk once it is sharded
+            self._h2d_event.synchronize()
+            self._h2d_event = None
         self.register(sharded=True)
         if self.state is UnitState.UNSHARDED:
             if self.fp8 is not None:
@@ -844,6 +958,8 @@ class FSDPUnit:
         if out.dtype != self.orig_dtype:
             out = out.to(self.orig_dtype)
         self.release_dropped_grads()
+        if self.offload_device is not None:
+            out = self._copy_to_host(out, landing=self.sharded_grad is None)
         if self.sharded_grad is None:
             self.sharded_grad = out
             views = self.plan.local_views(out, self.rank)
@@ -864,6 +980,13 @@ class FSDPUnit:
                 p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
             else:
                 p.grad._local_tensor.add_(views[slot.fqn])
+
+
+def _recorded_event(device: torch.device) -> torch.Event:
+    """An event recorded on ``device``'s current stream."""
+    event = torch.Event(device=device)
+    event.record()
+    return event
 
 
 def _checked_result(out: object, before: DTensor, fqn: str, what: str) -> DTensor:
@@ -897,10 +1020,11 @@ def build_unit(
     granularity,
     quant=None,
     split_by_submodule: bool = False,
+    offload_policy=None,
 ) -> FSDPUnit | MultiDtypeUnit:
     """The unit of one ``fully_shard`` call (arguments as :class:`FSDPUnit`'s): an
     :class:`FSDPUnit`, or a :class:`MultiDtypeUnit` when the parameters have several dtypes."""
-    args = (mesh, param_dtype, reduce_dtype, granularity, quant, split_by_submodule)
+    args = (mesh, param_dtype, reduce_dtype, granularity, quant, split_by_submodule, offload_policy)
     if len({p.dtype for p in params}) <= 1:
         return FSDPUnit(slots, params, *args)
     if quant is not None:
@@ -935,7 +1059,7 @@ class MultiDtypeUnit:
     """
 
     def __init__(self, slots, params, mesh, param_dtype, reduce_dtype, granularity, quant,
-                 split_by_submodule) -> None:
+                 split_by_submodule, offload_policy=None) -> None:
         groups: dict[torch.dtype, list[int]] = {}
         for i, p in enumerate(params):
             groups.setdefault(p.dtype, []).append(i)
@@ -943,7 +1067,7 @@ class MultiDtypeUnit:
         self.parts = [
             FSDPUnit(
                 [slots[i] for i in idx], [params[i] for i in idx], mesh, param_dtype,
-                reduce_dtype, granularity, quant, split_by_submodule,
+                reduce_dtype, granularity, quant, split_by_submodule, offload_policy,
             )
             for idx in groups.values()
         ]
@@ -1032,6 +1156,10 @@ class MultiDtypeUnit:
     def finish_reduce(self, scale: float = 1.0) -> None:
         for p in self.parts:
             p.finish_reduce(scale)
+
+    def wait_offload_copies(self) -> None:
+        for p in self.parts:
+            p.wait_offload_copies()
 
     @contextlib.contextmanager
     def unregistered(self) -> Iterator[None]:
