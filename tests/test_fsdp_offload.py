@@ -226,3 +226,57 @@ def test_cpu_offload_fp8_unit_trains_as_without_offload():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+class _FakeEvent:
+    """Stands for a CUDA event of an asynchronous staging copy (CPU-only torch has none)."""
+
+    log: list[_FakeEvent] = []
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.synchronized = kind, False
+        _FakeEvent.log.append(self)
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+
+def _async_staging_is_waited_for(rank: int, ws: int) -> dict[str, bool]:
+    """With the staging copies asynchronous (pinned memory on a GPU; here forced on CPU with
+    fake events), every copy is waited for before the host can write the chunk or read the
+    gradient: after a forward that keeps the root's gather, and after backward."""
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    m = _build("ours", mesh, OFFLOAD, MixedPrecisionPolicy(), meta=False)
+    x, y = X[0, rank * 2 : rank * 2 + 2], Y[0, rank * 2 : rank * 2 + 2]
+    mine = lambda: [e for e in _FakeEvent.log if e.rank == rank]  # noqa: E731
+    m(x).sum()  # a forward no backward follows: the root keeps its gather
+    forward = mine()
+    forward_waited = bool(forward) and all(e.synchronized for e in forward)  # checked now
+    F.mse_loss(m(x), y).backward()
+    backward = mine()[len(forward):]
+    return {
+        "forward": forward_waited,
+        "backward": {e.kind for e in backward} == {"h2d", "d2h"}
+        and all(e.synchronized for e in backward),
+    }
+
+
+def test_cpu_offload_async_staging_copies_are_waited_for_before_the_host_uses_them(monkeypatch):
+    import inspect
+
+    import torch.distributed as dist
+
+    from ragged_placement.fsdp import unit as unit_module
+
+    def recorded(device):
+        caller = inspect.stack()[1].function  # _copy_to_device or _copy_to_host
+        event = _FakeEvent("h2d" if caller == "_copy_to_device" else "d2h")
+        event.rank = dist.get_rank()
+        return event
+
+    # patched once for both rank threads (a per-thread patch of a class would race)
+    monkeypatch.setattr(unit_module.FSDPUnit, "_async_copies", property(lambda self: True))
+    monkeypatch.setattr(unit_module, "_recorded_event", recorded)
+    _FakeEvent.log.clear()
+    for result in run_threaded(_async_staging_is_waited_for, 2):
+        assert result == {"forward": True, "backward": True}

@@ -345,7 +345,7 @@ class FSDPState:
                 # Keep the gathered buffer for backward, but expose the sharded parameters:
                 # autograd already holds the unsharded tensors it saved, and pre-backward
                 # registers them again for a recomputation.
-                self.unit.register(sharded=True)
+                self.unit.expose_sharded()
                 self.holds_forward_gather = True
         if grad:
             self._register_pre_backward(output)

@@ -821,10 +821,7 @@ class FSDPUnit:
         """Register the sharded parameters and free the unsharded buffer's storage (and a
         post-forward shard)."""
         self.wait_unshard()
-        if self._h2d_event is not None:  # the host may write the chunk once it is sharded
-            self._h2d_event.synchronize()
-            self._h2d_event = None
-        self.register(sharded=True)
+        self.expose_sharded()
         if self.state is UnitState.UNSHARDED:
             if self.fp8 is not None:
                 self.fp8.free()
@@ -849,6 +846,15 @@ class FSDPUnit:
             out.append(replace(seg, chunk_offset=offset, chunk_numel=numel, rank_starts=starts))
             offset += numel
         return out
+
+    def expose_sharded(self) -> None:
+        """Register the sharded parameters, keeping the gathered buffer as it is (a unit holding
+        its forward's all-gather for backward), once a CPU-offload staging copy still reading
+        the host chunk has finished: from here on the host may write it (an optimizer step)."""
+        if self._h2d_event is not None:
+            self._h2d_event.synchronize()
+            self._h2d_event = None
+        self.register(sharded=True)
 
     def reshard_post_forward(self, pf: PostForwardMesh) -> None:
         """Keep this rank's place of the gathered unit (``1/N`` of it, one copy) in
@@ -1135,6 +1141,10 @@ class MultiDtypeUnit:
     def reshard(self) -> None:
         for p in self.parts:
             p.reshard()
+
+    def expose_sharded(self) -> None:
+        for p in self.parts:
+            p.expose_sharded()
 
     def reshard_post_forward(self, pf: PostForwardMesh) -> None:
         for p in self.parts:
