@@ -176,10 +176,10 @@ def _run(equal, uneven, group, async_op: bool):
 def _packed_sizes(segments, group) -> list[int] | None:
     """Per-segment chunk sizes when a reduce-scatter of ``segments`` runs packed, else ``None``.
 
-    gloo runs a coalesced reduce-scatter through staging of its own, at 1.7-1.8x the time of one
-    reduce-scatter of the same bytes for a GPT block's three segments; separate async calls are
-    no faster, while its coalesced all-gather costs what one all-gather does
-    (``benchmarks/collectives.py``). There several equal segments that tile the chunk in order
+    gloo runs a coalesced reduce-scatter through staging of its own, at 2.2x the time of one
+    reduce-scatter of the same bytes for a GPT block's three segments (packed: 1.08x); separate
+    async calls are no faster, while packing an all-gather only adds its copy-out
+    (``benchmarks/collectives.py``, table in ``docs/fsdp.md``). There several equal segments that tile the chunk in order
     are reduce-scattered as one collective from a rank-major staging buffer that FSDP2's copy-in
     op fills (``torch._chunk_cat``, counted by
     :class:`~ragged_placement.fsdp.profiling.LayoutCopyMeter`). NCCL groups coalesced calls
