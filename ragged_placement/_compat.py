@@ -258,10 +258,9 @@ def all_gather_segments(output: torch.Tensor, input: torch.Tensor, segments, wor
     return all_gather_parts([(output, input, segments)], world_size, group, async_op)
 
 
-def _reduce_calls(output, inputs, segments, world_size, op, rank, group):
-    """The calls reduce-scattering one part: one packed call where :func:`_packed_sizes` says
-    so, else equal segments' (coalescable) and uneven ones'."""
-    inputs = list(inputs)
+def _check_reduce_inputs(inputs, segments, world_size: int) -> None:
+    """``ValueError`` unless ``inputs`` hold each segment's unsharded buffer (before any
+    collective is issued)."""
     sizes = [x.numel() for x in inputs]
     want = [s.rank_starts[-1] if s.rank_starts is not None else world_size * s.chunk_numel
             for s in segments]
@@ -270,6 +269,11 @@ def _reduce_calls(output, inputs, segments, world_size, op, rank, group):
             f"inputs must hold world_size * chunk_numel elements per segment (rank_starts[-1] "
             f"for an uneven one): {want}, got {sizes}"
         )
+
+
+def _reduce_calls(output, inputs, segments, world_size, op, rank, group):
+    """The calls reduce-scattering one part: one packed call where :func:`_packed_sizes` says
+    so, else equal segments' (coalescable) and uneven ones'."""
     packed = _packed_sizes(segments, group)
     if packed is not None:
         return [_reduce_scatter_packed(output, inputs, packed, world_size, op, group)], []
@@ -295,6 +299,9 @@ def reduce_scatter_parts(parts, world_size: int, op=dist.ReduceOp.SUM, group=Non
     arguments of :func:`reduce_scatter_segments` (the parts may differ in dtype), as one
     coalesced collective over ``group``: every part's equal calls (a part packed on gloo is one
     of them) in one coalescing manager, uneven segments as separate calls."""
+    parts = [(output, list(inputs), segments) for output, inputs, segments in parts]
+    for _, inputs, segments in parts:
+        _check_reduce_inputs(inputs, segments, world_size)
     rank = dist.get_rank(group)
     equal, uneven = [], []
     for output, inputs, segments in parts:

@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -1017,7 +1017,7 @@ class Gather:
 
     output: torch.Tensor
     input: torch.Tensor
-    segments: list
+    segments: Sequence[Segment]
     world_size: int
     group: object
     post_forward: bool
@@ -1030,7 +1030,7 @@ class Reduction:
 
     output: torch.Tensor
     inputs: list[torch.Tensor]
-    segments: list
+    segments: Sequence[Segment]
     world_size: int
     group: object
 
