@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_single", "reduce_scatter_single", "all_gather_segments", "reduce_scatter_segments",
+    "all_gather_parts", "reduce_scatter_parts",
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
     "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
     "functional_all_gather", "outside_selective_checkpoint",
@@ -196,12 +197,53 @@ def _packed_sizes(segments, group) -> list[int] | None:
     return [s.chunk_numel for s in segments]
 
 
-def _reduce_scatter_packed(output, inputs, sizes, world_size, op, group, async_op):
+def _reduce_scatter_packed(output, inputs, sizes, world_size, op, group):
+    """A thunk reduce-scattering ``inputs`` (segments tiling ``output`` in order, chunk
+    ``sizes``) as one collective from a rank-major staging buffer, filled here."""
     staging = inputs[0].new_empty(world_size, sum(sizes))
     torch._chunk_cat(list(inputs), dim=0, num_chunks=world_size, out=staging)
     # gloo's work holds ``staging`` until the collective completes
-    return reduce_scatter_single(output[:sum(sizes)], staging.view(-1), op=op, group=group,
-                                 async_op=async_op)
+    return lambda a: reduce_scatter_single(output[:sum(sizes)], staging.view(-1), op=op,
+                                           group=group, async_op=a)
+
+
+def _gather_calls(output, input, segments, world_size, rank, group, as_bytes: bool):
+    """The calls gathering one part: equal segments' (coalescable; of byte views of the
+    segments where ``as_bytes``) and uneven ones'."""
+
+    def equal(s):
+        out = output[s.buffer_offset:s.buffer_offset + world_size * s.chunk_numel]
+        inp = input[s.chunk_offset:s.chunk_offset + s.chunk_numel]
+        if as_bytes:
+            out, inp = out.view(torch.uint8), inp.view(torch.uint8)
+        return lambda a: all_gather_single(out, inp, group=group, async_op=a)
+
+    def uneven(s):
+        lo, hi = s.rank_starts[rank], s.rank_starts[rank + 1]
+        return lambda a: _all_gather_uneven(
+            output[s.buffer_offset:s.buffer_offset + s.rank_starts[-1]],
+            input[s.chunk_offset:s.chunk_offset + hi - lo], s.rank_starts, group, a)
+
+    return _segment_calls(segments, world_size, group, equal, uneven)
+
+
+def all_gather_parts(parts, world_size: int, group=None, async_op: bool = False):
+    """All-gather several parts, each an ``(output, input, segments)`` triple as the arguments
+    of :func:`all_gather_segments` (the parts may differ in dtype), as one coalesced collective
+    over ``group``: every part's equal segments in one coalescing manager (one NCCL group, one
+    gloo ``allgather_into_tensor_coalesced_``), uneven segments as separate calls.
+
+    Parts of several dtypes are gathered as byte views (exact, zero-copy: an all-gather only
+    moves bytes): gloo's coalesced all-gather corrupts tensors of mixed element sizes unless
+    the largest comes first (torch 2.13: an fp32 part before a float64 or after a bf16 one)."""
+    rank = dist.get_rank(group)
+    as_bytes = len({input.dtype for _, input, _ in parts}) > 1
+    equal, uneven = [], []
+    for output, input, segments in parts:
+        e, u = _gather_calls(output, input, segments, world_size, rank, group, as_bytes)
+        equal += e
+        uneven += u
+    return _run(equal, uneven, group, async_op)
 
 
 def all_gather_segments(output: torch.Tensor, input: torch.Tensor, segments, world_size: int,
@@ -213,30 +255,12 @@ def all_gather_segments(output: torch.Tensor, input: torch.Tensor, segments, wor
     An uneven segment (``rank_starts`` set) takes rank ``r``'s first
     ``rank_starts[r+1] - rank_starts[r]`` chunk elements into ``output[buffer_offset +
     rank_starts[r]:...]`` with an uneven all-gather (see :func:`_all_gather_uneven`)."""
-    rank = dist.get_rank(group)
-
-    def equal(s):
-        return lambda a: all_gather_single(
-            output[s.buffer_offset:s.buffer_offset + world_size * s.chunk_numel],
-            input[s.chunk_offset:s.chunk_offset + s.chunk_numel], group=group, async_op=a)
-
-    def uneven(s):
-        lo, hi = s.rank_starts[rank], s.rank_starts[rank + 1]
-        return lambda a: _all_gather_uneven(
-            output[s.buffer_offset:s.buffer_offset + s.rank_starts[-1]],
-            input[s.chunk_offset:s.chunk_offset + hi - lo], s.rank_starts, group, a)
-
-    return _run(*_segment_calls(segments, world_size, group, equal, uneven), group, async_op)
+    return all_gather_parts([(output, input, segments)], world_size, group, async_op)
 
 
-def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: int,
-                            op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
-    """The inverse of :func:`all_gather_segments`: reduce each segment's unsharded buffer
-    (``inputs[k]``, ``world_size * chunk_numel`` elements, or ``rank_starts[-1]`` for an uneven
-    segment) and keep this rank's chunk of it in ``output`` (segment ``k`` at ``chunk_offset``),
-    as one coalesced collective (uneven segments: torch's list ``reduce_scatter``, which NCCL runs
-    as one group of reduces; on gloo several equal segments run packed, :func:`_packed_sizes`)."""
-    inputs = list(inputs)
+def _check_reduce_inputs(inputs, segments, world_size: int) -> None:
+    """``ValueError`` unless ``inputs`` hold each segment's unsharded buffer (before any
+    collective is issued)."""
     sizes = [x.numel() for x in inputs]
     want = [s.rank_starts[-1] if s.rank_starts is not None else world_size * s.chunk_numel
             for s in segments]
@@ -245,10 +269,14 @@ def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: 
             f"inputs must hold world_size * chunk_numel elements per segment (rank_starts[-1] "
             f"for an uneven one): {want}, got {sizes}"
         )
+
+
+def _reduce_calls(output, inputs, segments, world_size, op, rank, group):
+    """The calls reduce-scattering one part: one packed call where :func:`_packed_sizes` says
+    so, else equal segments' (coalescable) and uneven ones'."""
     packed = _packed_sizes(segments, group)
     if packed is not None:
-        return _reduce_scatter_packed(output, inputs, packed, world_size, op, group, async_op)
-    rank = dist.get_rank(group)
+        return [_reduce_scatter_packed(output, inputs, packed, world_size, op, group)], []
     by_segment = dict(zip(map(id, segments), inputs))
 
     def equal(s):
@@ -262,7 +290,35 @@ def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: 
             output[s.chunk_offset:s.chunk_offset + hi - lo],
             _rank_views(by_segment[id(s)], s.rank_starts), op=op, group=group, async_op=a)
 
-    return _run(*_segment_calls(segments, world_size, group, equal, uneven), group, async_op)
+    return _segment_calls(segments, world_size, group, equal, uneven)
+
+
+def reduce_scatter_parts(parts, world_size: int, op=dist.ReduceOp.SUM, group=None,
+                         async_op: bool = False):
+    """Reduce-scatter several parts, each an ``(output, inputs, segments)`` triple as the
+    arguments of :func:`reduce_scatter_segments` (the parts may differ in dtype), as one
+    coalesced collective over ``group``: every part's equal calls (a part packed on gloo is one
+    of them) in one coalescing manager, uneven segments as separate calls."""
+    parts = [(output, list(inputs), segments) for output, inputs, segments in parts]
+    for _, inputs, segments in parts:
+        _check_reduce_inputs(inputs, segments, world_size)
+    rank = dist.get_rank(group)
+    equal, uneven = [], []
+    for output, inputs, segments in parts:
+        e, u = _reduce_calls(output, inputs, segments, world_size, op, rank, group)
+        equal += e
+        uneven += u
+    return _run(equal, uneven, group, async_op)
+
+
+def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: int,
+                            op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """The inverse of :func:`all_gather_segments`: reduce each segment's unsharded buffer
+    (``inputs[k]``, ``world_size * chunk_numel`` elements, or ``rank_starts[-1]`` for an uneven
+    segment) and keep this rank's chunk of it in ``output`` (segment ``k`` at ``chunk_offset``),
+    as one coalesced collective (uneven segments: torch's list ``reduce_scatter``, which NCCL runs
+    as one group of reduces; on gloo several equal segments run packed, :func:`_packed_sizes`)."""
+    return reduce_scatter_parts([(output, inputs, segments)], world_size, op, group, async_op)
 
 
 @functools.cache

@@ -82,6 +82,44 @@ def _compare(rank: int, ws: int):
     assert torch.equal(gathered, expect)
     mine = [sum(_inputs(r)[1][k].view(ws, -1)[rank] for r in range(ws)) for k in range(len(SIZES))]
     torch.testing.assert_close(reduced, torch.cat(mine))
+    out["mixed"] = _mixed_parts(rank, ws)
+    return out
+
+
+# dtype pairs of a unit with several dtypes, both orders: gloo's coalesced all-gather corrupts
+# mixed element sizes unless the largest comes first, so the parts are gathered as bytes
+MIXED = ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+         (torch.float32, torch.float64), (torch.float64, torch.float32))
+
+
+def _mixed_parts(rank: int, ws: int) -> dict:
+    """Per dtype pair: the c10d ops of ``all_gather_parts`` / ``reduce_scatter_parts`` over two
+    parts of those dtypes (the first of TILED's segments, the second one segment), and whether
+    their results equal one ``*_segments`` call per part, bitwise."""
+    out = {}
+    for d1, d2 in MIXED:
+        gen = torch.Generator().manual_seed(rank)
+        chunks = [torch.randn(sum(SIZES), generator=gen).to(d1), torch.randn(5, generator=gen).to(d2)]
+        grads = [[torch.randn(WORLD * c, generator=gen).to(d1) for c in SIZES],
+                 [torch.randn(WORLD * 5, generator=gen).to(d2)]]
+        segments = [TILED, (Segment(0, 0, 5),)]
+        results = []
+        for coalesced in (True, False):
+            gathered = [torch.full((WORLD * c.numel(),), float("nan"), dtype=c.dtype) for c in chunks]
+            reduced = [torch.full_like(c, float("nan")) for c in chunks]
+            with CommDebugMode() as comm:
+                if coalesced:
+                    _compat.all_gather_parts(list(zip(gathered, chunks, segments)), WORLD)
+                    _compat.reduce_scatter_parts(list(zip(reduced, grads, segments)), WORLD)
+                else:
+                    for args in zip(gathered, chunks, segments):
+                        _compat.all_gather_segments(*args, WORLD)
+                    for args in zip(reduced, grads, segments):
+                        _compat.reduce_scatter_segments(*args, WORLD)
+            results.append((gathered + reduced, comm.get_comm_counts()))
+        (ours, ops), (theirs, _) = results
+        ops = {str(k).rsplit(".", 1)[-1]: v for k, v in ops.items()}
+        out[(d1, d2)] = (ops, [torch.equal(a, b) for a, b in zip(ours, theirs)])
     return out
 
 
@@ -95,3 +133,9 @@ def test_packed_segments_match_coalesced_ones_with_one_op_and_counted_copies():
             assert copied == numel * 4  # the reduce-scatter's staging: its input, once
             ops, copied = out[("shuffled", async_op)]
             assert "allgather_into_tensor_coalesced_" in ops and copied == 0
+        # two parts of different dtypes: one coalesced op each way (the first part's packed
+        # reduce-scatter is one call of it), the same results as a call per part
+        for pair, (ops, equal) in out["mixed"].items():
+            assert ops == {"allgather_into_tensor_coalesced_": 1,
+                           "reduce_scatter_tensor_coalesced_": 1}, pair
+            assert equal == [True] * 4, pair

@@ -1,17 +1,22 @@
 """Units whose parameters have several dtypes (fp32 norms next to float64 / bf16 matrices),
-against one process and torch FSDP2. Threaded ranks."""
+against one process and torch FSDP2 (threaded ranks), and the c10d ops such a unit issues on
+real gloo ranks: one coalesced all-gather per pass and one reduce-scatter per backward for all
+its dtypes."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_threaded
+from dist_utils import run_gloo, run_threaded
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.tensor.debug import CommDebugMode
 
 from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
 from ragged_placement.fsdp.unit import MultiDtypeUnit
@@ -69,14 +74,17 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _train(m: nn.Module, rank: int, ws: int) -> list[float]:
+def _train(m: nn.Module, rank: int, ws: int, on_step=None) -> list[float]:
+    """``STEPS`` AdamW steps on this rank's share of each batch; the mean losses. ``on_step``:
+    a context manager factory entered around each forward and backward."""
     opt = torch.optim.AdamW(m.parameters(), lr=LR, foreach=False)
     per = BATCH // ws
     losses = []
     for s in range(STEPS):
         x, y = _batch(s)
-        loss = m(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
-        loss.backward()
+        with on_step() if on_step is not None else contextlib.nullcontext():
+            loss = m(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
+            loss.backward()
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -119,13 +127,13 @@ def _sharded_training(rank: int, ws: int, runtime: str, dtype: torch.dtype, mp: 
             u.stats.reset()
     losses = _train(m, rank, ws)
     if runtime == "ours":
-        # one all-gather per part per pass (blocks gather again in backward) and one
-        # reduce-scatter per part per step
+        # one all-gather per pass for both parts (blocks gather again in backward) and one
+        # reduce-scatter per step
         root, *blocks = [u for _, u in m.fsdp_units()]
         facts["collectives"] = (root.stats.all_gathers, root.stats.reduce_scatters) == (
-            2 * STEPS,
-            2 * STEPS,
-        ) and all((b.stats.all_gathers, b.stats.reduce_scatters) == (4 * STEPS, 2 * STEPS) for b in blocks)
+            STEPS,
+            STEPS,
+        ) and all((b.stats.all_gathers, b.stats.reduce_scatters) == (2 * STEPS, STEPS) for b in blocks)
         facts["grads_freed"] = all(p.grad is None for p in m.parameters())
     return facts, losses
 
@@ -168,3 +176,73 @@ def _fp8_refused(rank: int, ws: int) -> None:
 
 def test_fp8_unit_with_several_dtypes_is_refused_naming_the_parameters():
     run_threaded(_fp8_refused, WORLD)
+
+
+# c10d ops per step on gloo, for all units: the root gathers once (kept for backward), each of
+# the 2 blocks twice (forward, backward); each unit reduce-scatters once. Every unit's parts
+# (fp32, float64; several equal segments each, so each part's reduce-scatter runs packed) go
+# into one coalesced op, and nothing else runs in forward and backward.
+OPS_PER_STEP = {
+    "allgather_into_tensor_coalesced_": 1 + 2 * 2,
+    "reduce_scatter_tensor_coalesced_": 1 + 2,
+}
+GLOO_CONFIGS = {
+    "default": {},
+    "reshard_after_forward=2": {"reshard_after_forward": 2},  # blocks only
+    "cpu_offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
+}
+
+
+def _coalesced_on_gloo(rank: int, ws: int) -> dict[str, tuple]:
+    """Per configuration: the losses, the c10d ops of each step, and the units' counters."""
+    torch.set_num_threads(1)
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    out = {}
+    for name, kw in GLOO_CONFIGS.items():
+        m = _model(torch.float64)
+        for block in m.layers:
+            fully_shard(block, mesh=mesh, **kw)
+        fully_shard(m, mesh=mesh, **{k: v for k, v in kw.items() if k != "reshard_after_forward"})
+        units = [u for _, u in m.fsdp_units()]
+        assert all(isinstance(u, MultiDtypeUnit) and len(u.parts) == 2 for u in units)
+        ops_per_step = []
+
+        @contextlib.contextmanager
+        def counted():
+            with CommDebugMode() as comm:
+                yield
+            ops_per_step.append(
+                {str(k).rsplit(".", 1)[-1]: v for k, v in comm.get_comm_counts().items()}
+            )
+
+        losses = _train(m, rank, ws, counted)
+        stats = [
+            (u.stats.all_gathers, u.stats.reduce_scatters, u.stats.post_forward_all_gathers,
+             u.stats.h2d_copies, u.stats.all_gather_bytes,
+             STEPS * sum(p.unsharded.numel() * p.unsharded.element_size() for p in u.parts))
+            for u in units
+        ]
+        out[name] = (losses, ops_per_step, stats)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_unit_with_several_dtypes_issues_one_coalesced_collective_per_pass_on_gloo():
+    """On 4 gloo ranks a unit of fp32 and float64 parameters issues one coalesced all-gather
+    per pass and one coalesced reduce-scatter per backward (also gathering backward over the
+    pair with ``reshard_after_forward=2``, and with CPU offload), trains as one process, and its
+    counters say one collective each with the parts' bytes summed."""
+    ref = _train(_model(torch.float64), 0, 1)
+    for out in run_gloo(_coalesced_on_gloo, 4):
+        assert set(out) == set(GLOO_CONFIGS)
+        for name, (losses, ops_per_step, stats) in out.items():
+            assert losses == pytest.approx(ref, abs=1e-5), name
+            assert ops_per_step == [OPS_PER_STEP] * STEPS, name
+            root, *blocks = stats
+            offloaded = name == "cpu_offload"
+            # (all-gathers, reduce-scatters, of them over the pair, h2d copies: 1 per part and gather)
+            assert root[:4] == (STEPS, STEPS, 0, 2 * STEPS if offloaded else 0), name
+            pairs = STEPS if name == "reshard_after_forward=2" else 0
+            for b in blocks:
+                assert b[:4] == (2 * STEPS, STEPS, pairs, 4 * STEPS if offloaded else 0), name
+            assert root[4] == root[5] and all(b[4] == 2 * b[5] for b in blocks), name

@@ -40,7 +40,8 @@ copies are made even where both devices are the CPU, so that CPU runs take the C
 Parameters of several dtypes (fp32 norms next to bf16 matrices; FSDP2 refuses such a unit at
 its first forward) make a :class:`MultiDtypeUnit` (:func:`build_unit`): one unit as above per
 dtype, each zero-copy in its own dtype, driven together; it issues one all-gather and one
-reduce-scatter per dtype (not coalesced across dtypes).
+reduce-scatter per pass for all dtypes together (each part's share of one coalesced collective,
+:meth:`MultiDtypeUnit.unshard`).
 
 Meta-device initialization and moves (FSDP2's recipe)::
 
@@ -88,7 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -99,7 +100,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from ragged_placement._compat import all_gather_segments, all_gather_single, reduce_scatter_segments
+from ragged_placement._compat import all_gather_parts, reduce_scatter_parts
 from ragged_placement.fsdp.fp8 import FP8UnitGather, fp8_granularity, is_fp8_weight
 from ragged_placement.fsdp.mesh import (
     DataParallelMesh,
@@ -110,6 +111,7 @@ from ragged_placement.fsdp.mesh import (
     tp_spec_of,
     unit_tp_mesh,
 )
+from ragged_placement.planner.plan import Segment
 
 __all__ = [
     "CommStats", "FSDPUnit", "MultiDtypeUnit", "ParamSlot", "build_unit", "plan_unit",
@@ -707,8 +709,21 @@ class FSDPUnit:
     # -- all-gather ------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool) -> None:
         """Issue the all-gather into the unsharded buffer (no-op unless sharded)."""
-        if self.state is not UnitState.SHARDED or not self.slots:
+        gather = self.prepare_unshard()
+        if gather is None:
             return
+        self.hold_unshard(issue_all_gather([gather], self.stats))
+        if not async_op:
+            self.wait_unshard()
+
+    def prepare_unshard(self) -> Gather | None:
+        """Everything of :meth:`unshard` but the collective: give the unsharded buffer its
+        storage and build the send buffer (cast, CPU-offload staging, FP8 packing, or the
+        post-forward shard); returns what to all-gather (``None`` unless sharded). The caller
+        issues it (:func:`issue_all_gather`, possibly with other units') and passes the work
+        to :meth:`hold_unshard`."""
+        if self.state is not UnitState.SHARDED or not self.slots:
+            return None
         if self.device.type == "meta":
             raise ValueError(
                 f"parameter {self.slots[0].fqn} (and the rest of its fully_shard unit) is on the "
@@ -720,41 +735,39 @@ class FSDPUnit:
             self.fp8.allocate()
         else:
             self._storage.resize_(self._storage_nbytes)
+        send = self._send_buffer(pf)
+        self._ag_send = send
+        world_size = self.world_size if pf is None else pf.size
+        if self.fp8 is not None:  # the send buffers, gathered whole in rank order
+            segments = [Segment(0, 0, send.numel())]
+        elif pf is None:
+            segments = self.plan.segments
+        else:
+            segments = self.post_forward_segments(pf)
+        group = self.group if pf is None else pf.group
+        return Gather(self.unsharded, send, segments, world_size, group, pf is not None)
+
+    def _send_buffer(self, pf: PostForwardMesh | None) -> torch.Tensor:
+        """This rank's input of the all-gather: the post-forward shard, the packed FP8 chunk,
+        the staged (CPU offload) or cast chunk, or the sharded chunk itself."""
         if pf is not None:
-            send = self.post_forward_shard
-        elif self.fp8 is not None:
+            return self.post_forward_shard
+        if self.fp8 is not None:
             own = self.sharded
             if self.offload_device is not None:
                 own = self._copy_to_device(self.orig_dtype)
-            send = self.fp8.pack(self.rank, own)  # own blocks -> FP8 + scales, no comm
-        elif self.offload_device is not None:
-            send = self._copy_to_device(self.param_dtype)  # with the mixed-precision cast
-        elif self.param_dtype == self.orig_dtype:
-            send = self.sharded
-        else:
-            send = self.sharded.to(self.param_dtype)  # the mixed-precision cast: the only copy
-        self._ag_send = send
-        nbytes = self.unsharded.numel() * self.unsharded.element_size()
-        self.stats.all_gathers += 1
-        self.stats.all_gather_bytes += nbytes
-        group = self.group if pf is None else pf.group
-        if pf is not None:
-            self.stats.post_forward_all_gathers += 1
-            self.stats.post_forward_all_gather_bytes += nbytes
-        if self.fp8 is not None:
-            self._ag_work = all_gather_single(self.unsharded, send, group=group, async_op=True)
-        elif pf is None:
-            self._ag_work = all_gather_segments(
-                self.unsharded, send, self.plan.segments, self.world_size, group=group, async_op=True
-            )
-        else:
-            self._ag_work = all_gather_segments(
-                self.unsharded, send, self.post_forward_segments(pf), pf.size, group=group,
-                async_op=True,
-            )
+            return self.fp8.pack(self.rank, own)  # own blocks -> FP8 + scales, no comm
+        if self.offload_device is not None:
+            return self._copy_to_device(self.param_dtype)  # with the mixed-precision cast
+        if self.param_dtype == self.orig_dtype:
+            return self.sharded
+        return self.sharded.to(self.param_dtype)  # the mixed-precision cast: the only copy
+
+    def hold_unshard(self, work) -> None:
+        """Take the work of the all-gather issued for :meth:`prepare_unshard`'s request (shared
+        with other units when coalesced with theirs); :meth:`wait_unshard` waits on it."""
+        self._ag_work = work
         self.state = UnitState.UNSHARDING
-        if not async_op:
-            self.wait_unshard()
 
     def _copy_to_device(self, dtype: torch.dtype) -> torch.Tensor:
         """CPU offload's host-to-device staging: the sharded chunk copied into a new ``[S]``
@@ -924,6 +937,14 @@ class FSDPUnit:
         """Issue the reduce-scatter of the gradient buffers (async, one coalesced collective);
         :meth:`finish_reduce` completes it. The unsharded gradient buffers are released here; a
         segment no gradient reached contributes zeros."""
+        self.hold_reduce(issue_reduce_scatter([self.prepare_reduce()], self.stats))
+
+    def prepare_reduce(self) -> Reduction:
+        """Everything of :meth:`reduce_grads` but the collective: release the unsharded
+        gradients into the reduce-scatter inputs (cast to ``reduce_dtype``) and allocate its
+        output; returns what to reduce-scatter. The caller issues it
+        (:func:`issue_reduce_scatter`, possibly with other units') and passes the work to
+        :meth:`hold_reduce`."""
         assert self.has_unsharded_grads and self._rs_work is None
         for p in self.unsharded_params:
             p.grad = None
@@ -936,13 +957,13 @@ class FSDPUnit:
         self.unsharded_grads = [None] * len(rs_in)
         rs_in = [g.to(self.reduce_dtype) for g in rs_in]  # the mixed-precision cast, if any
         out = torch.empty(self.chunk_numel, dtype=self.reduce_dtype, device=self.device)
-        self.stats.reduce_scatters += 1
-        self.stats.reduce_scatter_bytes += sum(g.numel() * g.element_size() for g in rs_in)
         self._rs_input, self._rs_output = rs_in, out
-        self._rs_work = reduce_scatter_segments(
-            out, rs_in, self.plan.segments, self.world_size, op=dist.ReduceOp.SUM, group=self.group,
-            async_op=True,
-        )
+        return Reduction(out, rs_in, self.plan.segments, self.world_size, self.group)
+
+    def hold_reduce(self, work) -> None:
+        """Take the work of the reduce-scatter issued for :meth:`prepare_reduce`'s request
+        (shared with other units when coalesced with theirs); :meth:`finish_reduce` waits on it."""
+        self._rs_work = work
 
     def finish_reduce(self, scale: float = 1.0) -> None:
         """Wait for the reduce-scatter, average (times ``scale``), and land it in the sharded
@@ -986,6 +1007,93 @@ class FSDPUnit:
                 p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
             else:
                 p.grad._local_tensor.add_(views[slot.fqn])
+
+
+@dataclass(frozen=True)
+class Gather:
+    """One unit's share of an all-gather (:meth:`FSDPUnit.prepare_unshard`): this rank's
+    ``input`` gathered into ``output`` by ``segments`` over ``group`` of ``world_size`` ranks
+    (the post-forward group where ``post_forward``)."""
+
+    output: torch.Tensor
+    input: torch.Tensor
+    segments: Sequence[Segment]
+    world_size: int
+    group: object
+    post_forward: bool
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One unit's share of a reduce-scatter (:meth:`FSDPUnit.prepare_reduce`): ``inputs`` (one
+    per segment) summed over ``group`` of ``world_size`` ranks into ``output``."""
+
+    output: torch.Tensor
+    inputs: list[torch.Tensor]
+    segments: Sequence[Segment]
+    world_size: int
+    group: object
+
+
+class _SharedWork:
+    """The work of one collective held by several units: the first :meth:`wait` waits on it,
+    later ones return at once."""
+
+    def __init__(self, work) -> None:
+        self._work = work
+
+    def wait(self, timeout=None) -> bool:
+        if self._work is not None:
+            self._work.wait() if timeout is None else self._work.wait(timeout)
+            self._work = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _one_group(requests: list) -> tuple[object, int]:
+    """The group and world size ``requests`` share (the parts of one unit share its mesh)."""
+    group, world_size = requests[0].group, requests[0].world_size
+    if any(r.group is not group or r.world_size != world_size for r in requests):
+        raise RuntimeError(
+            "units coalesced into one collective must share its process group: got "
+            f"{[(r.group, r.world_size) for r in requests]}"
+        )
+    return group, world_size
+
+
+def issue_all_gather(gathers: list[Gather], stats: CommStats) -> _SharedWork:
+    """Issue ``gathers`` (one unit's, or the parts' of a :class:`MultiDtypeUnit`) as one
+    coalesced all-gather, counted once in ``stats`` (bytes: all outputs); returns its work,
+    which every unit of ``gathers`` may hold and wait on."""
+    group, world_size = _one_group(gathers)
+    nbytes = sum(g.output.numel() * g.output.element_size() for g in gathers)
+    stats.all_gathers += 1
+    stats.all_gather_bytes += nbytes
+    if any(g.post_forward for g in gathers):
+        stats.post_forward_all_gathers += 1
+        stats.post_forward_all_gather_bytes += nbytes
+    work = all_gather_parts(
+        [(g.output, g.input, g.segments) for g in gathers], world_size, group=group, async_op=True
+    )
+    return _SharedWork(work)
+
+
+def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats) -> _SharedWork:
+    """Issue ``reductions`` (one unit's, or the parts' of a :class:`MultiDtypeUnit`) as one
+    coalesced reduce-scatter (a sum), counted once in ``stats`` (bytes: all inputs); returns
+    its work, which every unit of ``reductions`` may hold and wait on."""
+    group, world_size = _one_group(reductions)
+    stats.reduce_scatters += 1
+    stats.reduce_scatter_bytes += sum(
+        g.numel() * g.element_size() for r in reductions for g in r.inputs
+    )
+    work = reduce_scatter_parts(
+        [(r.output, r.inputs, r.segments) for r in reductions], world_size,
+        op=dist.ReduceOp.SUM, group=group, async_op=True,
+    )
+    return _SharedWork(work)
 
 
 def _recorded_event(device: torch.device) -> torch.Event:
@@ -1039,15 +1147,22 @@ def build_unit(
 
 
 class _SummedStats:
-    """The :class:`CommStats` of a :class:`MultiDtypeUnit`: its parts' counters, summed."""
+    """The :class:`CommStats` of a :class:`MultiDtypeUnit`: the unit's own counters (the
+    all-gathers and reduce-scatters it issues for all parts at once: one each, bytes summed over
+    the parts) plus its parts' (what each part issues alone: CPU-offload copies, HSDP
+    all-reduces)."""
 
     def __init__(self, parts: list[FSDPUnit]) -> None:
         self._parts = parts
+        self.own = CommStats()
 
     def __getattr__(self, name: str) -> int:
-        return sum(getattr(p.stats, name) for p in self._parts)
+        if name.startswith("_") or name == "own":
+            raise AttributeError(name)
+        return getattr(self.own, name) + sum(getattr(p.stats, name) for p in self._parts)
 
     def reset(self) -> None:
+        self.own.reset()
         for p in self._parts:
             p.stats.reset()
 
@@ -1058,10 +1173,15 @@ class MultiDtypeUnit:
     with its own plan and flat buffers, driven together with the interface of one unit.
 
     Every part stays zero-copy in its own dtype: sharded parameters view the part's sharded
-    chunk, unsharded ones its all-gather output, gradients its flat gradient buffers. Each part
-    issues its own all-gather and reduce-scatter (in its ``param_dtype`` / ``reduce_dtype``,
-    which default to the part's dtype), so a unit of ``k`` dtypes issues ``k`` of each per
-    pass where a one-dtype unit issues one; they are not coalesced across dtypes.
+    chunk, unsharded ones its all-gather output, gradients its flat gradient buffers. The unit
+    issues one all-gather per pass and one reduce-scatter per backward for all parts, as a
+    one-dtype unit does: each part prepares its share (:meth:`FSDPUnit.prepare_unshard`,
+    :meth:`FSDPUnit.prepare_reduce`, in its ``param_dtype`` / ``reduce_dtype``, which default
+    to the part's dtype) and the shares run as one coalesced collective (one NCCL group, one
+    gloo coalesced op) whose work every part holds; uneven segments are separate calls, as in
+    a one-dtype unit. :attr:`stats` counts each coalesced collective once (bytes summed over
+    the parts). What a part does alone stays per part: CPU-offload copies and, with HSDP, one
+    all-reduce over the replicas per part.
     """
 
     def __init__(self, slots, params, mesh, param_dtype, reduce_dtype, granularity, quant,
@@ -1129,8 +1249,12 @@ class MultiDtypeUnit:
             p.register(sharded=sharded)
 
     def unshard(self, *, async_op: bool) -> None:
-        for p in self.parts:
-            p.unshard(async_op=True)
+        """Issue one coalesced all-gather for every part that is sharded; each holds its work."""
+        ready = [(p, g) for p in self.parts if (g := p.prepare_unshard()) is not None]
+        if ready:
+            work = issue_all_gather([g for _, g in ready], self.stats.own)
+            for p, _ in ready:
+                p.hold_unshard(work)
         if not async_op:
             self.wait_unshard()
 
@@ -1159,9 +1283,12 @@ class MultiDtypeUnit:
         self.parts[k].prepare_grads(j)
 
     def reduce_grads(self) -> None:
-        for p in self.parts:
-            if p.has_unsharded_grads:
-                p.reduce_grads()
+        """Issue one coalesced reduce-scatter for every part with gradients; each holds its work."""
+        ready = [(p, p.prepare_reduce()) for p in self.parts if p.has_unsharded_grads]
+        if ready:
+            work = issue_reduce_scatter([r for _, r in ready], self.stats.own)
+            for p, _ in ready:
+                p.hold_reduce(work)
 
     def finish_reduce(self, scale: float = 1.0) -> None:
         for p in self.parts:
