@@ -178,10 +178,10 @@ def _packed_sizes(segments, group) -> list[int] | None:
     """Per-segment chunk sizes when a reduce-scatter of ``segments`` runs packed, else ``None``.
 
     gloo runs a coalesced reduce-scatter through staging of its own, at 2.2-2.3x the time of one
-    reduce-scatter of the same bytes for a GPT block's three segments (packed: 1.08x); separate
-    async calls are no faster, while packing an all-gather only adds its copy-out
-    (``benchmarks/collectives.py``, table in ``docs/fsdp.md``). There several equal segments that tile the chunk in order
-    are reduce-scattered as one collective from a rank-major staging buffer that FSDP2's copy-in
+    reduce-scatter of the same bytes for a GPT block's three segments (packed: 1.08-1.17x);
+    separate async calls are no faster, while packing an all-gather only adds its copy-out
+    (``benchmarks/collectives.py``, table in ``docs/fsdp.md``). There several equal segments
+    that tile the chunk in order are reduce-scattered as one collective from a rank-major staging buffer that FSDP2's copy-in
     op fills (``torch._chunk_cat``, counted by
     :class:`~ragged_placement.fsdp.profiling.LayoutCopyMeter`). NCCL groups coalesced calls
     without copies: segments stay zero-copy there, and all-gathers everywhere."""
