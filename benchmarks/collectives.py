@@ -45,7 +45,8 @@ def _variants(sizes: list[int], ws: int) -> dict[str, dict]:
     total = sum(sizes)
     segments = [Segment(sum(sizes[:k]), ws * sum(sizes[:k]), c) for k, c in enumerate(sizes)]
     out, chunk = torch.empty(ws * total), torch.randn(total)
-    grads, full, reduced = [torch.randn(ws * c) for c in sizes], torch.randn(ws * total), torch.empty(total)
+    grads = [torch.randn(ws * c) for c in sizes]
+    full, reduced = torch.randn(ws * total), torch.empty(total)
 
     def coalesced(call):
         with dist._coalescing_manager(async_ops=True) as cm:
@@ -105,7 +106,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
     res = run_gloo(_worker, args.world, args.sizes, args.reps)[0]
-    print(f"\n{len(args.sizes)} segments {args.sizes} (fp32 elements per rank) on {args.world} gloo "
+    print(f"\n{len(args.sizes)} segments {args.sizes} (fp32 elements per rank) on {args.world} "
+          f"gloo "
           f"ranks, median of {args.reps}, torch {torch.__version__}\n")
     print(f"{'collective':16s}{'variant':12s}{'time':>10s}{'/ single':>10s}")
     print("-" * 48)

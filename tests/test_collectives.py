@@ -76,8 +76,10 @@ def _compare(rank: int, ws: int):
             out[(name, async_op)] = (packed[2], packed[3])
     # the reference: every rank's chunk in place, the sum of every rank's gradient chunk
     chunks = [_inputs(r)[0] for r in range(ws)]
-    expect = torch.cat([torch.cat([c[s.chunk_offset:s.chunk_offset + s.chunk_numel] for c in chunks])
-                        for s in TILED])
+    expect = torch.cat([
+        torch.cat([c[s.chunk_offset:s.chunk_offset + s.chunk_numel] for c in chunks])
+        for s in TILED
+    ])
     gathered, reduced, _, _ = _run(TILED, True, False)
     assert torch.equal(gathered, expect)
     mine = [sum(_inputs(r)[1][k].view(ws, -1)[rank] for r in range(ws)) for k in range(len(SIZES))]
@@ -99,13 +101,15 @@ def _mixed_parts(rank: int, ws: int) -> dict:
     out = {}
     for d1, d2 in MIXED:
         gen = torch.Generator().manual_seed(rank)
-        chunks = [torch.randn(sum(SIZES), generator=gen).to(d1), torch.randn(5, generator=gen).to(d2)]
+        chunks = [torch.randn(sum(SIZES), generator=gen).to(d1),
+                  torch.randn(5, generator=gen).to(d2)]
         grads = [[torch.randn(WORLD * c, generator=gen).to(d1) for c in SIZES],
                  [torch.randn(WORLD * 5, generator=gen).to(d2)]]
         segments = [TILED, (Segment(0, 0, 5),)]
         results = []
         for coalesced in (True, False):
-            gathered = [torch.full((WORLD * c.numel(),), float("nan"), dtype=c.dtype) for c in chunks]
+            gathered = [torch.full((WORLD * c.numel(),), float("nan"), dtype=c.dtype)
+                        for c in chunks]
             reduced = [torch.full_like(c, float("nan")) for c in chunks]
             with CommDebugMode() as comm:
                 if coalesced:
