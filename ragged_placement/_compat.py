@@ -174,6 +174,13 @@ def _run(equal, uneven, group, async_op: bool):
     return None
 
 
+def _run_parts(calls, group, async_op: bool):
+    """Run every part's ``(equal, uneven)`` calls as one collective (:func:`_run`)."""
+    equal = [call for part_equal, _ in calls for call in part_equal]
+    uneven = [call for _, part_uneven in calls for call in part_uneven]
+    return _run(equal, uneven, group, async_op)
+
+
 def _packed_sizes(segments, group) -> list[int] | None:
     """Per-segment chunk sizes when a reduce-scatter of ``segments`` runs packed, else ``None``.
 
@@ -181,8 +188,8 @@ def _packed_sizes(segments, group) -> list[int] | None:
     reduce-scatter of the same bytes for a GPT block's three segments (packed: 1.08-1.17x);
     separate async calls are no faster, while packing an all-gather only adds its copy-out
     (``benchmarks/collectives.py``, table in ``docs/fsdp.md``). There several equal segments
-    that tile the chunk in order are reduce-scattered as one collective from a rank-major staging buffer that FSDP2's copy-in
-    op fills (``torch._chunk_cat``, counted by
+    that tile the chunk in order are reduce-scattered as one collective from a rank-major
+    staging buffer that FSDP2's copy-in op fills (``torch._chunk_cat``, counted by
     :class:`~ragged_placement.fsdp.profiling.LayoutCopyMeter`). NCCL groups coalesced calls
     without copies: segments stay zero-copy there, and all-gathers everywhere."""
     if len(segments) < 2 or any(s.rank_starts is not None for s in segments):
@@ -238,12 +245,9 @@ def all_gather_parts(parts, world_size: int, group=None, async_op: bool = False)
     the largest comes first (torch 2.13: an fp32 part before a float64 or after a bf16 one)."""
     rank = dist.get_rank(group)
     as_bytes = len({input.dtype for _, input, _ in parts}) > 1
-    equal, uneven = [], []
-    for output, input, segments in parts:
-        e, u = _gather_calls(output, input, segments, world_size, rank, group, as_bytes)
-        equal += e
-        uneven += u
-    return _run(equal, uneven, group, async_op)
+    calls = [_gather_calls(output, input, segments, world_size, rank, group, as_bytes)
+             for output, input, segments in parts]
+    return _run_parts(calls, group, async_op)
 
 
 def all_gather_segments(output: torch.Tensor, input: torch.Tensor, segments, world_size: int,
@@ -303,12 +307,9 @@ def reduce_scatter_parts(parts, world_size: int, op=dist.ReduceOp.SUM, group=Non
     for _, inputs, segments in parts:
         _check_reduce_inputs(inputs, segments, world_size)
     rank = dist.get_rank(group)
-    equal, uneven = [], []
-    for output, inputs, segments in parts:
-        e, u = _reduce_calls(output, inputs, segments, world_size, op, rank, group)
-        equal += e
-        uneven += u
-    return _run(equal, uneven, group, async_op)
+    calls = [_reduce_calls(output, inputs, segments, world_size, op, rank, group)
+             for output, inputs, segments in parts]
+    return _run_parts(calls, group, async_op)
 
 
 def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: int,

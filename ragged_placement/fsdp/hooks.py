@@ -336,11 +336,11 @@ class FSDPState:
             self.root.end_forward()
         raf = self.reshard_after_forward
         with outside_selective_checkpoint():
-            if not grad or (raf and not self.is_root and not isinstance(raf, PostForwardMesh)):
-                self.unit.reshard()
-            elif isinstance(raf, PostForwardMesh) and not self.is_root:
+            if grad and isinstance(raf, PostForwardMesh) and not self.is_root:
                 self.unit.reshard_post_forward(raf)  # sharded parameters registered
                 self.holds_forward_gather = True
+            elif not grad or (raf and not self.is_root):
+                self.unit.reshard()
             else:
                 # Keep the gathered buffer for backward, but expose the sharded parameters:
                 # autograd already holds the unsharded tensors it saved, and pre-backward

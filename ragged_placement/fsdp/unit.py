@@ -813,10 +813,16 @@ class FSDPUnit:
         """Block the host until this unit's asynchronous staging copies are complete (CUDA
         with pinned memory; nothing to wait for otherwise): afterwards the host may write the
         sharded chunk and read the sharded gradient."""
-        for event in (self._h2d_event, self._d2h_event):
-            if event is not None:
-                event.synchronize()
-        self._h2d_event = self._d2h_event = None
+        self._wait_host_to_device()
+        if self._d2h_event is not None:
+            self._d2h_event.synchronize()
+            self._d2h_event = None
+
+    def _wait_host_to_device(self) -> None:
+        """Block the host until the last asynchronous host-to-device staging copy is done."""
+        if self._h2d_event is not None:
+            self._h2d_event.synchronize()
+            self._h2d_event = None
 
     def wait_unshard(self) -> None:
         """Wait for an issued all-gather; afterwards the unsharded parameters hold the full values."""
@@ -864,9 +870,7 @@ class FSDPUnit:
         """Register the sharded parameters, keeping the gathered buffer as it is (a unit holding
         its forward's all-gather for backward), once a CPU-offload staging copy still reading
         the host chunk has finished: from here on the host may write it (an optimizer step)."""
-        if self._h2d_event is not None:
-            self._h2d_event.synchronize()
-            self._h2d_event = None
+        self._wait_host_to_device()
         self.register(sharded=True)
 
     def reshard_post_forward(self, pf: PostForwardMesh) -> None:
