@@ -19,7 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_gloo, run_threaded
-from test_fsdp_surface import BATCH, INIT, STEPS, TOL, X, Y, Net, _full, _net, _reference
+from test_fsdp_surface import (
+    INIT, X, Y, Net, _assert_matches, _full, _net, _optimizer, _reference, _steps,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -82,24 +84,12 @@ def _train(rank: int, ws: int, runtime: str, offload: OffloadPolicy,
     else:
         mesh = DeviceMesh("cpu", list(range(ws)))
     m = _build(runtime, mesh, offload, mp, meta)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    per = BATCH // ws
+    opt = _optimizer(m.parameters(), sgd=False)
     checked = runtime == "ours" and isinstance(offload, CPUOffloadPolicy)
     if checked:
         for _, unit in m.fsdp_units():
             unit.stats.reset()
-    losses = []
-    for s in range(STEPS):
-        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
-        loss = F.mse_loss(m(x), y)
-        loss.backward()
-        if checked:
-            _check_step(m)
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
+    losses = _steps(m, opt, rank, ws, _check_step if checked else None)
     if checked:  # AdamW's moments follow the parameters: on CPU
         states = [v for st in opt.state.values() for v in st.values() if isinstance(v, DTensor)]
         assert states and all(v._local_tensor.device.type == "cpu" for v in states)
@@ -126,15 +116,6 @@ def _all_runs(rank: int, ws: int):
 def runs():
     """Rank 0's results of every run in :data:`RUNS` (one gloo world for all of them)."""
     return run_gloo(_all_runs, WORLD)[0]
-
-
-def _assert_matches(result, ref, what: str) -> None:
-    losses, params = result
-    ref_losses, ref_params = ref
-    assert losses == pytest.approx(ref_losses, abs=TOL), what
-    assert params.keys() == ref_params.keys()
-    for k, v in params.items():
-        torch.testing.assert_close(v, ref_params[k], atol=TOL, rtol=0, msg=f"{what} {k}")
 
 
 def test_cpu_offload_trains_as_the_reference_and_fsdp2(runs):

@@ -108,6 +108,13 @@ def _train(rank: int, ws: int, runtime: str, shard, after_backward=None, sgd: bo
     mesh = DeviceMesh("cpu", list(range(ws)))
     shard(m, mesh, fully_shard if runtime == "ours" else torch_fully_shard)
     opt = _optimizer(m.parameters(), sgd)
+    return _steps(m, opt, rank, ws, after_backward), {k: _full(v) for k, v in m.named_parameters()}
+
+
+def _steps(m: nn.Module, opt: torch.optim.Optimizer, rank: int, ws: int,
+           after_backward=None) -> list[float]:
+    """``STEPS`` steps of the sharded ``m`` on this rank's part of each batch
+    (``after_backward(m)`` between backward and the optimizer step): the global mean losses."""
     per = BATCH // ws
     losses = []
     for s in range(STEPS):
@@ -121,19 +128,26 @@ def _train(rank: int, ws: int, runtime: str, shard, after_backward=None, sgd: bo
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         losses.append(total.item() / ws)
-    return losses, {k: _full(v) for k, v in m.named_parameters()}
+    return losses
+
+
+def _assert_matches(result, ref, what: str) -> None:
+    """``result`` and ``ref``, each ``(losses, full parameters)``, agree within ``TOL``."""
+    losses, params = result
+    ref_losses, ref_params = ref
+    assert losses == pytest.approx(ref_losses, abs=TOL), what
+    assert params.keys() == ref_params.keys()
+    for k, v in params.items():
+        torch.testing.assert_close(v, ref_params[k], atol=TOL, rtol=0, msg=f"{what} {k}")
 
 
 def _assert_matches_reference_and_fsdp2(
     shard, after_backward=None, grad_scale: float = 1.0, sgd: bool = False
 ) -> None:
-    ref_losses, ref_params = _reference(grad_scale, sgd)
+    ref = _reference(grad_scale, sgd)
     for runtime in ("ours", "fsdp2"):
-        for losses, params in run_threaded(_train, WORLD, runtime, shard, after_backward, sgd):
-            assert losses == pytest.approx(ref_losses, abs=TOL), runtime
-            assert params.keys() == ref_params.keys()
-            for k, v in params.items():
-                torch.testing.assert_close(v, ref_params[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
+        for result in run_threaded(_train, WORLD, runtime, shard, after_backward, sgd):
+            _assert_matches(result, ref, runtime)
 
 
 # -- MixedPrecisionPolicy ----------------------------------------------------------------------
@@ -312,12 +326,10 @@ def _train_pairs_on_gloo(rank: int, ws: int):
 
 @pytest.mark.multiprocess
 def test_reshard_after_forward_2_on_4_gloo_ranks_trains_as_one_process_and_fsdp2():
-    ref_losses, ref_params = _reference()
+    ref = _reference()
     for ours, theirs, pair_gathers in run_gloo(_train_pairs_on_gloo, 4):
-        for runtime, (losses, params) in (("ours", ours), ("fsdp2", theirs)):
-            assert losses == pytest.approx(ref_losses, abs=TOL), runtime
-            for k, v in params.items():
-                torch.testing.assert_close(v, ref_params[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
+        _assert_matches(ours, ref, "ours")
+        _assert_matches(theirs, ref, "fsdp2")
         # every step, each block gathers once over its pair in backward: its whole buffer
         assert len(pair_gathers) == STEPS
         for step in pair_gathers:
