@@ -24,6 +24,7 @@ import torch.distributed as dist
 from typing_extensions import Self  # a dependency of torch
 
 import ragged_placement._compat as compat
+from ragged_placement.fsdp import collectives
 
 __all__ = ["CollectiveWatch", "DistributedEnv", "init_distributed"]
 
@@ -31,7 +32,8 @@ _WATCHED = [
     (dist, ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
             "reduce_scatter_tensor", "all_to_all_single", "all_gather_object",
             "all_gather_single", "reduce_scatter_single")),
-    (compat, ("_all_gather", "_reduce_scatter", "_coalesced")),
+    (compat, ("_all_gather", "_reduce_scatter")),
+    (collectives, ("_coalesced",)),
 ]
 
 
