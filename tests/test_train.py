@@ -90,7 +90,7 @@ def runs(request, tmp_path_factory) -> dict:
     assert rc == 0, out[-4000:]
     fault = "kill" if runtime == "ours" else "hang"
     failed = [*common, "--checkpoint-dir", str(tmp / "failed"), "--output", str(tmp / "failed.pt"),
-              "--collective-timeout", "10"]
+              "--collective-timeout", "5"]
     rc2, out2, elapsed = torchrun(failed, restarts=1, env={FAULT_ENV: f"{fault}:1:{FAULT_STEP}"})
     assert rc2 == 0, out2[-4000:]
     return {"runtime": runtime, "dir": tmp, "out": out, "failed_out": out2, "elapsed": elapsed}
