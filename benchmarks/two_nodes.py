@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,9 @@ def _job(args: argparse.Namespace, config: list[str], metrics: str) -> dict:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=args.timeout, check=False)
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        log = Path(metrics).with_suffix(".log")
+        log.write_text(proc.stdout + proc.stderr)
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}); its output: {log}")
     return json.loads(Path(metrics).read_text())
 
 
@@ -96,14 +99,14 @@ def main() -> None:
     print("\n| run | tokens/s | MiB/step inside nodes | MiB/step across | params MiB | grads MiB "
           "| optimizer MiB | peak MiB |")
     print("|---|---|---|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory() as tmp:
-        for label, config in CONFIGS:
-            if config is None:
-                print(f"| {label} | - | - | - | - | - | - | - |  (needs issue 25's StateSharding)")
-                continue
-            runs = [_job(args, config, f"{tmp}/{i}.json") for i in range(args.runs)]
-            print(_row(label, runs, args.steps), flush=True)
-
+    tmp = tempfile.mkdtemp(prefix="two_nodes_")  # kept when a job fails: its log is there
+    for label, config in CONFIGS:
+        if config is None:
+            print(f"| {label} | - | - | - | - | - | - | - |  (needs issue 25's StateSharding)")
+            continue
+        runs = [_job(args, config, f"{tmp}/{i}.json") for i in range(args.runs)]
+        print(_row(label, runs, args.steps), flush=True)
+    shutil.rmtree(tmp)
 
 if __name__ == "__main__":
     main()

@@ -18,12 +18,14 @@ See ``docs/train.md``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
+from typing_extensions import Self  # a dependency of torch
 
 from ragged_placement.fsdp.profiling import (
     CollectiveMeter,
@@ -48,8 +51,13 @@ from ragged_placement.trainer.build import (
     loss_fn,
 )
 from ragged_placement.trainer.checkpoint import Checkpointer, latest_checkpoint, read_manifest
-from ragged_placement.trainer.config import TrainConfig, parse_config
-from ragged_placement.trainer.distributed import CollectiveWatch, DistributedEnv, init_distributed
+from ragged_placement.trainer.config import TrainConfig, check_world, parse_config
+from ragged_placement.trainer.distributed import (
+    CollectiveWatch,
+    DistributedEnv,
+    init_distributed,
+    torchrun_env,
+)
 
 __all__ = ["main"]
 
@@ -130,6 +138,27 @@ def _net_bytes() -> dict[str, int]:
     return {p.name: int((p / "statistics" / "tx_bytes").read_text()) for p in root.iterdir()}
 
 
+class _CudaPeakMeter:
+    """:class:`HeapPeakMeter`'s interface on a GPU: the caching allocator's peak during the
+    :meth:`measure` windows, above the memory allocated when the meter was entered."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peak, self._base = device, 0, 0
+
+    def __enter__(self) -> Self:
+        self._base = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device) - self._base)
+
+
 class _Progress:
     """One line per ``--log-every`` steps (loss, tokens/s, memory, bytes sent); a bar rewritten
     in place when stdout is a terminal."""
@@ -202,7 +231,8 @@ def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[s
     random.seed(cfg.seed)
     mesh = build_mesh(cfg, env.device, env.world_size)
     data = TokenData(cfg)
-    with HeapPeakMeter() as mem:
+    meter = _CudaPeakMeter(env.device) if env.device.type == "cuda" else HeapPeakMeter()
+    with meter as mem:
         model = build_model(cfg, mesh, env.device)
         opt, ckpt = build_optimizer(cfg, model), None
         sched = build_scheduler(cfg, opt)
@@ -276,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_config(argv)
         resume = find_resume(cfg, int(os.environ.get("RANK", "0")))
+        check_world(cfg, torchrun_env()[1])
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -287,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     if env.rank == 0 and cfg.metrics:
         out.update(per_rank=per_rank, world_size=env.world_size, config=vars(cfg))
         Path(cfg.metrics).write_text(json.dumps(out, indent=1))
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
 

@@ -10,7 +10,7 @@
 # bound to the namespace's veth (GLOO_SOCKET_IFNAME), running `python -m ragged_placement.train
 # TRAIN_ARGS`. Everything it created (processes, namespaces, the veth pair) is removed when it
 # exits, also on Ctrl-C or failure. Needs root or CAP_NET_ADMIN; without, it says so and exits 1.
-# The exit status is the first failing node's, else 0. PYTHON selects the interpreter
+# The exit status is the first failing node's (the other node is then stopped), else 0. PYTHON selects the interpreter
 # (default .venv/bin/python).
 set -euo pipefail
 
@@ -85,8 +85,7 @@ for i in 0 1; do
   PIDS+=("$!")
 done
 status=0
-for pid in "${PIDS[@]}"; do
-  wait "$pid" || { rc=$?; [[ $status == 0 ]] && status=$rc; }
+for _ in 0 1; do  # the first node to fail ends the job (the other would wait in torchrun's barriers)
+  wait -n || { status=$?; break; }
 done
-PIDS=()
 exit "$status"

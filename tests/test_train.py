@@ -11,6 +11,7 @@ Bad options are checked in-process (they fail before any process-group work).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -27,12 +28,14 @@ import torch
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement.train import FAULT_ENV, find_resume, main
 from ragged_placement.trainer.checkpoint import CheckpointCorruptError, Checkpointer
-from ragged_placement.trainer.config import parse_config
+from ragged_placement.trainer.config import check_world, parse_config
 
 STEPS, EVERY, FAULT_STEP = 8, 2, 5
 SMALL = ["--layers", "2", "--width", "32", "--heads", "2", "--seq", "16", "--batch", "2",
          "--data-bytes", "65536", "--steps", str(STEPS), "--lr", "1e-2", "--warmup", "2",
          "--seed", "3", "--log-every", "4"]
+# main() in-process: torchrun's @record cannot install its fault handler under pytest's capture
+pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 TIMEOUT = 240  # hang guard per torchrun launch, never what decides a pass
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,6 +99,7 @@ def runs(request, tmp_path_factory) -> dict:
     return {"runtime": runtime, "dir": tmp, "out": out, "failed_out": out2, "elapsed": elapsed}
 
 
+@functools.cache
 def _reference() -> dict[str, torch.Tensor]:
     """One process, the concatenated batch of both ranks, the same schedule (warmup, cosine)."""
     torch.manual_seed(3)
@@ -214,6 +218,8 @@ def test_toml_config_and_flags(tmp_path):
                     'mesh_dim_names = ["inter", "intra"]\nstate_sharding = "hsdp"\n')
     cfg = parse_config(["--config", str(toml), "--steps", "9"])
     assert (cfg.steps, cfg.lr, cfg.mesh, cfg.mesh_dim_names) == (9, 0.5, (2, 2), ("inter", "intra"))
+    with pytest.raises(ValueError, match="--mesh 2x2 needs 4 ranks, the job has 3"):
+        check_world(cfg, 3)
     toml.write_text("stepz = 3\n")
     with pytest.raises(ValueError, match="unknown option 'stepz'"):
         parse_config(["--config", str(toml)])

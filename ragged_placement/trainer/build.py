@@ -64,9 +64,6 @@ def build_mesh(cfg: TrainConfig, device: torch.device, world_size: int) -> Devic
     """The data-parallel mesh: ``--mesh`` (default: all ranks in one dim); ``zero3`` shards over
     every rank (a 2-D mesh is flattened), ``hsdp`` replicates over the first dim."""
     shape = cfg.mesh or (world_size,)
-    if math.prod(shape) != world_size:
-        raise ValueError(f"--mesh {'x'.join(map(str, shape))} needs {math.prod(shape)} ranks, "
-                         f"the job has {world_size}")
     names = cfg.mesh_dim_names or (("replicate", "shard") if len(shape) == 2 else ("dp",))
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     if cfg.state_sharding == "zero3" and len(shape) == 2:

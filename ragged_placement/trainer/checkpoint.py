@@ -130,8 +130,9 @@ class Checkpointer:
         if final.exists():
             raise FileExistsError(f"checkpoint {final} exists; it is never written over")
         rank = dist.get_rank()
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt's unpublished save
+        if rank == 0:  # earlier attempts' unpublished saves: never complete, never resumed
+            for stale in self.directory.glob(".tmp-step_*"):
+                shutil.rmtree(stale)
         dist.barrier()
         state = {"model": get_model_state_dict(model),
                  "optim": get_optimizer_state_dict(model, optimizer)}

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RUNTIMES", "STATE_SHARDINGS", "TrainConfig", "parse_config"]
+__all__ = ["RUNTIMES", "STATE_SHARDINGS", "TrainConfig", "check_world", "parse_config"]
 
 RUNTIMES = ("ours", "fsdp2")
 STATE_SHARDINGS = ("zero3", "hsdp", "zero1", "zero2", "amsp", "auto")
@@ -216,6 +217,13 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError("--fp8 needs --runtime ours (torch FSDP2 has no block-wise FP8 gather)")
     if cfg.data != "stdlib" and not os.path.isfile(cfg.data):
         raise ValueError(f"--data must be 'stdlib' or a token file, got {cfg.data!r} (no such file)")
+
+
+def check_world(cfg: TrainConfig, world_size: int) -> None:
+    """Raise ``ValueError`` if ``--mesh`` does not cover the job's ``world_size`` ranks."""
+    if cfg.mesh is not None and math.prod(cfg.mesh) != world_size:
+        raise ValueError(f"--mesh {'x'.join(map(str, cfg.mesh))} needs {math.prod(cfg.mesh)} "
+                         f"ranks, the job has {world_size}")
 
 
 def _check_mesh(cfg: TrainConfig) -> None:

@@ -26,7 +26,7 @@ from typing_extensions import Self  # a dependency of torch
 import ragged_placement._compat as compat
 from ragged_placement.fsdp import collectives
 
-__all__ = ["CollectiveWatch", "DistributedEnv", "init_distributed"]
+__all__ = ["CollectiveWatch", "DistributedEnv", "init_distributed", "torchrun_env"]
 
 _WATCHED = [
     (dist, ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
