@@ -262,17 +262,16 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
         for step in range(start, cfg.steps):
             watch.step = step
             _inject_fault(env.rank, step)
+            measured = step == last and step > start  # memory and copies; not timed
             t0 = time.perf_counter()
             try:
-                if step == last and cfg.steps - start > 1:  # measured: memory and copies
-                    with mem.measure(), copies:
-                        loss = _train_step(model, opt, sched, data, cfg, env, step)
-                else:
-                    loss = _train_step(model, opt, sched, data, cfg, env, step)
-                    timed = (timed[0] + time.perf_counter() - t0, timed[1] + (step > start))
+                idle = contextlib.nullcontext()
+                with mem.measure() if measured else idle, copies if measured else idle:
+                    losses.append(_train_step(model, opt, sched, data, cfg, env, step).item())
             except (RuntimeError, dist.DistBackendError) as e:
                 raise watch.failure(e) from e
-            losses.append(loss.item())
+            if start < step and not measured:  # the first step warms up
+                timed = (timed[0] + time.perf_counter() - t0, timed[1] + 1)
             sent = meter.all_gather_bytes + meter.reduce_scatter_bytes
             progress.update(step, losses[-1], sched.get_last_lr()[0], sent)
             if ckpt is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
