@@ -58,13 +58,20 @@ def _descendants(pid: int) -> list[int]:
 
 def run_command(cmd: list[str], *, env: dict[str, str] | None = None,
                 timeout: float = TIMEOUT) -> tuple[int, str]:
-    """Run ``cmd`` (output merged); on timeout kill it and every process under it, and raise."""
+    """Run ``cmd`` (output merged). On timeout: SIGTERM (torchrun stops its workers,
+    two_nodes.sh removes its namespaces), then SIGKILL whatever is left under it; raise."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})}, cwd=REPO)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in [*_descendants(proc.pid), proc.pid]:
+        tree = _descendants(proc.pid)
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in [*tree, proc.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
