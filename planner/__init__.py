@@ -10,10 +10,16 @@ from ragged_placement.planner.granularity import CutSpec, Granularity, Granulari
 from ragged_placement.planner.packing import chunk_lower_bound
 from ragged_placement.planner.plan import Plan, Segment, plan, plan_units
 from ragged_placement.planner.segments import SegmentedPlan, plan_segmented
-from ragged_placement.planner.uneven import UnevenPlan, layers_per_unit, plan_uneven, shard0_padding
+from ragged_placement.planner.uneven import (
+    UnevenPlan,
+    gather_starts,
+    layers_per_unit,
+    plan_uneven,
+    shard0_padding,
+)
 
 __all__ = [
     "plan", "plan_units", "plan_segmented", "Plan", "SegmentedPlan", "Segment", "Granularity",
     "GranularityPolicy", "CutSpec", "chunk_lower_bound", "UnevenPlan", "plan_uneven",
-    "shard0_padding", "layers_per_unit",
+    "shard0_padding", "layers_per_unit", "gather_starts",
 ]

@@ -236,8 +236,7 @@ def plan_unit(
     arrive a whole backward apart, and each segment's gradient buffer is allocated when
     backward reaches it. Inside a leaf unit they arrive within one unit's backward, where extra
     segments would only cost collective parts. ``uneven``: uneven per-rank chunks where equal
-    ones would pad (:class:`~ragged_placement.planner.UnevenPlan`); off for FP8 units, whose
-    gather packs equal chunks."""
+    ones would pad (:class:`~ragged_placement.planner.UnevenPlan`), FP8 units included."""
     from ragged_placement.planner import plan_segmented
 
     if not slots:
@@ -377,7 +376,6 @@ class FSDPUnit:
         # empty buffers, and issues no collectives.
         self.plan = plan_unit(
             slots, self.world_size, policy, dtype, self.group, split_by_submodule=split_by_submodule,
-            uneven=not any(self.quantized),
         )
         self.chunk_numel = self.plan.chunk_numel if slots else 0
         self.layouts = self._layouts(tp_specs)
@@ -738,12 +736,7 @@ class FSDPUnit:
         send = self._send_buffer(pf)
         self._ag_send = send
         world_size = self.world_size if pf is None else pf.size
-        if self.fp8 is not None:  # the send buffers, gathered whole in rank order
-            segments = [Segment(0, 0, send.numel())]
-        elif pf is None:
-            segments = self.plan.segments
-        else:
-            segments = self.post_forward_segments(pf)
+        segments = self._gather_segments if pf is None else self.post_forward_segments(pf)
         group = self.group if pf is None else pf.group
         return Gather(self.unsharded, send, segments, world_size, group, pf is not None)
 
@@ -850,13 +843,19 @@ class FSDPUnit:
         self.post_forward_shard = None
 
     # -- reshard after forward to a smaller group (an int reshard_after_forward) ---------------
+    @property
+    def _gather_segments(self) -> Sequence[Segment]:
+        """The segments of the all-gather: the plan's, or for an FP8 unit the one segment of
+        its send buffers (bytes, in rank order; uneven where they are)."""
+        return [self.fp8.segment] if self.fp8 is not None else self.plan.segments
+
     def post_forward_segments(self, pf: PostForwardMesh) -> list:
-        """The plan's segments coarsened to ``pf``'s ``N`` places: place ``j`` owns, in each
-        segment, the chunks of shard ranks ``j * factor`` to ``(j + 1) * factor - 1`` (equal:
-        ``factor * chunk_numel`` elements; uneven: ``rank_starts[::factor]``), at
+        """The all-gather's segments coarsened to ``pf``'s ``N`` places: place ``j`` owns, in
+        each segment, the chunks of shard ranks ``j * factor`` to ``(j + 1) * factor - 1``
+        (equal: ``factor * chunk_numel`` elements; uneven: ``rank_starts[::factor]``), at
         ``chunk_offset`` in :attr:`post_forward_shard`."""
         out, offset = [], 0
-        for seg in self.plan.segments:
+        for seg in self._gather_segments:
             if seg.rank_starts is None:
                 starts, numel = None, seg.chunk_numel * pf.factor
             else:
@@ -882,19 +881,13 @@ class FSDPUnit:
         if self.state is not UnitState.UNSHARDED or not self.slots:
             self.reshard()
             return
-        if self.fp8 is not None:  # the gathered send buffers, rank-major: places are contiguous
-            n = self.fp8.send_nbytes * pf.factor
-            kept = self.unsharded[pf.rank * n : (pf.rank + 1) * n].clone()
-        else:
-            segments = self.post_forward_segments(pf)
-            kept = torch.empty(
-                sum(s.chunk_numel for s in segments), dtype=self.param_dtype, device=self.device
+        segments = self.post_forward_segments(pf)
+        kept = self.unsharded.new_empty(sum(s.chunk_numel for s in segments))
+        for seg in segments:
+            lo, hi = seg.rank_range(pf.rank)
+            kept[seg.chunk_offset : seg.chunk_offset + hi - lo].copy_(
+                self.unsharded[seg.buffer_offset + lo : seg.buffer_offset + hi]
             )
-            for seg in segments:
-                lo, hi = seg.rank_range(pf.rank)
-                kept[seg.chunk_offset : seg.chunk_offset + hi - lo].copy_(
-                    self.unsharded[seg.buffer_offset + lo : seg.buffer_offset + hi]
-                )
         self.reshard()
         self.post_forward_shard, self._post_forward = kept, pf
 
