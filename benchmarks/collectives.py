@@ -9,7 +9,7 @@ the GPT 4x128 block's, ``--sizes``) issued
 * ``coalesced``: in torch's ``_coalescing_manager`` (zero-copy, what NCCL runs);
 * ``separate``: as one async collective per segment, waited together;
 * ``packed``: as one collective through a staging buffer with FSDP2's copy ops (what
-  :func:`ragged_placement._compat.reduce_scatter_segments` runs on gloo).
+  :func:`ragged_placement.fsdp.collectives.reduce_scatter_segments` runs on gloo).
 
 Medians of ``--reps`` alternating repetitions, each between barriers; ratios to ``single``.
 
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ragged_placement import _compat
+from ragged_placement.fsdp import collectives
 from ragged_placement.fsdp.fp8 import fp8_granularity
 from ragged_placement.launch import run_gloo
 from ragged_placement.models import Block, GPTConfig
@@ -88,7 +89,7 @@ def _variants(sizes: list[int], ws: int) -> dict[str, dict]:
             "single": lambda: _compat.reduce_scatter_single(reduced, full),
             "coalesced": lambda: coalesced(rs),
             "separate": lambda: separate(rs),
-            "packed": lambda: _compat.reduce_scatter_segments(reduced, grads, segments, ws),
+            "packed": lambda: collectives.reduce_scatter_segments(reduced, grads, segments, ws),
         },
     }
 
@@ -137,7 +138,7 @@ def _fp8_worker(rank: int, ws: int, width: int, reps: int) -> dict:
         send = layout.pack(rank, chunk, kernel="torch")
         out = torch.empty(layout.gathered_nbytes, dtype=torch.uint8)
         seg = Segment(0, 0, layout.send_nbytes, layout.send_starts if layout.uneven else None)
-        runs[name] = lambda out=out, send=send, seg=seg: _compat.all_gather_segments(
+        runs[name] = lambda out=out, send=send, seg=seg: collectives.all_gather_segments(
             out, send, [seg], ws)
         gathered[name] = (layout, out)
     times = {name: [] for name in runs}

@@ -7,7 +7,7 @@ would pad (more than 1%, or more than per-parameter ``Shard(0)``) the planner re
 chunks instead (:class:`~ragged_placement.planner.UnevenPlan`): the buffer holds exactly the
 parameters (``plan.buffer_numel``), rank ``r`` owns ``[rank_starts[r], rank_starts[r+1])``, every
 rank's sharded buffer has the largest chunk's size and uses its first ``plan.rank_numel(r)``
-elements, and the collectives are the uneven ones of :mod:`ragged_placement._compat`. Because
+elements, and the collectives are the uneven ones of :mod:`ragged_placement.fsdp.collectives`. Because
 the planner cuts only on row (or coarser) boundaries, each parameter's part of a chunk is a :class:`RaggedShard` local tensor.
 
 Buffers a unit holds (``W`` = world size, ``P`` = ``param_dtype``, ``R`` = ``reduce_dtype``):
@@ -88,9 +88,8 @@ segments coarsened, :meth:`FSDPUnit.post_forward_segments`), copied out once bef
 from __future__ import annotations
 
 import contextlib
-import enum
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -100,23 +99,29 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from ragged_placement._compat import all_gather_parts, reduce_scatter_parts
-from ragged_placement.fsdp.fp8 import FP8UnitGather, fp8_granularity, is_fp8_weight
-from ragged_placement.fsdp.mesh import (
-    DataParallelMesh,
+from ragged_placement.fsdp.collectives import (
+    Gather,
+    Reduction,
+    issue_all_gather,
+    issue_reduce_scatter,
+)
+from ragged_placement.fsdp.common import CommStats, UnitState
+from ragged_placement.fsdp.fp8 import FP8UnitGather, is_fp8_weight
+from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
+from ragged_placement.fsdp.param import (
     ParamLayout,
-    PostForwardMesh,
+    ParamSlot,
+    alias,
+    mesh_device,
+    rebind,
+    resolve_granularity,
     spmd_mesh,
-    tp_policy,
     tp_spec_of,
     unit_tp_mesh,
 )
 from ragged_placement.planner.plan import Segment
 
-__all__ = [
-    "CommStats", "FSDPUnit", "MultiDtypeUnit", "ParamSlot", "build_unit", "plan_unit",
-    "resolve_granularity",
-]
+__all__ = ["FSDPUnit", "MultiDtypeUnit", "build_unit", "plan_unit"]
 
 
 def _submodule_groups(fqns: list[str]) -> list[list[str]]:
@@ -125,95 +130,6 @@ def _submodule_groups(fqns: list[str]) -> list[list[str]]:
     for fqn in fqns:
         groups.setdefault(fqn.split(".", 1)[0] if "." in fqn else "", []).append(fqn)
     return list(groups.values())
-
-
-@dataclass
-class ParamSlot:
-    """Where one managed parameter lives: every ``(module, attribute)`` that registers it.
-    ``shape`` is the planned (for a tensor-parallel DTensor, the TP-local) shape."""
-
-    fqn: str
-    owners: list[tuple[nn.Module, str]]
-    shape: torch.Size
-    requires_grad: bool
-
-
-@dataclass
-class CommStats:
-    """Per-unit counters of collectives issued and bytes moved (this rank's send + receive view).
-
-    ``all_gathers`` / ``all_gather_bytes`` count every all-gather (bytes: its output, the unit's
-    gathered buffer); the ``post_forward_`` ones count those of them that ran over the
-    post-forward group (an ``int`` ``reshard_after_forward``) instead of the shard group. The
-    ``h2d_`` / ``d2h_`` ones count the CPU-offload staging copies: host-to-device before each
-    all-gather, device-to-host after each reduction (zero without offload)."""
-
-    all_gathers: int = 0
-    reduce_scatters: int = 0
-    all_reduces: int = 0  # HSDP: over the replicate dim
-    all_gather_bytes: int = 0
-    reduce_scatter_bytes: int = 0
-    all_reduce_bytes: int = 0
-    post_forward_all_gathers: int = 0
-    post_forward_all_gather_bytes: int = 0
-    h2d_copies: int = 0
-    d2h_copies: int = 0
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, 0)
-
-
-class UnitState(enum.Enum):
-    SHARDED = "sharded"
-    UNSHARDING = "unsharding"  # all-gather issued, not waited on
-    UNSHARDED = "unsharded"
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
-
-
-def _alias(
-    storage: torch.UntypedStorage,
-    dtype: torch.dtype,
-    device: torch.device,
-    offset: int,
-    shape: torch.Size,
-) -> torch.Tensor:
-    """A tensor over ``storage`` with its own version counter (a plain view would share the
-    buffer's, and the all-gather writing the buffer would invalidate tensors autograd saved)."""
-    out = torch.empty(0, dtype=dtype, device=device)
-    out.set_(storage, offset, shape, _contiguous_stride(shape))
-    return out
-
-
-def resolve_granularity(
-    granularity,
-    slots: list[ParamSlot],
-    tp_specs: list[DTensorSpec | None],
-    quantized: list[bool],
-    quant,
-):
-    """The planner policy of a unit: the user's ``granularity``, then the tensor-parallel
-    constraint (never cut a TP-sharded dim), then the FP8 one (whole quantization blocks).
-
-    ``ValueError`` if FP8 weights and tensor-parallel parameters share the unit, or if the
-    user's policy cuts what a constraint keeps whole."""
-    policy = granularity
-    if any(t is not None for t in tp_specs):
-        if any(quantized):
-            tp_names = [s.fqn for s, t in zip(slots, tp_specs) if t is not None]
-            raise ValueError(
-                f"quant does not compose with tensor-parallel parameters yet: {tp_names}"
-            )
-        policy = tp_policy(policy, {s.fqn: t for s, t in zip(slots, tp_specs)})
-    if any(quantized):
-        fp8_shapes = {s.fqn: tuple(s.shape) for s, q in zip(slots, quantized) if q}
-        policy = fp8_granularity(policy, fp8_shapes, quant.block)
-    return policy
 
 
 def plan_unit(
@@ -283,28 +199,6 @@ def _unit_device(
             f"not: build the whole unit under torch.device('meta') or none of it"
         )
     return params[0].device
-
-
-def _rebind(param: nn.Parameter, value: torch.Tensor) -> None:
-    """Point ``param`` at ``value``'s data, keeping the parameter object (optimizers hold it).
-
-    Where ``.data`` can be assigned (same tensor type; any device but meta) the parameter also
-    keeps its hooks and version counter, a DTensor taking over ``value``'s local tensor and
-    spec; to or from the meta device the contents are swapped as ``nn.Module._apply`` does."""
-    if torch._has_compatible_shallow_copy_type(param, value):
-        param.data = value
-        if isinstance(value, DTensor):
-            param._local_tensor = value._local_tensor
-            param._spec = value._spec
-    else:
-        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device of this rank on ``mesh`` (the current CUDA device for a CUDA mesh)."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
 class FSDPUnit:
@@ -426,13 +320,13 @@ class FSDPUnit:
         are left to the caller (:meth:`bind`)."""
         device = torch.device(device)
         offloaded = self.offload_device is not None and device.type != "meta"
-        self.device = _mesh_device(self.mesh) if offloaded else device  # the compute device
+        self.device = mesh_device(self.mesh) if offloaded else device  # the compute device
         self.orig_dtype = dtype
         param_dtype, reduce_dtype = self._mp_dtypes
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         # The unsharded parameters never live on the meta device: they keep their hooks only
-        # through moves between devices of one tensor type (see _rebind).
+        # through moves between devices of one tensor type (see rebind).
         self.sharded = self._new_sharded(dtype)
         self._allocate_unsharded(self.device)
         self.state = UnitState.SHARDED
@@ -532,7 +426,7 @@ class FSDPUnit:
             # On the meta device: one-element placeholders of each parameter's shape on the
             # mesh's device, re-pointed (hooks kept) at the all-gather output by to_empty.
             self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
-            compute = _mesh_device(self.mesh)
+            compute = mesh_device(self.mesh)
             unsharded = [
                 torch.zeros((), dtype=self.param_dtype, device=compute).expand(slot.shape)
                 for slot in self.slots
@@ -550,7 +444,7 @@ class FSDPUnit:
             self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
             unsharded = []
             for slot, tp in zip(self.slots, self.unsharded_specs):
-                t = _alias(
+                t = alias(
                     self._storage,
                     self.param_dtype,
                     self.unsharded.device,
@@ -570,8 +464,8 @@ class FSDPUnit:
                     u = nn.Parameter(u, requires_grad=slot.requires_grad)
                 self.unsharded_params.append(u)
             else:
-                _rebind(self.sharded_params[i], sharded[i])
-                _rebind(self.unsharded_params[i], unsharded[i])
+                rebind(self.sharded_params[i], sharded[i])
+                rebind(self.unsharded_params[i], unsharded[i])
         self.register(sharded=True)
 
     # -- parameters ----------------------------------------------------------------------------
@@ -1004,93 +898,6 @@ class FSDPUnit:
                 p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
             else:
                 p.grad._local_tensor.add_(views[slot.fqn])
-
-
-@dataclass(frozen=True)
-class Gather:
-    """One unit's share of an all-gather (:meth:`FSDPUnit.prepare_unshard`): this rank's
-    ``input`` gathered into ``output`` by ``segments`` over ``group`` of ``world_size`` ranks
-    (the post-forward group where ``post_forward``)."""
-
-    output: torch.Tensor
-    input: torch.Tensor
-    segments: Sequence[Segment]
-    world_size: int
-    group: object
-    post_forward: bool
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """One unit's share of a reduce-scatter (:meth:`FSDPUnit.prepare_reduce`): ``inputs`` (one
-    per segment) summed over ``group`` of ``world_size`` ranks into ``output``."""
-
-    output: torch.Tensor
-    inputs: list[torch.Tensor]
-    segments: Sequence[Segment]
-    world_size: int
-    group: object
-
-
-class _SharedWork:
-    """The work of one collective held by several units: the first :meth:`wait` waits on it,
-    later ones return at once."""
-
-    def __init__(self, work) -> None:
-        self._work = work
-
-    def wait(self, timeout=None) -> bool:
-        if self._work is not None:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
-            self._work = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
-
-
-def _one_group(requests: list) -> tuple[object, int]:
-    """The group and world size ``requests`` share (the parts of one unit share its mesh)."""
-    group, world_size = requests[0].group, requests[0].world_size
-    if any(r.group is not group or r.world_size != world_size for r in requests):
-        raise RuntimeError(
-            "units coalesced into one collective must share its process group: got "
-            f"{[(r.group, r.world_size) for r in requests]}"
-        )
-    return group, world_size
-
-
-def issue_all_gather(gathers: list[Gather], stats: CommStats) -> _SharedWork:
-    """Issue ``gathers`` (one unit's, or the parts' of a :class:`MultiDtypeUnit`) as one
-    coalesced all-gather, counted once in ``stats`` (bytes: all outputs); returns its work,
-    which every unit of ``gathers`` may hold and wait on."""
-    group, world_size = _one_group(gathers)
-    nbytes = sum(g.output.numel() * g.output.element_size() for g in gathers)
-    stats.all_gathers += 1
-    stats.all_gather_bytes += nbytes
-    if any(g.post_forward for g in gathers):
-        stats.post_forward_all_gathers += 1
-        stats.post_forward_all_gather_bytes += nbytes
-    work = all_gather_parts(
-        [(g.output, g.input, g.segments) for g in gathers], world_size, group=group, async_op=True
-    )
-    return _SharedWork(work)
-
-
-def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats) -> _SharedWork:
-    """Issue ``reductions`` (one unit's, or the parts' of a :class:`MultiDtypeUnit`) as one
-    coalesced reduce-scatter (a sum), counted once in ``stats`` (bytes: all inputs); returns
-    its work, which every unit of ``reductions`` may hold and wait on."""
-    group, world_size = _one_group(reductions)
-    stats.reduce_scatters += 1
-    stats.reduce_scatter_bytes += sum(
-        g.numel() * g.element_size() for r in reductions for g in r.inputs
-    )
-    work = reduce_scatter_parts(
-        [(r.output, r.inputs, r.segments) for r in reductions], world_size,
-        op=dist.ReduceOp.SUM, group=group, async_op=True,
-    )
-    return _SharedWork(work)
 
 
 def _recorded_event(device: torch.device) -> torch.Event:
