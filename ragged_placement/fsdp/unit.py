@@ -88,7 +88,7 @@ segments coarsened, :meth:`FSDPUnit.post_forward_segments`), copied out once bef
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
