@@ -24,8 +24,9 @@ train in 128x128-block FP8:
 
 ``ours`` and ``fsdp2_bf16`` are measured (``src = run``): each runtime shards the unit over a
 fake process group of ``W`` ranks in this process (collectives move no data, their sizes are
-real) and the bytes come from :class:`~ragged_placement.fsdp.profiling.CollectiveMeter` around
-the unit's real ``unshard()``. A step gathers a unit twice (forward, and again in backward after
+real; an uneven gather, which the fake group cannot run, is a no-op of the same output) and the
+bytes come from :class:`~ragged_placement.fsdp.profiling.CollectiveMeter` around the unit's
+real ``unshard()``. A step gathers a unit twice (forward, and again in backward after
 ``reshard_after_forward``) in both runtimes. Units with more than ``--max-run-params``
 parameters do not fit in this machine's memory (the runtime takes the full fp32 unit as input):
 their rows (``src = plan``) give the byte count of the same (segmented) plan and per-segment
@@ -74,7 +75,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
+from ragged_placement.fsdp import MixedPrecisionPolicy, collectives, fully_shard
 from ragged_placement.fsdp.fp8 import FP8UnitGather, fp8_granularity
 from ragged_placement.fsdp.profiling import CollectiveMeter
 from ragged_placement.models import Block, GPTConfig
@@ -182,6 +183,19 @@ def fake_world(world: int) -> Iterator[DeviceMesh]:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def fake_uneven_gathers() -> Iterator[None]:
+    """The fake process group rejects torch's list ``all_gather`` of uneven sizes; its
+    collectives move no data anyway, so the uneven gather becomes a no-op with the same output
+    (which :class:`CollectiveMeter` counts)."""
+    saved = collectives._all_gather_uneven
+    collectives._all_gather_uneven = lambda *args: collectives._Works([])
+    try:
+        yield
+    finally:
+        collectives._all_gather_uneven = saved
+
+
 def measure(make: Callable[[], nn.Module], world: int) -> tuple[int, int, Params]:
     """All-gather bytes per step of ours and of FSDP2 bf16, measured on a fake ``world``."""
     with fake_world(world) as mesh:
@@ -202,7 +216,7 @@ def measure(make: Callable[[], nn.Module], world: int) -> tuple[int, int, Params
             for p in module.parameters():
                 p.zero_()
         fully_shard(module, mesh=mesh, quant=QUANT, mp_policy=BF16)
-        with CollectiveMeter() as m1:
+        with fake_uneven_gathers(), CollectiveMeter() as m1:
             for _ in range(GATHERS_PER_STEP):
                 module.unshard()
                 module.reshard()
