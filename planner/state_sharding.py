@@ -1,0 +1,617 @@
+"""The partitioner: which :class:`~ragged_placement.fsdp.StateSharding` a model should train with.
+
+:func:`plan_state_sharding` evaluates every valid per-state sharding of a mesh (AMSP's planner,
+arXiv 2311.00257, without its pruning) with a memory model built from the planner's own layouts
+and a communication model built from the collectives the runtime issues per step, and picks the
+one with the least predicted communication time that fits a memory budget.
+
+Memory per rank, bytes, per state (``P`` = the gather dtype ``param_dtype``, ``R`` =
+``reduce_dtype``, ``s`` = each parameter's own (storage) dtype; ``W_X`` = the ranks state ``X`` is
+sharded over). Each unit (and each dtype of a unit, as :class:`~ragged_placement.fsdp.FSDPUnit`
+splits it) is planned once with ``plan_segmented(..., uneven=True)``, as ``fully_shard`` plans it,
+at ``W_optim`` ranks; the ``grads`` and ``params`` chunks are ``W_optim / W_grads`` and
+``W_optim / W_params`` consecutive optimizer chunks (the nested layout: a rank's optimizer shard
+lies inside its gradient shard inside its parameter shard, every level cut on the plan's
+granularity boundaries). ``c_X`` is the largest such chunk, padding included:
+
+* ``params``: ``sum_units c_params * s``: the runtime stores parameters in their own dtype (no
+  separate fp32 master copy; mixed precision casts at the gather), and the optimizer steps a
+  view of this shard;
+* ``grads``: ``sum_units c_grads * s`` (the reduced gradient lands in the parameters' dtype);
+* ``optim``: ``sum_units c_optim * (state bytes of the unit / elements of the unit)``:
+  ``"adamw"`` 2 moments in ``s`` (``torch.optim.AdamW`` and ours allocate ``zeros_like(param)``),
+  ``"sgd"`` (with momentum) 1 buffer in ``s``, ``"muon"`` 1 momentum buffer in ``s`` for
+  parameters with >= 2 dims and AdamW's 2 for the others, ``"shampoo"`` (our defaults: blocks of
+  at most 1024, Adam grafting) per ``r x c`` block ``2 r^2 + 2 c^2`` fp32 (statistics and roots)
+  plus 2 fp32 grafting moments per element. Exact for adamw and sgd (an upper bound by the
+  chunk's padding); for muon and shampoo the unit's state is spread in proportion to chunk size;
+* ``buffers``: the unsharded buffers of the largest unit: its all-gather output
+  (``buffer * P``, plus the ``c_params * P`` send buffer when ``P != s``) twice (the unit and the
+  prefetched next one) plus its gradient buffers (``buffer * P``, its ``R`` cast when
+  ``R != P``, and the ``c_params * R`` reduce-scatter output). With
+  ``reshard_after_forward=False`` every unit's all-gather output is held from forward to
+  backward: their sum replaces the two largest.
+
+Activations are not modelled: pass as ``memory_budget`` what is left for these states.
+
+Communication per step (one micro-batch), per unit, per rank, ring algorithms (``n`` = ranks in
+the collective's group, ``c`` the chunk that collective moves):
+
+==============================================  ==========================  ============
+collective                                       bytes per rank              ring steps
+==============================================  ==========================  ============
+all-gather params over ``params`` dims (x2, or    ``(n - 1) c_params P``      ``n - 1``
+x1 with ``reshard_after_forward=False``)
+reduce-scatter grads over ``params`` dims        ``(n - 1) c_params R``      ``n - 1``
+reduce-scatter over ``grads \\ params`` dims      ``(n - 1) c_grads R``       ``n - 1``
+all-reduce over the dims outside ``grads``       ``2 (n - 1) / n c_grads R``  ``2 (n - 1)``
+all-gather updated params over ``optim \\ params`` ``(n - 1) c_optim s``       ``n - 1``
+==============================================  ==========================  ============
+
+A collective over several dims is one ring over their ranks: its bytes and steps are charged to
+its slowest dim (least bandwidth). Each dim's time is ``bytes / bandwidth[dim] + latency[dim] *
+steps``; a candidate's time is the sum over dims (collectives serialized, no overlap with
+compute modelled). ``bandwidth="profile"`` measures ``bandwidth`` and ``latency`` per dim on the
+mesh (:func:`profile_mesh`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import product
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from ragged_placement.planner.granularity import GranularityPolicy, resolve_policy
+from ragged_placement.planner.segments import plan_segmented
+from ragged_placement.planner.uneven import UnevenPlan
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ragged_placement.fsdp.state_sharding import StateSharding
+
+__all__ = [
+    "OPTIMIZERS", "ShardingCandidate", "StateShardingPlan", "plan_state_sharding", "profile_mesh",
+]
+
+OPTIMIZERS = ("adamw", "sgd", "muon", "shampoo")
+DEFAULT_BANDWIDTH = {"intra": 450e9, "inter": 50e9}
+SHAMPOO_BLOCK = 1024
+STATES = ("params", "grads", "optim", "buffers")
+
+Entry = tuple[str, tuple[int, ...], torch.dtype]
+
+
+@dataclass(frozen=True)
+class ShardingCandidate:
+    """One evaluated point: a :class:`StateSharding` and ``reshard_after_forward``.
+
+    ``memory_per_rank``: bytes by state (``params``, ``grads``, ``optim``, ``buffers``);
+    ``comm_bytes`` / ``comm_seconds``: per mesh dim, per step; ``fits``: within the budget."""
+
+    sharding: StateSharding
+    reshard_after_forward: bool
+    memory_per_rank: dict[str, int]
+    comm_bytes: dict[str, int]
+    comm_seconds: dict[str, float]
+    fits: bool
+
+    @property
+    def memory_total(self) -> int:
+        return sum(self.memory_per_rank.values())
+
+    @property
+    def comm_seconds_total(self) -> float:
+        return sum(self.comm_seconds.values())
+
+
+class StateShardingPlan:
+    """The partitioner's answer: the chosen candidate's fields, and every candidate ranked.
+
+    Ranking: candidates within the budget first, by predicted communication seconds, then by
+    memory; then the others by memory. The choice is the first."""
+
+    candidates: tuple[ShardingCandidate, ...]
+    memory_budget: float
+    mesh: dict[str, int]
+    bandwidth: dict[str, float]
+    latency: dict[str, float]
+
+    def __init__(self, candidates: Sequence[ShardingCandidate], memory_budget: float,
+                 mesh: Mapping[str, int], bandwidth: Mapping[str, float],
+                 latency: Mapping[str, float]) -> None:
+        self.candidates = tuple(candidates)
+        self.memory_budget = memory_budget
+        self.mesh, self.bandwidth, self.latency = dict(mesh), dict(bandwidth), dict(latency)
+
+    @property
+    def choice(self) -> ShardingCandidate:
+        return self.candidates[0]
+
+    @property
+    def sharding(self) -> StateSharding:
+        return self.choice.sharding
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.choice.reshard_after_forward
+
+    @property
+    def memory_per_rank(self) -> dict[str, int]:
+        return self.choice.memory_per_rank
+
+    @property
+    def comm_seconds(self) -> dict[str, float]:
+        return self.choice.comm_seconds
+
+    @property
+    def comm_bytes(self) -> dict[str, int]:
+        return self.choice.comm_bytes
+
+    def find(self, sharding: StateSharding, reshard_after_forward: bool = True) -> ShardingCandidate:
+        """The evaluated candidate for ``sharding`` (e.g. FSDP2's points, to compare)."""
+        for c in self.candidates:
+            if c.sharding == sharding and c.reshard_after_forward == reshard_after_forward:
+                return c
+        raise ValueError(f"no candidate {sharding} reshard_after_forward={reshard_after_forward}")
+
+    def table(self, limit: int | None = None) -> str:
+        """Every candidate (or the first ``limit``), ranked: degrees, memory per rank by state
+        (GB), predicted communication seconds per dim and in total."""
+        dims = list(self.mesh)
+        head = (["#", "sharding", "s_P", "s_G", "s_OS", "raf"] + [f"{s} GB" for s in STATES]
+                + ["total GB", "fits"] + [f"{d} s" for d in dims] + ["comm s"])
+        rows = []
+        for i, c in enumerate(self.candidates[:limit]):
+            deg = c.sharding.degrees(self.mesh)
+            rows.append([str(i + 1), str(c.sharding), *map(str, deg),
+                         "T" if c.reshard_after_forward else "F",
+                         *(f"{c.memory_per_rank[s] / 1e9:.2f}" for s in STATES),
+                         f"{c.memory_total / 1e9:.2f}", "yes" if c.fits else "no",
+                         *(f"{c.comm_seconds[d]:.4f}" for d in dims),
+                         f"{c.comm_seconds_total:.4f}"])
+        widths = [max(len(r[k]) for r in [head] + rows) for k in range(len(head))]
+        lines = ["  ".join(h.rjust(w) for h, w in zip(r, widths)) for r in [head] + rows]
+        return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])
+
+    def __repr__(self) -> str:
+        c = self.choice
+        return (f"StateShardingPlan({c.sharding}, reshard_after_forward={c.reshard_after_forward}, "
+                f"memory {c.memory_total / 1e9:.2f} GB, comm {c.comm_seconds_total:.4f} s)")
+
+
+# -- input: units -------------------------------------------------------------------------------
+def _module_units(model: nn.Module, units: Sequence[nn.Module] | None) -> list[list[Entry]]:
+    """Parameters of ``model`` grouped as ``fully_shard`` groups them when called on each of
+    ``units`` (inner first) and then on ``model``: a parameter belongs to the first unit that
+    holds it (tied parameters once)."""
+    if units is None:
+        units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    for u in units:
+        if not isinstance(u, nn.Module) or not any(u is m for m in model.modules()):
+            raise ValueError(f"units must be submodules of the model, got {type(u).__name__}")
+    seen: set[int] = set()
+    out = []
+    names = {id(m): n for n, m in model.named_modules()}
+    for prefix_module in [*units, model]:
+        prefix = names[id(prefix_module)]
+        entries = []
+        for name, p in prefix_module.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = f"{prefix}.{name}" if prefix else name
+            entries.append((full, tuple(p.shape), p.dtype))
+        if entries:
+            out.append(entries)
+    return out
+
+
+def _entry(e: object, dtype: torch.dtype) -> Entry:
+    if (isinstance(e, (tuple, list)) and len(e) in (2, 3) and isinstance(e[0], str)
+            and isinstance(e[1], (tuple, list, torch.Size))
+            and all(isinstance(d, int) and d >= 0 for d in e[1])
+            and (len(e) == 2 or isinstance(e[2], torch.dtype))):
+        return e[0], tuple(e[1]), e[2] if len(e) == 3 else dtype
+    raise ValueError(
+        f"model_or_named_shapes: each parameter must be (name, shape) or (name, shape, dtype), "
+        f"got {e!r}"
+    )
+
+
+def _units(model_or_named_shapes: object, units: Sequence[nn.Module] | None,
+           dtype: torch.dtype) -> list[list[Entry]]:
+    if isinstance(model_or_named_shapes, nn.Module):
+        out = _module_units(model_or_named_shapes, units)
+    else:
+        if units is not None:
+            raise ValueError("units is for an nn.Module; named shapes are grouped already")
+        if isinstance(model_or_named_shapes, (str, bytes)) \
+                or not isinstance(model_or_named_shapes, Sequence):
+            raise ValueError(
+                f"model_or_named_shapes must be an nn.Module or a list of units, got "
+                f"{type(model_or_named_shapes).__name__}"
+            )
+        out = []
+        for u in model_or_named_shapes:
+            if isinstance(u, tuple) and len(u) == 2 and isinstance(u[0], str) \
+                    and isinstance(u[1], (list, tuple)) and u[1] and isinstance(u[1][0], (list, tuple)):
+                u = u[1]  # (unit name, entries), as planner.models.fsdp_units gives
+            if not isinstance(u, (list, tuple)):
+                raise ValueError(f"model_or_named_shapes: a unit must be a list of parameters, got {u!r}")
+            out.append([_entry(e, dtype) for e in u])
+    out = [u for u in out if u]
+    if not out:
+        raise ValueError("model_or_named_shapes holds no parameters")
+    return out
+
+
+# -- per-unit layouts (cached) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Part:
+    """One dtype of one unit: what its plan depends on."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    granularities: tuple[Any, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def _parts(unit: list[Entry], granularity: GranularityPolicy) -> tuple[_Part, ...]:
+    by_dtype: dict[torch.dtype, list[Entry]] = {}
+    for e in unit:
+        by_dtype.setdefault(e[2], []).append(e)
+    return tuple(
+        _Part(tuple(e[1] for e in es), tuple(resolve_policy(granularity, e[0], e[1]) for e in es), d)
+        for d, es in by_dtype.items()
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(part: _Part, world_size: int) -> tuple[int, int, np.ndarray | None]:
+    """``(buffer_numel, equal chunk, rank_starts)`` of ``part`` planned at ``world_size``:
+    ``rank_starts`` for an uneven plan, else ``None`` and every chunk is the equal chunk."""
+    grans = dict(zip((str(i) for i in range(len(part.shapes))), part.granularities))
+    plan = plan_segmented([(str(i), s) for i, s in enumerate(part.shapes)], world_size,
+                          granularity=lambda name, shape: grans[name], dtype=part.dtype,
+                          uneven=True)
+    if isinstance(plan, UnevenPlan):
+        return plan.buffer_numel, plan.chunk_numel, plan.rank_starts
+    return plan.buffer_numel, plan.chunk_numel, None
+
+
+@functools.lru_cache(maxsize=16384)
+def _chunk(part: _Part, world_size: int, merge: int) -> int:
+    """The largest chunk of ``merge`` consecutive ranks of ``part``'s plan at ``world_size``."""
+    _, chunk, starts = _layout(part, world_size)
+    if starts is None:
+        return merge * chunk
+    return int(np.diff(starts[::merge]).max())
+
+
+@functools.lru_cache(maxsize=4096)
+def _optim_bytes(part: _Part, optimizer: str) -> int:
+    """Bytes of ``optimizer``'s state for the whole of ``part`` (see the module docstring)."""
+    item = part.dtype.itemsize
+    total = 0
+    for shape in part.shapes:
+        numel = math.prod(shape)
+        if optimizer == "adamw":
+            total += 2 * numel * item
+        elif optimizer == "sgd":
+            total += numel * item
+        elif optimizer == "muon":
+            total += (1 if len(shape) >= 2 else 2) * numel * item
+        else:  # shampoo: fp32 statistics and roots per block, fp32 Adam grafting moments
+            total += 2 * numel * 4
+            if len(shape) >= 2:
+                rows, cols = shape[-2:]
+                r = _span_squares(rows)
+                c = _span_squares(cols)
+                n_row, n_col = -(-rows // SHAMPOO_BLOCK), -(-cols // SHAMPOO_BLOCK)
+                total += math.prod(shape[:-2]) * 4 * 2 * (r * n_col + c * n_row)
+    return total
+
+
+def _span_squares(n: int) -> int:
+    """Sum of squared block sizes of ``n`` cut into blocks of at most ``SHAMPOO_BLOCK``."""
+    full, rest = divmod(n, SHAMPOO_BLOCK)
+    return full * SHAMPOO_BLOCK**2 + rest**2
+
+
+# -- arguments ----------------------------------------------------------------------------------
+def _per_dim(arg: str, value: object, dims: Sequence[str], allow_zero: bool) -> dict[str, float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = {d: float(value) for d in dims}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{arg} must be a number or a mapping {{mesh dim: value}}, got {value!r}")
+    missing = [d for d in dims if d not in value]
+    extra = [d for d in value if d not in dims]
+    if missing or extra:
+        raise ValueError(
+            f"{arg} must give one value per mesh dim {tuple(dims)}, got {dict(value)!r}"
+            + (f" (missing {missing})" if missing else "") + (f" (unknown {extra})" if extra else "")
+        )
+    out = {}
+    for d in dims:
+        v = value[d]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or v < 0 or (v == 0 and not allow_zero):
+            raise ValueError(f"{arg}[{d!r}] must be a positive finite number, got {v!r}")
+        out[d] = float(v)
+    return out
+
+
+def _candidates(dims: Sequence[str]) -> list[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
+    """Every chain ``params ⊆ grads ⊆ optim`` of ``dims``: each dim replicated (0), sharded for
+    optim (1), grads and optim (2), or every state (3)."""
+    out = []
+    for levels in product(range(4), repeat=len(dims)):
+        out.append(tuple(tuple(d for d, lv in zip(dims, levels) if lv >= k) for k in (3, 2, 1)))
+    return out
+
+
+# -- the models -------------------------------------------------------------------------------
+def _evaluate(units: list[tuple[tuple[_Part, ...], int]], sizes: dict[str, int],
+              sharding: StateSharding, reshard: bool, optimizer: str,
+              param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+              bandwidth: dict[str, float], latency: dict[str, float],
+              budget: float) -> ShardingCandidate:
+    dims = list(sizes)
+    w_p, w_g, w_o = sharding.degrees(sizes)
+    world = math.prod(sizes.values())
+    groups = {  # collective -> (dims of its group, ranks)
+        "ag": sharding.params,
+        "rs_g": tuple(d for d in sharding.grads if d not in sharding.params),
+        "ar": tuple(d for d in dims if d not in sharding.grads),
+        "ag_o": tuple(d for d in sharding.optim if d not in sharding.params),
+    }
+    n = {"ag": w_p, "rs_g": w_g // w_p, "ar": world // w_g, "ag_o": w_o // w_p}
+    mem = dict.fromkeys(STATES, 0)
+    gathered: list[tuple[int, int]] = []  # (all-gather output bytes, units like it)
+    send_max = grads_max = 0
+    coll_bytes = dict.fromkeys(["ag", "rs_p", "rs_g", "ar", "ag_o"], 0.0)
+    calls = dict.fromkeys(coll_bytes, 0)
+    for parts, count in units:
+        out = send = grad_buffers = 0
+        unit_bytes = dict.fromkeys(coll_bytes, 0.0)
+        for part in parts:
+            gather_dt = param_dtype or part.dtype
+            reduce_dt = reduce_dtype or gather_dt
+            s, p, r = part.dtype.itemsize, gather_dt.itemsize, reduce_dt.itemsize
+            buffer = _layout(part, w_o)[0]
+            c_p, c_g, c_o = (_chunk(part, w_o, w_o // w_p), _chunk(part, w_o, w_o // w_g),
+                             _chunk(part, w_o, 1))
+            mem["params"] += count * c_p * s
+            mem["grads"] += count * c_g * s
+            mem["optim"] += count * math.ceil(_optim_bytes(part, optimizer) * c_o / max(part.numel, 1))
+            out += buffer * p
+            send += c_p * p if gather_dt != part.dtype else 0
+            grad_buffers += buffer * p + (buffer * r if reduce_dt != gather_dt else 0) + c_p * r
+            unit_bytes["ag"] += (n["ag"] - 1) * c_p * p * (2 if reshard else 1)
+            unit_bytes["rs_p"] += (n["ag"] - 1) * c_p * r
+            unit_bytes["rs_g"] += (n["rs_g"] - 1) * c_g * r
+            unit_bytes["ar"] += 2 * (n["ar"] - 1) / n["ar"] * c_g * r
+            unit_bytes["ag_o"] += (n["ag_o"] - 1) * c_o * s
+        for k, v in unit_bytes.items():
+            coll_bytes[k] += count * v
+        # one (coalesced) collective per unit and pass, whatever its dtypes
+        calls["ag"] += count * (2 if reshard else 1)
+        for k in ("rs_p", "rs_g", "ar", "ag_o"):
+            calls[k] += count
+        gathered.append((out, count))
+        send_max, grads_max = max(send_max, send), max(grads_max, grad_buffers)
+    if reshard:  # the unit and the prefetched next one: at most the two largest
+        gathered.sort(reverse=True)
+        largest, count = gathered[0]
+        held = largest + (largest if count > 1 else gathered[1][0] if len(gathered) > 1 else 0)
+    else:  # every unit's all-gather output, from its forward to its backward
+        held = sum(b * c for b, c in gathered)
+    mem["buffers"] = held + send_max + grads_max
+    comm_bytes = dict.fromkeys(dims, 0)
+    seconds = dict.fromkeys(dims, 0.0)
+    for k, group in (("ag", "ag"), ("rs_p", "ag"), ("rs_g", "rs_g"), ("ar", "ar"), ("ag_o", "ag_o")):
+        ranks = n[group]
+        if ranks == 1 or not coll_bytes[k]:
+            continue
+        slow = min(groups[group], key=lambda d: bandwidth[d])  # first of the slowest, mesh order
+        steps = (2 if k == "ar" else 1) * (ranks - 1) * calls[k]
+        comm_bytes[slow] += round(coll_bytes[k])
+        seconds[slow] += coll_bytes[k] / bandwidth[slow] + latency[slow] * steps
+    mem = {k: int(v) for k, v in mem.items()}
+    return ShardingCandidate(sharding, reshard, mem, comm_bytes, seconds, sum(mem.values()) <= budget)
+
+
+def plan_state_sharding(
+    model_or_named_shapes: nn.Module | Sequence[Any],
+    mesh: DeviceMesh | Mapping[str, int],
+    memory_budget: float,
+    bandwidth: Mapping[str, float] | str = DEFAULT_BANDWIDTH,
+    optimizer: str = "adamw",
+    param_dtype: torch.dtype | None = torch.bfloat16,
+    *,
+    reduce_dtype: torch.dtype | None = None,
+    latency: Mapping[str, float] | float = 0.0,
+    dtype: torch.dtype = torch.float32,
+    units: Sequence[nn.Module] | None = None,
+    granularity: GranularityPolicy = None,
+) -> StateShardingPlan:
+    """Choose per-state sharding (AMSP's partitioner) from a memory and communication model.
+
+    Every valid :class:`~ragged_placement.fsdp.StateSharding` of the mesh (every chain
+    ``params ⊆ grads ⊆ optim`` of its dims: ``4 ** ndim`` points, AMSP's ``s_G in {s_P, s_OS}``
+    not imposed) is evaluated with ``reshard_after_forward`` True and False (only True where
+    ``params`` is empty: nothing is gathered), by the models of the module docstring. Units are
+    planned once per distinct shape and world size (cached), so a 1T-parameter MoE on 16,384
+    ranks plans in well under a second.
+
+    Args:
+        model_or_named_shapes: an ``nn.Module`` (on any device, ``meta`` included), grouped into
+            units as ``fully_shard`` would be when called on each of ``units`` and then on the
+            model; or a list of units, each a list of ``(name, shape)`` or
+            ``(name, shape, dtype)`` (``dtype``: the stored dtype, default ``dtype``), or a
+            ``(unit name, that list)`` pair as :func:`ragged_placement.planner.models.fsdp_units`
+            returns.
+        mesh: a ``DeviceMesh`` with ``mesh_dim_names``, or a mapping ``{dim name: size}`` in mesh
+            order (plan 16,384 ranks without any process).
+        memory_budget: bytes per rank available to parameters, gradients, optimizer state and
+            the unsharded buffers (not activations).
+        bandwidth: bytes/s per rank per mesh dim (``{"intra": 450e9, "inter": 50e9}``: NVLink
+            per direction, one 400 Gb/s NIC per GPU), or ``"profile"`` to measure bandwidth and
+            latency on ``mesh`` (a ``DeviceMesh``; a collective call on every rank,
+            :func:`profile_mesh`).
+        optimizer: ``"adamw"``, ``"sgd"`` (with momentum), ``"muon"`` or ``"shampoo"``.
+        param_dtype: the dtype parameters are gathered and computed in (mixed precision's
+            ``param_dtype``; ``None``: their own).
+        reduce_dtype: the dtype gradients are reduced in (``None``: ``param_dtype``).
+        latency: seconds per ring step per mesh dim (or one number); ignored with ``"profile"``.
+        dtype: stored dtype of named shapes given without one.
+        units: with an ``nn.Module``, the submodules that are units (default: every child of
+            every ``nn.ModuleList``).
+        granularity: the planner's policy, as ``fully_shard``'s ``granularity``.
+
+    Returns:
+        A :class:`StateShardingPlan`: ``.sharding``, ``.reshard_after_forward``,
+        ``.memory_per_rank`` (bytes by state), ``.comm_seconds`` / ``.comm_bytes`` (per dim per
+        step), ``.table()`` (every candidate, ranked).
+
+    Raises:
+        ValueError: an unknown ``optimizer``, a bad ``mesh``, ``bandwidth`` or ``latency`` (one
+            value per mesh dim), bad named shapes, or a ``memory_budget`` no candidate fits
+            (naming the least memory found).
+    """
+    from ragged_placement.fsdp.state_sharding import StateSharding, mesh_dims
+
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not modelled: use one of {OPTIMIZERS}")
+    sizes = mesh_dims(mesh)
+    budget_ok = isinstance(memory_budget, (int, float)) and not isinstance(memory_budget, bool)
+    if not budget_ok or not memory_budget > 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    for arg, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if value is not None and not isinstance(value, torch.dtype):
+            raise ValueError(f"{arg} must be a torch.dtype or None, got {value!r}")
+    if isinstance(bandwidth, str):
+        if bandwidth != "profile":
+            raise ValueError(f"bandwidth must be a mapping or 'profile', got {bandwidth!r}")
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError("bandwidth='profile' needs mesh to be a DeviceMesh (it measures it)")
+        bw, lat = profile_mesh(mesh)
+    else:
+        bw = _per_dim("bandwidth", bandwidth, list(sizes), allow_zero=False)
+        lat = _per_dim("latency", latency, list(sizes), allow_zero=True)
+    counted: dict[tuple[_Part, ...], int] = {}
+    for unit in _units(model_or_named_shapes, units, dtype):
+        key = _parts(unit, granularity)
+        counted[key] = counted.get(key, 0) + 1
+    grouped = list(counted.items())
+    candidates = []
+    for params, grads, optim in _candidates(list(sizes)):
+        sharding = StateSharding(params=params, grads=grads, optim=optim)
+        for reshard in (True, False) if params else (True,):
+            candidates.append(_evaluate(grouped, sizes, sharding, reshard, optimizer, param_dtype,
+                                        reduce_dtype, bw, lat, float(memory_budget)))
+    fitting = sorted((c for c in candidates if c.fits),
+                     key=lambda c: (c.comm_seconds_total, c.memory_total, str(c.sharding)))
+    if not fitting:
+        least = min(candidates, key=lambda c: c.memory_total)
+        raise ValueError(
+            f"memory_budget={memory_budget:.4g} bytes per rank fits no StateSharding of mesh "
+            f"{sizes}: the least memory found is {least.memory_total:.4g} bytes ({least.sharding}, "
+            f"reshard_after_forward={least.reshard_after_forward}); raise memory_budget or add ranks"
+        )
+    rest = sorted((c for c in candidates if not c.fits),
+                  key=lambda c: (c.memory_total, c.comm_seconds_total, str(c.sharding)))
+    return StateShardingPlan(fitting + rest, float(memory_budget), sizes, bw, lat)
+
+
+# -- profile ------------------------------------------------------------------------------------
+# fp32 elements per rank per collective: 4 MB-64 MB chunks on GPUs (NCCL reaches its bus
+# bandwidth there), 16-256 KB on CPU (gloo, tests)
+PROFILE_NUMELS = {"cuda": (1 << 20, 1 << 22, 1 << 24), "cpu": (1 << 12, 1 << 14, 1 << 16)}
+
+
+def _timed(fn, device: torch.device, reps: int) -> float:
+    import torch.distributed as dist
+
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def profile_mesh(mesh: DeviceMesh, numels: Sequence[int] | None = None,
+                 reps: int = 3) -> tuple[dict[str, float], dict[str, float]]:
+    """Measure ``(bandwidth, latency)`` per dim of ``mesh`` (collective: every rank calls it).
+
+    For each dim, an all-gather and a reduce-scatter of fp32 chunks of each of ``numels``
+    elements per rank (default :data:`PROFILE_NUMELS` of the mesh's device type) over the
+    dim's group, median of ``reps`` after a warm-up; each rank's
+    times are maxed over the world (so every rank fits the same numbers) and
+    ``t = latency * (n - 1) + bytes / bandwidth`` (``bytes = (n - 1) * chunk bytes``) is fitted
+    by least squares (latency clamped at 0, then the slope refitted through the origin). A dim of
+    size 1 moves nothing: ``inf`` bandwidth, 0 latency.
+
+    Raises:
+        RuntimeError: the measured times do not grow with message size (no positive bandwidth
+            fits): pass ``bandwidth`` explicitly.
+    """
+    import torch.distributed as dist
+
+    from ragged_placement._compat import all_gather_single, reduce_scatter_single
+    from ragged_placement.fsdp.state_sharding import mesh_dims
+
+    sizes = mesh_dims(mesh)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) \
+        if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    numels = numels or PROFILE_NUMELS.get(mesh.device_type, PROFILE_NUMELS["cuda"])
+    bw, lat = {}, {}
+    for dim, n in sizes.items():
+        if n == 1:
+            bw[dim], lat[dim] = math.inf, 0.0
+            continue
+        group = mesh.get_group(dim)
+        xs, ts = [], []
+        for numel in numels:
+            small = torch.ones(numel, device=device)
+            big = torch.ones(numel * n, device=device)
+            for fn, args in ((all_gather_single, (big, small)), (reduce_scatter_single, (small, big))):
+                xs.append((n - 1) * numel * 4)
+                ts.append(_timed(functools.partial(fn, *args, group=group), device, reps))
+        t = torch.tensor(ts, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        bw[dim], lat[dim] = _fit(np.array(xs, dtype=np.float64), t.cpu().numpy(), n - 1, dim)
+    return bw, lat
+
+
+def _fit(x: np.ndarray, t: np.ndarray, steps: int, dim: str) -> tuple[float, float]:
+    """``(bandwidth, latency)`` of ``t = latency * steps + x / bandwidth``, least squares."""
+    slope, intercept = np.polyfit(x, t, 1)
+    if intercept < 0:
+        slope, intercept = float(x @ t / (x @ x)), 0.0
+    if not slope > 0:
+        raise RuntimeError(
+            f"profile of mesh dim {dim!r}: collective times {t.tolist()} do not grow with the "
+            f"bytes {x.tolist()}; pass bandwidth explicitly"
+        )
+    return float(1.0 / slope), float(intercept / steps)
