@@ -1,4 +1,4 @@
-"""The partitioner: which :class:`~ragged_placement.fsdp.StateSharding` a model should train with.
+r"""The partitioner: which :class:`~ragged_placement.fsdp.StateSharding` a model should train with.
 
 :func:`plan_state_sharding` evaluates every valid per-state sharding of a mesh (AMSP's planner,
 arXiv 2311.00257, without its pruning) with a memory model built from the planner's own layouts
@@ -34,19 +34,23 @@ granularity boundaries). ``c_X`` is the largest such chunk, padding included:
 
 Activations are not modelled: pass as ``memory_budget`` what is left for these states.
 
-Communication per step (one micro-batch), per unit, per rank, ring algorithms (``n`` = ranks in
-the collective's group, ``c`` the chunk that collective moves):
+Communication per step (one micro-batch), per unit, per rank (``n`` = ranks in the collective's
+group). An all-gather moves to each rank the gathered region less its own chunk, and a
+reduce-scatter the same out of it: with equal chunks ``c`` that is the ring's ``(n - 1) c``;
+with uneven chunks (an :class:`~ragged_placement.planner.UnevenPlan`) the most over ranks of
+region less own chunk. ``g_X`` below is that count for the chunks of state ``X`` inside the
+region they fill:
 
-==============================================  ==========================  ============
-collective                                       bytes per rank              ring steps
-==============================================  ==========================  ============
-all-gather params over ``params`` dims (x2, or    ``(n - 1) c_params P``      ``n - 1``
-x1 with ``reshard_after_forward=False``)
-reduce-scatter grads over ``params`` dims        ``(n - 1) c_params R``      ``n - 1``
-reduce-scatter over ``grads \\ params`` dims      ``(n - 1) c_grads R``       ``n - 1``
-all-reduce over the dims outside ``grads``       ``2 (n - 1) / n c_grads R``  ``2 (n - 1)``
-all-gather updated params over ``optim \\ params`` ``(n - 1) c_optim s``       ``n - 1``
-==============================================  ==========================  ============
+==================================================  =============================  ============
+collective                                          bytes per rank                 ring steps
+==================================================  =============================  ============
+all-gather params over ``params`` dims (x2, or x1   ``g_params P`` (region: unit)  ``n - 1``
+with ``reshard_after_forward=False``)
+reduce-scatter grads over ``params`` dims           ``g_params R``                 ``n - 1``
+reduce-scatter over ``grads \ params`` dims         ``g_grads R`` (region: c_P)    ``n - 1``
+all-reduce over the dims outside ``grads``          ``2 (n - 1) / n c_grads R``    ``2 (n - 1)``
+all-gather updated params over ``optim \ params``   ``g_optim s`` (region: c_P)    ``n - 1``
+==================================================  =============================  ============
 
 A collective over several dims is one ring over their ranks: its bytes and steps are charged to
 its slowest dim (least bandwidth). Each dim's time is ``bytes / bandwidth[dim] + latency[dim] *
@@ -78,7 +82,8 @@ if TYPE_CHECKING:
     from ragged_placement.fsdp.state_sharding import StateSharding
 
 __all__ = [
-    "OPTIMIZERS", "ShardingCandidate", "StateShardingPlan", "plan_state_sharding", "profile_mesh",
+    "OPTIMIZERS", "ShardingCandidate", "StateShardingPlan", "StepCollective", "plan_state_sharding",
+    "profile_mesh",
 ]
 
 OPTIMIZERS = ("adamw", "sgd", "muon", "shampoo")
@@ -90,11 +95,26 @@ Entry = tuple[str, tuple[int, ...], torch.dtype]
 
 
 @dataclass(frozen=True)
+class StepCollective:
+    """One kind of collective of a step, summed over units: ``op`` (``"all_gather"``,
+    ``"reduce_scatter"``, ``"all_reduce"``) over the group of ``dims`` (``ranks`` ranks),
+    ``calls`` times, moving ``bytes`` per rank in all; charged to mesh dim ``charged``."""
+
+    op: str
+    dims: tuple[str, ...]
+    ranks: int
+    calls: int
+    bytes: float
+    charged: str
+
+
+@dataclass(frozen=True)
 class ShardingCandidate:
     """One evaluated point: a :class:`StateSharding` and ``reshard_after_forward``.
 
     ``memory_per_rank``: bytes by state (``params``, ``grads``, ``optim``, ``buffers``);
-    ``comm_bytes`` / ``comm_seconds``: per mesh dim, per step; ``fits``: within the budget."""
+    ``comm_bytes`` / ``comm_seconds``: per mesh dim, per step; ``fits``: within the budget;
+    ``collectives``: what a step runs (the model's input for ``comm_*``)."""
 
     sharding: StateSharding
     reshard_after_forward: bool
@@ -102,6 +122,7 @@ class ShardingCandidate:
     comm_bytes: dict[str, int]
     comm_seconds: dict[str, float]
     fits: bool
+    collectives: tuple[StepCollective, ...]
 
     @property
     def memory_total(self) -> int:
@@ -299,6 +320,20 @@ def _chunk(part: _Part, world_size: int, merge: int) -> int:
     return int(np.diff(starts[::merge]).max())
 
 
+@functools.lru_cache(maxsize=16384)
+def _traffic(part: _Part, world_size: int, outer: int, inner: int) -> int:
+    """Elements a rank receives when the ``outer // inner`` ranks sharing an ``outer``-merged
+    region all-gather their ``inner``-merged chunks into it (or sends, reduce-scattering it):
+    the most, over ranks, of the region less the rank's own chunk. Equal chunks ``c``:
+    ``(outer // inner - 1) * c``."""
+    _, chunk, starts = _layout(part, world_size)
+    if starts is None:
+        return (outer - inner) * chunk
+    regions = np.diff(starts[::outer])
+    own = np.diff(starts[::inner])
+    return int((np.repeat(regions, outer // inner) - own).max())
+
+
 @functools.lru_cache(maxsize=4096)
 def _optim_bytes(part: _Part, optimizer: str) -> int:
     """Bytes of ``optimizer``'s state for the whole of ``part`` (see the module docstring)."""
@@ -398,11 +433,13 @@ def _evaluate(units: list[tuple[tuple[_Part, ...], int]], sizes: dict[str, int],
             out += buffer * p
             send += c_p * p if gather_dt != part.dtype else 0
             grad_buffers += buffer * p + (buffer * r if reduce_dt != gather_dt else 0) + c_p * r
-            unit_bytes["ag"] += (n["ag"] - 1) * c_p * p * (2 if reshard else 1)
-            unit_bytes["rs_p"] += (n["ag"] - 1) * c_p * r
-            unit_bytes["rs_g"] += (n["rs_g"] - 1) * c_g * r
+            k_p, k_g = w_o // w_p, w_o // w_g
+            gathered_p = _traffic(part, w_o, w_o, k_p)  # the unit from params chunks
+            unit_bytes["ag"] += gathered_p * p * (2 if reshard else 1)
+            unit_bytes["rs_p"] += gathered_p * r
+            unit_bytes["rs_g"] += _traffic(part, w_o, k_p, k_g) * r
             unit_bytes["ar"] += 2 * (n["ar"] - 1) / n["ar"] * c_g * r
-            unit_bytes["ag_o"] += (n["ag_o"] - 1) * c_o * s
+            unit_bytes["ag_o"] += _traffic(part, w_o, k_p, 1) * s
         for k, v in unit_bytes.items():
             coll_bytes[k] += count * v
         # one (coalesced) collective per unit and pass, whatever its dtypes
@@ -420,7 +457,10 @@ def _evaluate(units: list[tuple[tuple[_Part, ...], int]], sizes: dict[str, int],
     mem["buffers"] = held + send_max + grads_max
     comm_bytes = dict.fromkeys(dims, 0)
     seconds = dict.fromkeys(dims, 0.0)
-    for k, group in (("ag", "ag"), ("rs_p", "ag"), ("rs_g", "rs_g"), ("ar", "ar"), ("ag_o", "ag_o")):
+    collectives = []
+    for k, group, op in (("ag", "ag", "all_gather"), ("rs_p", "ag", "reduce_scatter"),
+                         ("rs_g", "rs_g", "reduce_scatter"), ("ar", "ar", "all_reduce"),
+                         ("ag_o", "ag_o", "all_gather")):
         ranks = n[group]
         if ranks == 1 or not coll_bytes[k]:
             continue
@@ -428,8 +468,10 @@ def _evaluate(units: list[tuple[tuple[_Part, ...], int]], sizes: dict[str, int],
         steps = (2 if k == "ar" else 1) * (ranks - 1) * calls[k]
         comm_bytes[slow] += round(coll_bytes[k])
         seconds[slow] += coll_bytes[k] / bandwidth[slow] + latency[slow] * steps
+        collectives.append(StepCollective(op, groups[group], ranks, calls[k], coll_bytes[k], slow))
     mem = {k: int(v) for k, v in mem.items()}
-    return ShardingCandidate(sharding, reshard, mem, comm_bytes, seconds, sum(mem.values()) <= budget)
+    return ShardingCandidate(sharding, reshard, mem, comm_bytes, seconds,
+                             sum(mem.values()) <= budget, tuple(collectives))
 
 
 def plan_state_sharding(
