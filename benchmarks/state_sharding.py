@@ -43,12 +43,12 @@ import torch
 
 torch.set_num_threads(1)
 
-from planner import EXTRA_CONFIGS, MODELS_JSON, block_policy  # noqa: E402  (benchmarks/planner.py)
+from ragged_placement.planner import plan_state_sharding
+from ragged_placement.planner import state_sharding as _ss
+from ragged_placement.planner.models import fsdp_units, load_configs
 
-from ragged_placement.fsdp import StateSharding  # noqa: E402
-from ragged_placement.planner import plan_state_sharding  # noqa: E402
-from ragged_placement.planner import state_sharding as _ss  # noqa: E402
-from ragged_placement.planner.models import fsdp_units, load_configs  # noqa: E402
+from planner import EXTRA_CONFIGS, MODELS_JSON, block_policy
+from ragged_placement.fsdp import StateSharding
 
 GPU_BYTES = 80e9
 PER_NODE = 8
@@ -77,7 +77,14 @@ def split_experts(units, per_unit: int):
 
 
 def _clear_caches() -> None:
-    for fn in (_ss._layout, _ss._chunk, _ss._optim_bytes):
+    """Every planner cache: the partitioner's per-unit ones and the layout planner's."""
+    from ragged_placement.planner.granularity import _resolve
+    from ragged_placement.planner.plan import _planned, _rotated
+    from ragged_placement.planner.segments import _choose
+    from ragged_placement.planner.uneven import cached_uneven_cuts
+
+    for fn in (_ss._layout, _ss._chunk, _ss._traffic, _ss._optim_bytes, _resolve, _planned,
+               _rotated, _choose, cached_uneven_cuts):
         fn.cache_clear()
 
 
@@ -145,23 +152,27 @@ def _refit(c):
     return replace(c, fits=c.memory_total <= GPU_BYTES)
 
 
-def timing() -> None:
-    units = fsdp_units("kimi-k2", EXTRA_CONFIGS["kimi-k2"])
-    params = sum(math.prod(s) for _, ps in units for _, s in ps)
+def timing(expert_units: int) -> None:
+    config = EXTRA_CONFIGS["kimi-k2"]
+    layouts = [("one unit per layer, stacked experts", fsdp_units("kimi-k2", config)),
+               (f"separate experts in units of {expert_units}",
+                split_experts(fsdp_units("kimi-k2", config, stacked_experts=False), expert_units))]
     meshes = [({"inter": 2048, "intra": 8}, BANDWIDTH),
               ({"nodes": 2048, "groups": 2, "gpus": 4},
                {"nodes": 50e9, "groups": 450e9, "gpus": 450e9})]
-    for mesh, bw in meshes:
-        times = []
-        for _ in range(3):
-            _clear_caches()
-            t0 = time.perf_counter()
-            plan = plan_state_sharding(units, mesh, GPU_BYTES * 100, bandwidth=bw,
-                                       granularity=block_policy)
-            times.append(time.perf_counter() - t0)
-        print(f"kimi-k2 ({params / 1e12:.3f} T parameters, {len(units)} units) on {mesh}: "
-              f"{len(plan.candidates)} candidates, cold plan median {statistics.median(times):.3f} s "
-              f"(runs {', '.join(f'{t:.3f}' for t in times)})")
+    for label, units in layouts:
+        params = sum(math.prod(s) for _, ps in units for _, s in ps)
+        for mesh, bw in meshes:
+            times = []
+            for _ in range(3):
+                _clear_caches()
+                t0 = time.perf_counter()
+                plan = plan_state_sharding(units, mesh, GPU_BYTES * 100, bandwidth=bw,
+                                           granularity=block_policy)
+                times.append(time.perf_counter() - t0)
+            print(f"kimi-k2 ({params / 1e12:.3f} T parameters, {len(units)} units, {label}) on "
+                  f"{mesh}: {len(plan.candidates)} candidates, cold plan median "
+                  f"{statistics.median(times):.3f} s (runs {', '.join(f'{t:.3f}' for t in times)})")
 
 
 def _group(mesh, dims):
@@ -176,8 +187,9 @@ def _group(mesh, dims):
 
 def _step_collectives(candidate, mesh):
     """A callable running ``candidate``'s step collectives (fp32, mean size per call)."""
-    from ragged_placement._compat import all_gather_single, reduce_scatter_single
     import torch.distributed as dist
+
+    from ragged_placement._compat import all_gather_single, reduce_scatter_single
 
     calls = []
     for c in candidate.collectives:
@@ -227,15 +239,15 @@ def _profile_rank(rank, world, runs):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         rows.append((name, str(sharding), sum(c.calls for c in cand.collectives),
                      cand.comm_bytes, cand.comm_seconds_total, float(t)))
-    return plan.bandwidth, plan.latency, rows
+    return plan.profiled, rows
 
 
 def profile_error(runs: int) -> None:
     from ragged_placement.launch import run_gloo
 
-    bw, lat, rows = run_gloo(_profile_rank, 4, runs, timeout=600)[0]
-    print("fitted per dim: " + ", ".join(
-        f"{d}: {bw[d] / 1e6:.1f} MB/s, {lat[d] * 1e6:.1f} us/step" for d in bw))
+    fits, rows = run_gloo(_profile_rank, 4, runs, timeout=600)[0]
+    print("fitted: " + ", ".join(f"{'+'.join(d)}: {bw / 1e6:.1f} MB/s, {lat * 1e6:.0f} us/step"
+                                 for d, (bw, lat) in fits.items()))
     head = ["point", "sharding", "collectives", "inter KB", "intra KB", "predicted ms",
             "measured ms", "error"]
     table = [[name, sh, str(calls), f"{b['inter'] / 1e3:.0f}", f"{b['intra'] / 1e3:.0f}",
@@ -261,7 +273,7 @@ def main() -> None:
     if args.planner:
         planner_table(args.expert_units, args.full_table)
     if args.timing:
-        timing()
+        timing(args.expert_units)
     if args.profile:
         profile_error(args.runs)
 

@@ -55,8 +55,9 @@ all-gather updated params over ``optim \ params``   ``g_optim s`` (region: c_P) 
 A collective over several dims is one ring over their ranks: its bytes and steps are charged to
 its slowest dim (least bandwidth). Each dim's time is ``bytes / bandwidth[dim] + latency[dim] *
 steps``; a candidate's time is the sum over dims (collectives serialized, no overlap with
-compute modelled). ``bandwidth="profile"`` measures ``bandwidth`` and ``latency`` per dim on the
-mesh (:func:`profile_mesh`).
+compute modelled). ``bandwidth="profile"`` measures ``(bandwidth, latency)`` on the mesh for
+each dim and each set of dims (:func:`profile_mesh`): a collective over a profiled set of dims
+takes that set's fit (AMSP profiles each group), still charged to its slowest dim.
 """
 
 from __future__ import annotations
@@ -144,13 +145,16 @@ class StateShardingPlan:
     mesh: dict[str, int]
     bandwidth: dict[str, float]
     latency: dict[str, float]
+    profiled: dict[tuple[str, ...], tuple[float, float]]
 
     def __init__(self, candidates: Sequence[ShardingCandidate], memory_budget: float,
                  mesh: Mapping[str, int], bandwidth: Mapping[str, float],
-                 latency: Mapping[str, float]) -> None:
+                 latency: Mapping[str, float],
+                 profiled: Mapping[tuple[str, ...], tuple[float, float]]) -> None:
         self.candidates = tuple(candidates)
         self.memory_budget = memory_budget
         self.mesh, self.bandwidth, self.latency = dict(mesh), dict(bandwidth), dict(latency)
+        self.profiled = dict(profiled)
 
     @property
     def choice(self) -> ShardingCandidate:
@@ -401,6 +405,7 @@ def _evaluate(units: list[tuple[tuple[_Part, ...], int]], sizes: dict[str, int],
               sharding: StateSharding, reshard: bool, optimizer: str,
               param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
               bandwidth: dict[str, float], latency: dict[str, float],
+              fits: dict[tuple[str, ...], tuple[float, float]],
               budget: float) -> ShardingCandidate:
     dims = list(sizes)
     w_p, w_g, w_o = sharding.degrees(sizes)
@@ -465,9 +470,10 @@ def _evaluate(units: list[tuple[tuple[_Part, ...], int]], sizes: dict[str, int],
         if ranks == 1 or not coll_bytes[k]:
             continue
         slow = min(groups[group], key=lambda d: bandwidth[d])  # first of the slowest, mesh order
+        bw, lat = fits.get(groups[group], (bandwidth[slow], latency[slow]))
         steps = (2 if k == "ar" else 1) * (ranks - 1) * calls[k]
         comm_bytes[slow] += round(coll_bytes[k])
-        seconds[slow] += coll_bytes[k] / bandwidth[slow] + latency[slow] * steps
+        seconds[slow] += coll_bytes[k] / bw + lat * steps
         collectives.append(StepCollective(op, groups[group], ranks, calls[k], coll_bytes[k], slow))
     mem = {k: int(v) for k, v in mem.items()}
     return ShardingCandidate(sharding, reshard, mem, comm_bytes, seconds,
@@ -550,8 +556,11 @@ def plan_state_sharding(
 
         if not isinstance(mesh, DeviceMesh):
             raise ValueError("bandwidth='profile' needs mesh to be a DeviceMesh (it measures it)")
-        bw, lat = profile_mesh(mesh)
+        fits = profile_mesh(mesh)
+        bw = {d: fits.get((d,), (math.inf, 0.0))[0] for d in sizes}
+        lat = {d: fits.get((d,), (math.inf, 0.0))[1] for d in sizes}
     else:
+        fits = {}
         bw = _per_dim("bandwidth", bandwidth, list(sizes), allow_zero=False)
         lat = _per_dim("latency", latency, list(sizes), allow_zero=True)
     counted: dict[tuple[_Part, ...], int] = {}
@@ -564,7 +573,7 @@ def plan_state_sharding(
         sharding = StateSharding(params=params, grads=grads, optim=optim)
         for reshard in (True, False) if params else (True,):
             candidates.append(_evaluate(grouped, sizes, sharding, reshard, optimizer, param_dtype,
-                                        reduce_dtype, bw, lat, float(memory_budget)))
+                                        reduce_dtype, bw, lat, fits, float(memory_budget)))
     fitting = sorted((c for c in candidates if c.fits),
                      key=lambda c: (c.comm_seconds_total, c.memory_total, str(c.sharding)))
     if not fitting:
@@ -576,13 +585,13 @@ def plan_state_sharding(
         )
     rest = sorted((c for c in candidates if not c.fits),
                   key=lambda c: (c.memory_total, c.comm_seconds_total, str(c.sharding)))
-    return StateShardingPlan(fitting + rest, float(memory_budget), sizes, bw, lat)
+    return StateShardingPlan(fitting + rest, float(memory_budget), sizes, bw, lat, fits)
 
 
 # -- profile ------------------------------------------------------------------------------------
 # fp32 elements per rank per collective: 4 MB-64 MB chunks on GPUs (NCCL reaches its bus
-# bandwidth there), 16-256 KB on CPU (gloo, tests)
-PROFILE_NUMELS = {"cuda": (1 << 20, 1 << 22, 1 << 24), "cpu": (1 << 12, 1 << 14, 1 << 16)}
+# bandwidth there), 16 KB-1 MB on CPU (gloo, tests)
+PROFILE_NUMELS = {"cuda": (1 << 20, 1 << 22, 1 << 24), "cpu": (1 << 12, 1 << 15, 1 << 18)}
 
 
 def _timed(fn, device: torch.device, reps: int) -> float:
@@ -599,20 +608,35 @@ def _timed(fn, device: torch.device, reps: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return min(times)
+
+
+def _subgroup(mesh: DeviceMesh, dims: tuple[str, ...]):
+    """This rank's process group over ``dims`` of ``mesh`` (every rank creates every group)."""
+    import torch.distributed as dist
+
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    names = list(mesh.mesh_dim_names)
+    axes = [i for i, d in enumerate(names) if d not in dims] + [names.index(d) for d in dims]
+    size = math.prod(mesh.size(names.index(d)) for d in dims)
+    ranks = mesh.mesh.permute(axes).reshape(-1, size).tolist()
+    return dist.new_subgroups_by_enumeration(ranks)[0]
 
 
 def profile_mesh(mesh: DeviceMesh, numels: Sequence[int] | None = None,
-                 reps: int = 3) -> tuple[dict[str, float], dict[str, float]]:
-    """Measure ``(bandwidth, latency)`` per dim of ``mesh`` (collective: every rank calls it).
+                 reps: int = 5) -> dict[tuple[str, ...], tuple[float, float]]:
+    """Measure ``(bandwidth, latency)`` of the collectives over each group of mesh dims
+    (collective: every rank calls it).
 
-    For each dim, an all-gather and a reduce-scatter of fp32 chunks of each of ``numels``
-    elements per rank (default :data:`PROFILE_NUMELS` of the mesh's device type) over the
-    dim's group, median of ``reps`` after a warm-up; each rank's
-    times are maxed over the world (so every rank fits the same numbers) and
+    Groups: each dim, and each set of several dims (in mesh order) when ``mesh`` spans the
+    whole world (their process groups are made with ``new_subgroups_by_enumeration``, which
+    every rank of the world must call); groups of one rank are skipped. For each group, an
+    all-gather and a reduce-scatter of fp32 chunks of each of ``numels`` elements per rank
+    (default :data:`PROFILE_NUMELS` of the mesh's device type), the fastest of ``reps`` after a
+    warm-up (the least disturbed); each rank's times are maxed over the world (every rank fits the same numbers) and
     ``t = latency * (n - 1) + bytes / bandwidth`` (``bytes = (n - 1) * chunk bytes``) is fitted
-    by least squares (latency clamped at 0, then the slope refitted through the origin). A dim of
-    size 1 moves nothing: ``inf`` bandwidth, 0 latency.
+    by least squares (latency clamped at 0, then the slope refitted through the origin).
 
     Raises:
         RuntimeError: the measured times do not grow with message size (no positive bandwidth
@@ -627,12 +651,17 @@ def profile_mesh(mesh: DeviceMesh, numels: Sequence[int] | None = None,
     device = torch.device(mesh.device_type, torch.cuda.current_device()) \
         if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     numels = numels or PROFILE_NUMELS.get(mesh.device_type, PROFILE_NUMELS["cuda"])
-    bw, lat = {}, {}
-    for dim, n in sizes.items():
+    names = list(sizes)
+    subsets = [tuple(d for d, keep in zip(names, mask) if keep)
+               for mask in product((False, True), repeat=len(names)) if any(mask)]
+    if mesh.size() != dist.get_world_size():
+        subsets = [d for d in subsets if len(d) == 1]
+    fits = {}
+    for dims in sorted(subsets, key=len):
+        n = math.prod(sizes[d] for d in dims)
         if n == 1:
-            bw[dim], lat[dim] = math.inf, 0.0
             continue
-        group = mesh.get_group(dim)
+        group = _subgroup(mesh, dims)
         xs, ts = [], []
         for numel in numels:
             small = torch.ones(numel, device=device)
@@ -642,18 +671,18 @@ def profile_mesh(mesh: DeviceMesh, numels: Sequence[int] | None = None,
                 ts.append(_timed(functools.partial(fn, *args, group=group), device, reps))
         t = torch.tensor(ts, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        bw[dim], lat[dim] = _fit(np.array(xs, dtype=np.float64), t.cpu().numpy(), n - 1, dim)
-    return bw, lat
+        fits[dims] = _fit(np.array(xs, dtype=np.float64), t.cpu().numpy(), n - 1, dims)
+    return fits
 
 
-def _fit(x: np.ndarray, t: np.ndarray, steps: int, dim: str) -> tuple[float, float]:
+def _fit(x: np.ndarray, t: np.ndarray, steps: int, dims: tuple[str, ...]) -> tuple[float, float]:
     """``(bandwidth, latency)`` of ``t = latency * steps + x / bandwidth``, least squares."""
     slope, intercept = np.polyfit(x, t, 1)
     if intercept < 0:
         slope, intercept = float(x @ t / (x @ x)), 0.0
     if not slope > 0:
         raise RuntimeError(
-            f"profile of mesh dim {dim!r}: collective times {t.tolist()} do not grow with the "
+            f"profile of mesh dims {dims}: collective times {t.tolist()} do not grow with the "
             f"bytes {x.tolist()}; pass bandwidth explicitly"
         )
     return float(1.0 / slope), float(intercept / steps)

@@ -274,15 +274,21 @@ def _profile_rank(rank, world_size):
     same = all(getattr(StateSharding, f)(mesh) == getattr(StateSharding, f)(named)
                for f in ("zero1", "zero2", "zero3", "default"))
     plan = plan_state_sharding([[("w", (64, 64))]] * 2, mesh, math.inf, bandwidth="profile")
-    return same, plan.bandwidth, plan.latency, str(plan.sharding)
+    return same, plan.bandwidth, plan.latency, str(plan.sharding), plan.profiled
 
 
 @pytest.mark.multiprocess
 def test_profile_fits_positive_finite_bandwidths_on_gloo():
     results = run_gloo(_profile_rank, 4)
-    for same, bw, lat, sharding in results:
+    for same, bw, lat, _, profiled in results:
         assert same
         assert set(bw) == {"inter", "intra"}
         assert all(math.isfinite(v) and v > 0 for v in bw.values()), bw
         assert all(math.isfinite(v) and v >= 0 for v in lat.values()), lat
+        # each dim and the pair, each a (bandwidth, latency) fit; the dims' are bw / lat
+        assert set(profiled) == {("inter",), ("intra",), ("inter", "intra")}
+        assert all(math.isfinite(b) and b > 0 and math.isfinite(t) and t >= 0
+                   for b, t in profiled.values()), profiled
+        assert {d: profiled[(d,)] for d in bw} == {d: (bw[d], lat[d]) for d in bw}
+    # every rank fits the same numbers and plans the same
     assert len({(tuple(r[1].items()), tuple(r[2].items()), r[3]) for r in results}) == 1
