@@ -215,28 +215,25 @@ class StateShardingPlan:
 # -- input: units -------------------------------------------------------------------------------
 def _module_units(model: nn.Module, units: Sequence[nn.Module] | None) -> list[list[Entry]]:
     """Parameters of ``model`` grouped as ``fully_shard`` groups them when called on each of
-    ``units`` (inner first) and then on ``model``: a parameter belongs to the first unit that
-    holds it (tied parameters once)."""
+    ``units`` (inner first) and then on ``model``: a parameter belongs to the innermost unit
+    that holds it (tied parameters once). Units in module order, the root last."""
+    order = {id(m): i for i, m in enumerate(model.modules())}
     if units is None:
         units = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
     for u in units:
-        if not isinstance(u, nn.Module) or not any(u is m for m in model.modules()):
+        if not isinstance(u, nn.Module) or id(u) not in order:
             raise ValueError(f"units must be submodules of the model, got {type(u).__name__}")
-    seen: set[int] = set()
-    out = []
+    chosen = sorted({id(u): u for u in [*units, model]}.values(), key=lambda m: order[id(m)])
     names = {id(m): n for n, m in model.named_modules()}
-    for prefix_module in [*units, model]:
-        prefix = names[id(prefix_module)]
-        entries = []
-        for name, p in prefix_module.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            full = f"{prefix}.{name}" if prefix else name
-            entries.append((full, tuple(p.shape), p.dtype))
-        if entries:
-            out.append(entries)
-    return out
+    entries: list[list[Entry]] = [[] for _ in chosen]
+    seen: set[int] = set()
+    for k in reversed(range(len(chosen))):  # every module before its ancestors
+        prefix = names[id(chosen[k])]
+        for name, p in chosen[k].named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                entries[k].append((f"{prefix}.{name}" if prefix else name, tuple(p.shape), p.dtype))
+    return [e for e in entries if e]
 
 
 def _entry(e: object, dtype: torch.dtype) -> Entry:

@@ -235,15 +235,36 @@ class _Model(nn.Module):
         self.layers = nn.ModuleList(_Block() for _ in range(3))
 
 
+class _MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(4))
+
+
+def _same_candidates(a, b) -> None:
+    assert len(a.candidates) == len(b.candidates)
+    for ca, cb in zip(a.candidates, b.candidates):
+        assert (ca.sharding, ca.memory_per_rank, ca.comm_bytes) == \
+            (cb.sharding, cb.memory_per_rank, cb.comm_bytes)
+
+
 def test_module_input_groups_units_as_fully_shard():
     with torch.device("meta"):
         model = _Model()
     named = [[("lin.weight", (8, 16)), ("lin.bias", (8,))] for _ in range(3)]
     named.append([("emb.weight", (32, 16))])
-    a, b = _plan(model), _plan(named)
-    for ca, cb in zip(a.candidates, b.candidates):
-        assert (ca.sharding, ca.memory_per_rank, ca.comm_bytes) == \
-            (cb.sharding, cb.memory_per_rank, cb.comm_bytes)
+    _same_candidates(_plan(model), _plan(named))
+    # nested ModuleLists: each expert is a unit inside its layer's unit (innermost owns)
+    with torch.device("meta"):
+        moe = nn.Sequential(nn.Embedding(8, 16), nn.ModuleList(_MoE() for _ in range(2)))
+    nested = [[("router.weight", (4, 16))] if k == 0 else [("weight", (16, 16))]
+              for _ in range(2) for k in range(5)]
+    _same_candidates(_plan(moe), _plan(nested + [[("emb.weight", (8, 16))]]))
+    # a unit of two dtypes is planned per dtype, as the runtime's MultiDtypeUnit
+    mixed = _plan([[("w", (16, 8)), ("n", (8,), torch.bfloat16)]])
+    z3 = mixed.find(StateSharding.zero3(MESH)).memory_per_rank
+    assert z3["params"] == 32 * 4 + 2 * 2  # 32 fp32 and 2 bf16 elements per rank
 
 
 KIMI_K2 = {"hidden": 7168, "layers": 61, "dense_layers": 1, "intermediate": 18432,
