@@ -284,6 +284,12 @@ class _Part:
     granularities: tuple[Any, ...]
     dtype: torch.dtype
 
+    def __post_init__(self) -> None:  # hashed once: parts key every cache
+        object.__setattr__(self, "_hash", hash((self.shapes, self.granularities, self.dtype)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @property
     def numel(self) -> int:
         return sum(math.prod(s) for s in self.shapes)
@@ -398,83 +404,119 @@ def _candidates(dims: Sequence[str]) -> list[tuple[tuple[str, ...], tuple[str, .
 
 
 # -- the models -------------------------------------------------------------------------------
-def _evaluate(units: list[tuple[tuple[_Part, ...], int]], sizes: dict[str, int],
-              sharding: StateSharding, reshard: bool, optimizer: str,
-              param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-              bandwidth: dict[str, float], latency: dict[str, float],
-              fits: dict[tuple[str, ...], tuple[float, float]],
-              budget: float) -> ShardingCandidate:
-    dims = list(sizes)
-    w_p, w_g, w_o = sharding.degrees(sizes)
-    world = math.prod(sizes.values())
-    groups = {  # collective -> (dims of its group, ranks)
-        "ag": sharding.params,
-        "rs_g": tuple(d for d in sharding.grads if d not in sharding.params),
-        "ar": tuple(d for d in dims if d not in sharding.grads),
-        "ag_o": tuple(d for d in sharding.optim if d not in sharding.params),
-    }
-    n = {"ag": w_p, "rs_g": w_g // w_p, "ar": world // w_g, "ag_o": w_o // w_p}
-    mem = dict.fromkeys(STATES, 0)
-    gathered: list[tuple[int, int]] = []  # (all-gather output bytes, units like it)
-    send_max = grads_max = 0
-    coll_bytes = dict.fromkeys(["ag", "rs_p", "rs_g", "ar", "ag_o"], 0.0)
-    calls = dict.fromkeys(coll_bytes, 0)
-    for parts, count in units:
-        out = send = grad_buffers = 0
-        unit_bytes = dict.fromkeys(coll_bytes, 0.0)
-        for part in parts:
-            gather_dt = param_dtype or part.dtype
-            reduce_dt = reduce_dtype or gather_dt
-            s, p, r = part.dtype.itemsize, gather_dt.itemsize, reduce_dt.itemsize
-            buffer = _layout(part, w_o)[0]
-            c_p, c_g, c_o = (_chunk(part, w_o, w_o // w_p), _chunk(part, w_o, w_o // w_g),
-                             _chunk(part, w_o, 1))
-            mem["params"] += count * c_p * s
-            mem["grads"] += count * c_g * s
-            mem["optim"] += count * math.ceil(_optim_bytes(part, optimizer) * c_o / max(part.numel, 1))
-            out += buffer * p
-            send += c_p * p if gather_dt != part.dtype else 0
-            grad_buffers += buffer * p + (buffer * r if reduce_dt != gather_dt else 0) + c_p * r
-            k_p, k_g = w_o // w_p, w_o // w_g
-            gathered_p = _traffic(part, w_o, w_o, k_p)  # the unit from params chunks
-            unit_bytes["ag"] += gathered_p * p * (2 if reshard else 1)
-            unit_bytes["rs_p"] += gathered_p * r
-            unit_bytes["rs_g"] += _traffic(part, w_o, k_p, k_g) * r
-            unit_bytes["ar"] += 2 * (n["ar"] - 1) / n["ar"] * c_g * r
-            unit_bytes["ag_o"] += _traffic(part, w_o, k_p, 1) * s
-        for k, v in unit_bytes.items():
-            coll_bytes[k] += count * v
-        # one (coalesced) collective per unit and pass, whatever its dtypes
-        calls["ag"] += count * (2 if reshard else 1)
-        for k in ("rs_p", "rs_g", "ar", "ag_o"):
-            calls[k] += count
-        gathered.append((out, count))
-        send_max, grads_max = max(send_max, send), max(grads_max, grad_buffers)
-    if reshard:  # the unit and the prefetched next one: at most the two largest
-        gathered.sort(reverse=True)
-        largest, count = gathered[0]
-        held = largest + (largest if count > 1 else gathered[1][0] if len(gathered) > 1 else 0)
-    else:  # every unit's all-gather output, from its forward to its backward
-        held = sum(b * c for b, c in gathered)
-    mem["buffers"] = held + send_max + grads_max
-    comm_bytes = dict.fromkeys(dims, 0)
-    seconds = dict.fromkeys(dims, 0.0)
+@dataclass(frozen=True)
+class _Model:
+    """What every candidate is evaluated against (the arguments of :func:`plan_state_sharding`)."""
+
+    sizes: dict[str, int]
+    optimizer: str
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    bandwidth: dict[str, float]
+    latency: dict[str, float]
+    profiled: dict[tuple[str, ...], tuple[float, float]]
+    budget: float
+
+
+@dataclass
+class _UnitCost:
+    """Bytes per rank of one unit (all its dtypes) under one candidate."""
+
+    states: dict[str, int]       # params, grads, optim
+    gathered: int                # the all-gather output
+    send: int                    # the mixed-precision send buffer
+    grad_buffers: int            # gradient buffers, their reduce-dtype cast, reduce-scatter out
+    traffic: dict[str, float]    # collective -> bytes moved
+
+
+# collective -> (op, group: which dims, from the StateSharding)
+_COLLECTIVES = {
+    "ag": ("all_gather", "params"), "rs_p": ("reduce_scatter", "params"),
+    "rs_g": ("reduce_scatter", "grads-params"), "ar": ("all_reduce", "replicated-grads"),
+    "ag_o": ("all_gather", "optim-params"),
+}
+
+
+def _group_dims(sharding: StateSharding, dims: Sequence[str], group: str) -> tuple[str, ...]:
+    if group == "params":
+        return sharding.params
+    if group == "replicated-grads":
+        return tuple(d for d in dims if d not in sharding.grads)
+    outer = sharding.grads if group == "grads-params" else sharding.optim
+    return tuple(d for d in outer if d not in sharding.params)
+
+
+def _unit_cost(parts: tuple[_Part, ...], degrees: tuple[int, int, int], replicas: int,
+               reshard: bool, m: _Model) -> _UnitCost:
+    """Memory and traffic of one unit at sharding degrees ``(W_params, W_grads, W_optim)``,
+    gradients replicated over ``replicas`` ranks (see the module docstring)."""
+    w_p, w_g, w_o = degrees
+    k_p, k_g = w_o // w_p, w_o // w_g  # optimizer chunks per params / grads chunk
+    cost = _UnitCost(dict.fromkeys(("params", "grads", "optim"), 0), 0, 0, 0,
+                     dict.fromkeys(_COLLECTIVES, 0.0))
+    for part in parts:
+        gather_dt = m.param_dtype or part.dtype
+        reduce_dt = m.reduce_dtype or gather_dt
+        s, p, r = part.dtype.itemsize, gather_dt.itemsize, reduce_dt.itemsize
+        buffer = _layout(part, w_o)[0]
+        c_p, c_g, c_o = _chunk(part, w_o, k_p), _chunk(part, w_o, k_g), _chunk(part, w_o, 1)
+        cost.states["params"] += c_p * s
+        cost.states["grads"] += c_g * s
+        cost.states["optim"] += math.ceil(_optim_bytes(part, m.optimizer) * c_o / max(part.numel, 1))
+        cost.gathered += buffer * p
+        cost.send += c_p * p if gather_dt != part.dtype else 0
+        cost.grad_buffers += buffer * p + (buffer * r if reduce_dt != gather_dt else 0) + c_p * r
+        unit_from_params = _traffic(part, w_o, w_o, k_p)
+        cost.traffic["ag"] += unit_from_params * p * (2 if reshard else 1)
+        cost.traffic["rs_p"] += unit_from_params * r
+        cost.traffic["rs_g"] += _traffic(part, w_o, k_p, k_g) * r
+        cost.traffic["ar"] += 2 * (replicas - 1) / replicas * c_g * r
+        cost.traffic["ag_o"] += _traffic(part, w_o, k_p, 1) * s
+    return cost
+
+
+def _buffers(costs: list[tuple[_UnitCost, int]], reshard: bool) -> int:
+    """Unsharded buffers held at once: the two largest all-gather outputs (the unit and the
+    prefetched next one), or with ``reshard_after_forward=False`` every unit's; the largest send
+    buffer and the largest unit's gradient buffers."""
+    gathered = sorted(((c.gathered, n) for c, n in costs), reverse=True)
+    if reshard:
+        (largest, count), rest = gathered[0], gathered[1:]
+        held = largest + (largest if count > 1 else rest[0][0] if rest else 0)
+    else:
+        held = sum(b * n for b, n in gathered)
+    return held + max(c.send for c, _ in costs) + max(c.grad_buffers for c, _ in costs)
+
+
+def _evaluate(units: list[tuple[tuple[_Part, ...], int]], sharding: StateSharding,
+              reshard: bool, m: _Model) -> ShardingCandidate:
+    """One candidate: memory per state, and each collective's bytes and time per step."""
+    dims = list(m.sizes)
+    degrees = sharding.degrees(m.sizes)
+    w_p, w_g, w_o = degrees
+    ranks = {"params": w_p, "grads-params": w_g // w_p, "optim-params": w_o // w_p,
+             "replicated-grads": math.prod(m.sizes.values()) // w_g}
+    costs = [(_unit_cost(parts, degrees, ranks["replicated-grads"], reshard, m), count)
+             for parts, count in units]
+    mem = {state: sum(c.states[state] * n for c, n in costs) for state in ("params", "grads", "optim")}
+    mem["buffers"] = _buffers(costs, reshard)
+    calls = sum(n for _, n in costs)  # one (coalesced) collective per unit and pass
+    comm_bytes, seconds = dict.fromkeys(dims, 0), dict.fromkeys(dims, 0.0)
     collectives = []
-    for k, group, op in (("ag", "ag", "all_gather"), ("rs_p", "ag", "reduce_scatter"),
-                         ("rs_g", "rs_g", "reduce_scatter"), ("ar", "ar", "all_reduce"),
-                         ("ag_o", "ag_o", "all_gather")):
-        ranks = n[group]
-        if ranks == 1 or not coll_bytes[k]:
+    for key, (op, group) in _COLLECTIVES.items():
+        total = sum(c.traffic[key] * n for c, n in costs)
+        n_ranks, group_dims = ranks[group], _group_dims(sharding, dims, group)
+        if n_ranks == 1 or not total:
             continue
-        slow = min(groups[group], key=lambda d: bandwidth[d])  # first of the slowest, mesh order
-        bw, lat = fits.get(groups[group], (bandwidth[slow], latency[slow]))
-        steps = (2 if k == "ar" else 1) * (ranks - 1) * calls[k]
-        comm_bytes[slow] += round(coll_bytes[k])
-        seconds[slow] += coll_bytes[k] / bw + lat * steps
-        collectives.append(StepCollective(op, groups[group], ranks, calls[k], coll_bytes[k], slow))
-    mem = {k: int(v) for k, v in mem.items()}
+        n_calls = calls * (2 if key == "ag" and reshard else 1)
+        slow = min(group_dims, key=lambda d: m.bandwidth[d])  # first of the slowest, mesh order
+        bw, lat = m.profiled.get(group_dims, (m.bandwidth[slow], m.latency[slow]))
+        steps = (2 if op == "all_reduce" else 1) * (n_ranks - 1) * n_calls
+        comm_bytes[slow] += round(total)
+        seconds[slow] += total / bw + lat * steps
+        collectives.append(StepCollective(op, group_dims, n_ranks, n_calls, total, slow))
     return ShardingCandidate(sharding, reshard, mem, comm_bytes, seconds,
-                             sum(mem.values()) <= budget, tuple(collectives))
+                             sum(mem.values()) <= m.budget, tuple(collectives))
 
 
 def plan_state_sharding(
@@ -565,12 +607,12 @@ def plan_state_sharding(
         key = _parts(unit, granularity)
         counted[key] = counted.get(key, 0) + 1
     grouped = list(counted.items())
+    model = _Model(sizes, optimizer, param_dtype, reduce_dtype, bw, lat, fits, float(memory_budget))
     candidates = []
     for params, grads, optim in _candidates(list(sizes)):
         sharding = StateSharding(params=params, grads=grads, optim=optim)
         for reshard in (True, False) if params else (True,):
-            candidates.append(_evaluate(grouped, sizes, sharding, reshard, optimizer, param_dtype,
-                                        reduce_dtype, bw, lat, fits, float(memory_budget)))
+            candidates.append(_evaluate(grouped, sharding, reshard, model))
     fitting = sorted((c for c in candidates if c.fits),
                      key=lambda c: (c.comm_seconds_total, c.memory_total, str(c.sharding)))
     if not fitting:
