@@ -25,12 +25,11 @@ granularity boundaries). ``c_X`` is the largest such chunk, padding included:
   at most 1024, Adam grafting) per ``r x c`` block ``2 r^2 + 2 c^2`` fp32 (statistics and roots)
   plus 2 fp32 grafting moments per element. Exact for adamw and sgd (an upper bound by the
   chunk's padding); for muon and shampoo the unit's state is spread in proportion to chunk size;
-* ``buffers``: the unsharded buffers of the largest unit: its all-gather output
-  (``buffer * P``, plus the ``c_params * P`` send buffer when ``P != s``) twice (the unit and the
-  prefetched next one) plus its gradient buffers (``buffer * P``, its ``R`` cast when
-  ``R != P``, and the ``c_params * R`` reduce-scatter output). With
-  ``reshard_after_forward=False`` every unit's all-gather output is held from forward to
-  backward: their sum replaces the two largest.
+* ``buffers``: the unsharded buffers held at once: the two largest units' all-gather outputs
+  (``buffer * P``: the unit and the prefetched next one; with ``reshard_after_forward=False``
+  every unit's, held from forward to backward), the largest ``c_params * P`` send buffer (when
+  ``P != s``), and the largest unit's gradient buffers (``buffer * P``, its ``R`` cast when
+  ``R != P``, the ``c_params * R`` reduce-scatter output).
 
 Activations are not modelled: pass as ``memory_budget`` what is left for these states.
 

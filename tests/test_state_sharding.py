@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from dist_utils import run_gloo
+from dist_utils import run_gloo, run_threaded
 from ragged_placement.fsdp import StateSharding
 from ragged_placement.planner import plan_segmented, plan_state_sharding
 from ragged_placement.planner.models import fsdp_units
@@ -129,6 +129,41 @@ def test_memory_uses_the_planners_padding():
         c_p = 2 * ref4.chunk_numel
     amsp = StateSharding(params=("intra",), grads=("inter", "intra"), optim=("inter", "intra"))
     assert _candidate(plan, amsp).memory_per_rank["params"] == c_p * 4
+
+
+def _runtime_buffers(rank, world_size, mesh_shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_placement.fsdp import fully_shard
+    from ragged_placement.models.gpt import GPT, GPTConfig
+
+    names = ("inter", "intra")[-len(mesh_shape):]
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    with torch.device("meta"):  # awkward widths: the plans pad or go uneven
+        model = GPT(GPTConfig(vocab_size=100, n_layer=3, n_head=2, n_embd=42))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return [(u.chunk_numel, u.plan.buffer_numel) for _, u in model.fsdp_units()]
+
+
+def test_memory_matches_fully_shards_buffers():
+    """The model's params chunks and gathered buffers are the ones fully_shard allocates, on a
+    1-D mesh (zero3) and a 2x2 one (HSDP over intra)."""
+    from ragged_placement.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=100, n_layer=3, n_head=2, n_embd=42))
+    for shape, mesh, sharding in (((4,), {"intra": 4}, StateSharding.zero3({"intra": 4})),
+                                  ((2, 2), MESH, StateSharding.hsdp(MESH, "intra"))):
+        units = run_threaded(_runtime_buffers, 4, shape)[0]
+        plan = plan_state_sharding(model, mesh, math.inf, bandwidth=dict.fromkeys(mesh, 1e9),
+                                   param_dtype=None)
+        mem = plan.find(sharding).memory_per_rank
+        assert mem["params"] == mem["grads"] == sum(c for c, _ in units) * 4
+        largest = sorted((b for _, b in units), reverse=True)
+        chunk_of_largest = max(units, key=lambda u: u[1])[0]
+        assert mem["buffers"] == (largest[0] + largest[1] + largest[0]) * 4 + chunk_of_largest * 4
 
 
 def test_optimizer_state_per_optimizer():
