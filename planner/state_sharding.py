@@ -75,6 +75,7 @@ from ragged_placement.planner.granularity import GranularityPolicy, resolve_poli
 from ragged_placement.planner.segments import plan_segmented
 from ragged_placement.planner.uneven import UnevenPlan
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -229,9 +230,15 @@ def _module_units(model: nn.Module, units: Sequence[nn.Module] | None) -> list[l
     for k in reversed(range(len(chosen))):  # every module before its ancestors
         prefix = names[id(chosen[k])]
         for name, p in chosen[k].named_parameters():
+            full = f"{prefix}.{name}" if prefix else name
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"model_or_named_shapes: parameter {full} is a DTensor (tensor parallel): "
+                    f"pass the units as named shapes with its tensor-parallel local shape"
+                )
             if id(p) not in seen:
                 seen.add(id(p))
-                entries[k].append((f"{prefix}.{name}" if prefix else name, tuple(p.shape), p.dtype))
+                entries[k].append((full, tuple(p.shape), p.dtype))
     return [e for e in entries if e]
 
 
@@ -547,9 +554,10 @@ def plan_state_sharding(
             model; or a list of units, each a list of ``(name, shape)`` or
             ``(name, shape, dtype)`` (``dtype``: the stored dtype, default ``dtype``), or a
             ``(unit name, that list)`` pair as :func:`ragged_placement.planner.models.fsdp_units`
-            returns.
-        mesh: a ``DeviceMesh`` with ``mesh_dim_names``, or a mapping ``{dim name: size}`` in mesh
-            order (plan 16,384 ranks without any process).
+            returns. Every parameter is counted as trained (gradient and optimizer state).
+        mesh: the data-parallel mesh (no tensor-parallel dims): a ``DeviceMesh`` with
+            ``mesh_dim_names``, or a mapping ``{dim name: size}`` in mesh order (plan 16,384
+            ranks without any process).
         memory_budget: bytes per rank available to parameters, gradients, optimizer state and
             the unsharded buffers (not activations).
         bandwidth: bytes/s per rank per mesh dim (``{"intra": 450e9, "inter": 50e9}``: NVLink

@@ -144,6 +144,9 @@ def _runtime_buffers(rank, world_size, mesh_shape):
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    # a sharded model's parameters are DTensors: the partitioner wants the unsharded shapes
+    with pytest.raises(ValueError, match="is a DTensor"):
+        plan_state_sharding(model, {"dp": 4}, math.inf, bandwidth={"dp": 1e9})
     return [(u.chunk_numel, u.plan.buffer_numel) for _, u in model.fsdp_units()]
 
 
@@ -255,6 +258,8 @@ def test_partitioner_errors():
         _plan([[("w", "16x8")]])
     with pytest.raises(ValueError, match="mesh"):
         plan_state_sharding(units, {"inter": 0}, 1e9)
+    with pytest.raises(ValueError, match="units is for an nn.Module"):
+        plan_state_sharding(units, MESH, 1e9, bandwidth=BW, units=[nn.Linear(2, 2)])
 
 
 class _Block(nn.Module):
