@@ -189,7 +189,7 @@ class StateShardingPlan:
 
     def table(self, limit: int | None = None) -> str:
         """Every candidate (or the first ``limit``), ranked: degrees, memory per rank by state
-        (GB), predicted communication seconds per dim and in total."""
+        (GB), predicted communication seconds per dim and in total (4 significant digits)."""
         dims = list(self.mesh)
         head = (["#", "sharding", "s_P", "s_G", "s_OS", "raf"] + [f"{s} GB" for s in STATES]
                 + ["total GB", "fits"] + [f"{d} s" for d in dims] + ["comm s"])
@@ -198,10 +198,10 @@ class StateShardingPlan:
             deg = c.sharding.degrees(self.mesh)
             rows.append([str(i + 1), str(c.sharding), *map(str, deg),
                          "T" if c.reshard_after_forward else "F",
-                         *(f"{c.memory_per_rank[s] / 1e9:.2f}" for s in STATES),
-                         f"{c.memory_total / 1e9:.2f}", "yes" if c.fits else "no",
-                         *(f"{c.comm_seconds[d]:.4f}" for d in dims),
-                         f"{c.comm_seconds_total:.4f}"])
+                         *(f"{c.memory_per_rank[s] / 1e9:.4g}" for s in STATES),
+                         f"{c.memory_total / 1e9:.4g}", "yes" if c.fits else "no",
+                         *(f"{c.comm_seconds[d]:.4g}" for d in dims),
+                         f"{c.comm_seconds_total:.4g}"])
         widths = [max(len(r[k]) for r in [head] + rows) for k in range(len(head))]
         lines = ["  ".join(h.rjust(w) for h, w in zip(r, widths)) for r in [head] + rows]
         return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])
