@@ -142,9 +142,9 @@ def _expected_gather_nbytes(unit, ws: int) -> int:
     def a16(n: int) -> int:
         return -(-n // 16) * 16
 
-    parts = getattr(unit.plan, "parts", (unit.plan,))
-
-    fp8 = {s.fqn for s, w in zip(unit.slots, unit.fp8.weights) if w is not None}
+    (flat,) = unit.buffers
+    parts = getattr(flat.plan, "parts", (flat.plan,))
+    fp8 = {s.fqn for s, w in zip(flat.slots, flat.fp8.weights) if w is not None}
     total = 0
     for part in parts:
         per_rank = []
@@ -209,17 +209,17 @@ def _gather_rank(rank: int, ws: int):
             u.stats.all_gathers,
             u.stats.all_gather_bytes,
             u.stats.reduce_scatters,
-            u.fp8.gathered_nbytes,
+            u.buffers[0].fp8.gathered_nbytes,
             _expected_gather_nbytes(u, ws),
-            u.fp8.padding_nbytes,
-            u.fp8.assembled_nbytes,
-            u._storage.nbytes() + u.fp8.assembled.untyped_storage().nbytes(),
+            u.buffers[0].fp8.padding_nbytes,
+            u.buffers[0].fp8.assembled_nbytes,
+            u.buffers[0]._storage.nbytes() + u.buffers[0].fp8.assembled.untyped_storage().nbytes(),
         )
         for name, u in units.items()
     }
     kinds = {
-        name: (type(u.plan).__name__, u.fp8.segment.rank_starts is not None)
-        for name, u in (("seg", seg.fsdp_unit), ("une", une.fsdp_unit))
+        name: (type(b.plan).__name__, b.fp8.segment.rank_starts is not None)
+        for name, (b,) in (("seg", seg.fsdp_unit.buffers), ("une", une.fsdp_unit.buffers))
     }
     return seen, dict(meter.counts), per_unit, kinds
 
@@ -312,7 +312,7 @@ def _fp8_train_rank(rank: int, ws: int, steps: int, batch: int):
 
     def landed(p: torch.Tensor, unit, index: int) -> None:
         # right after AccumulateGrad: the gradient is the parameter's view of the flat buffer
-        buf, offset = unit.grad_buffer_of(index)
+        buf, offset = unit.buffers[0].grad_buffer_of(index)
         zero_copy.append(p.grad.data_ptr() == buf.data_ptr() + offset * buf.element_size())
 
     handles = [
@@ -370,14 +370,14 @@ def test_fp8_training_under_fully_shard_matches_one_process_fp8():
     assert ref_losses[-1] < ref_losses[0] - 1.0  # it trains
 
 
-def _place_nbytes(unit) -> int:
-    """Bytes of the largest place of the unit's gathered FP8 sends (place ``j``: the sends of
+def _place_nbytes(unit, buffer) -> int:
+    """Bytes of the largest place of ``buffer``'s gathered FP8 sends (place ``j``: the sends of
     ranks ``j * factor`` to ``(j + 1) * factor - 1``; what a post-forward shard allocates), 0
     unless the unit keeps a post-forward shard."""
     pf = unit._post_forward
     if pf is None:
         return 0
-    starts, f = unit.fp8.send_starts, pf.factor
+    starts, f = buffer.fp8.send_starts, pf.factor
     return max(starts[(j + 1) * f] - starts[j * f] for j in range(pf.size))
 
 
@@ -390,14 +390,15 @@ def _fp8_pairs_rank(rank: int, ws: int, reshard) -> tuple[list[float], list[floa
     _shard(m, _mesh(ws), reshard=reshard)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     units = [block.fsdp_unit for block in m.layers]
-    assert all(u.fp8.segment.rank_starts is not None for u in units)  # an uneven all-gather
+    # an uneven all-gather
+    assert all(b.fp8.segment.rank_starts is not None for u in units for b in u.buffers)
     losses, held = [], []
     for s in range(3):
         x, y = _corpus().batch(s, 8, SEQ)
         loss = m(_rows(x, rank, ws), _rows(y, rank, ws))
         held.append([
-            (0 if u.post_forward_shard is None else u.post_forward_shard.untyped_storage().nbytes(),
-             _place_nbytes(u)) for u in units
+            (0 if b.post_forward_shard is None else b.post_forward_shard.untyped_storage().nbytes(),
+             _place_nbytes(u, b)) for u in units for b in u.buffers
         ])
         loss.backward()
         opt.step()
@@ -495,10 +496,10 @@ def _net_rank(rank: int, ws: int) -> dict[str, tuple]:
             losses.append(total.item() / ws)
         units = [blk.fsdp_unit for blk in net]
         kinds = [
-            (type(u.plan).__name__, u.fp8.segment.rank_starts is not None,
-             u.fp8.padding_nbytes < 16 * u.world_size,
-             u.stats.all_gather_bytes == u.stats.all_gathers * u.fp8.gathered_nbytes)
-            for u in units
+            (type(b.plan).__name__, b.fp8.segment.rank_starts is not None,
+             b.fp8.padding_nbytes < 16 * u.world_size,
+             u.stats.all_gather_bytes == u.stats.all_gathers * b.fp8.gathered_nbytes)
+            for u in units for b in u.buffers
         ]
         out[name] = (losses, kinds, sum(u.stats.post_forward_all_gathers for u in units))
     return out
@@ -527,9 +528,9 @@ def _val_loss_rank(rank: int, ws: int, quant, steps: int) -> tuple[float, str]:
     torch.set_num_threads(1)
     m = _gpt()
     _shard(m, _mesh(ws), quant=quant, mp=BF16)
-    unit = m.layers[0].fsdp_unit
-    uneven_sends = unit.fp8 is not None and unit.fp8.segment.rank_starts is not None
-    kind = f"{type(unit.plan).__name__}{', uneven sends' if uneven_sends else ''}"
+    (flat,) = m.layers[0].fsdp_unit.buffers
+    uneven_sends = flat.fp8 is not None and flat.fp8.segment.rank_starts is not None
+    kind = f"{type(flat.plan).__name__}{', uneven sends' if uneven_sends else ''}"
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
     for s in range(steps):
         x, y = _corpus().batch(s, 8, SEQ)
@@ -578,7 +579,7 @@ def _bad_input_rank(rank: int, ws: int):
     for policy in ({"*.weight": Granularity.rows(256)}, {"*.fc.weight": Granularity.matrix()}):
         block = _gpt().layers[0]
         fully_shard(block, mesh=mesh, quant=QUANT, granularity=policy)
-        ok.append(block.fsdp_unit.fp8 is not None)
+        ok.append(block.fsdp_unit.buffers[0].fp8 is not None)
     with pytest.raises(ValueError, match="quant"):
         fully_shard(_gpt().layers[0], mesh=mesh, quant=(128, 128))
     with pytest.raises(ValueError, match="bare nn.Linear"):
