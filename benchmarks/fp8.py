@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import math
 import os
 import statistics
@@ -309,9 +310,10 @@ def cpu_timing(models: dict, world: int = 64, reps: int = 5) -> None:
     with torch.device("meta"):
         params = runtime_params(make())
     gather, plan = ours_gather(params, world, kernel="torch")
-    chunk_numel = plan.chunk_numel
-    send_nbytes = gather.send_starts[1] - gather.send_starts[0]
-    chunk = torch.randn(chunk_numel)
+    sends = [b - a for a, b in itertools.pairwise(gather.send_starts)]
+    rank = sends.index(max(sends))  # the largest send; its elements are what bf16 would cast
+    send_nbytes, chunk_numel = sends[rank], plan.rank_numel(rank)
+    chunk = torch.randn(plan.chunk_numel)
     bf16 = torch.empty(chunk_numel, dtype=torch.bfloat16)
 
     def med(fn) -> float:
@@ -323,11 +325,11 @@ def cpu_timing(models: dict, world: int = 64, reps: int = 5) -> None:
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
 
-    t_pack = med(lambda: gather.pack(0, chunk))
-    t_cast = med(lambda: bf16.copy_(chunk))
+    t_pack = med(lambda: gather.pack(rank, chunk))
+    t_cast = med(lambda: bf16.copy_(chunk[:chunk_numel]))
     print(
-        f"\nCPU ({torch.get_num_threads()} threads), {unit} at W={world}: rank chunk "
-        f"{chunk_numel:,} fp32 elements"
+        f"\nCPU ({torch.get_num_threads()} threads), {unit} at W={world}: rank {rank}'s chunk "
+        f"(the largest send), {chunk_numel:,} fp32 elements"
     )
     print(
         f"  FP8 pack (runtime's FP8UnitGather.pack, torch ref): {1e3 * t_pack:8.2f} ms  "
