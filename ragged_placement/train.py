@@ -222,7 +222,7 @@ def _unit_plans(model) -> list[str]:
     units = getattr(model, "fsdp_units", None)
     if units is None:
         return []
-    return [f"plan of unit {name or '<root>'!r}:\n{unit.plan.summary()}" for name, unit in list(units())[:2]]
+    return [f"plan of unit {name or '<root>'!r}:\n{unit.buffers[0].plan.summary()}" for name, unit in list(units())[:2]]
 
 
 def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[str, Any]:

@@ -9,8 +9,12 @@ work on them.
 
 from ragged_placement._install import install_fsdp2
 from ragged_placement.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard
-from ragged_placement.fsdp.unit import CommStats, FSDPUnit
+from ragged_placement.fsdp.common import CommStats
+from ragged_placement.fsdp.state_sharding import StateSharding
+from ragged_placement.fsdp.unit import FSDPUnit
 
 install_fsdp2()  # torch's fully_shard over these modules: a ValueError naming the module
 
-__all__ = ["CommStats", "FSDPModule", "FSDPUnit", "MixedPrecisionPolicy", "fully_shard"]
+__all__ = [
+    "CommStats", "FSDPModule", "FSDPUnit", "MixedPrecisionPolicy", "StateSharding", "fully_shard",
+]

@@ -14,10 +14,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from ragged_placement.fsdp.common import UnitOptions
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState
-from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout, PostForwardMesh
-from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot, build_unit
+from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
+from ragged_placement.fsdp.param import ParamLayout, ParamSlot, mesh_device
+from ragged_placement.fsdp.unit import FSDPUnit
 from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config
 
@@ -334,13 +336,6 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    handle = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, handle.current_device())
-
-
 def _root_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
     """``modules`` without those nested in another of them (FSDP2 groups the roots), once each."""
     roots: list[nn.Module] = []
@@ -571,7 +566,7 @@ def fully_shard(
             sharded over dim 1 and its gradients are also all-reduced over dim 0. Parameters
             that are DTensors on a tensor-parallel mesh (``parallelize_module`` on a sibling
             sub-mesh of the same root) are planned on their TP-local shape and become DTensors
-            on the ``(mesh..., tp)`` mesh (see :mod:`ragged_placement.fsdp.mesh`).
+            on the ``(mesh..., tp)`` mesh (see :mod:`ragged_placement.fsdp.param`).
         reshard_after_forward: ``True`` (or ``None``, FSDP2's default): free the unsharded
             parameters after forward and all-gather them again in backward; ``False``: keep
             them until backward. The outermost (root) unit always keeps them (FSDP2 does so
@@ -638,7 +633,7 @@ def fully_shard(
     dp = DataParallelMesh.of(mesh)
     _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # checked before building
     offload = _check_offload_policy(offload_policy)
-    device = _mesh_device(mesh)
+    device = mesh_device(mesh)
     slots, params, owned_modules = _collect_params(modules, ignored)
     _check_shard_placements(shard_placement_fn, slots, params, granularity)
     if check_quant(quant) is not None:
@@ -656,10 +651,11 @@ def fully_shard(
     wraps_units = any(
         isinstance(sub, FSDPModule) for m in modules for sub in m.modules() if sub is not m
     )
-    unit = build_unit(
-        slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
+    options = UnitOptions(
+        mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
         split_by_submodule=wraps_units, offload_policy=offload,
     )
+    unit = FSDPUnit(slots, params, mesh, options)
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
     for m in modules:
         m._fsdp_state = state
