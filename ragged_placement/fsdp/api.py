@@ -14,8 +14,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from ragged_placement.fsdp._validation import (
+    check_granularity,
+    check_not_managed,
+    record_managed,
+    unmatched_patterns,
+)
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
-from ragged_placement.fsdp.hooks import FSDPState
+from ragged_placement.fsdp.hooks import FSDPState, drop_unused_grads
 from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout, PostForwardMesh
 from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot, build_unit
 from ragged_placement.planner.granularity import resolve_policy
@@ -127,13 +133,17 @@ class FSDPModule:
         the same units."""
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise ValueError(f"scale must be a number, got {scale!r}")
+        reduced = []
         for m in reversed(list(self.modules())):
             if isinstance(m, FSDPModule):
-                unit = m._fsdp_state.unit
-                if unit.has_unsharded_grads:
-                    unit.reduce_grads()
-                    unit.finish_reduce(scale=float(scale))
-                    unit.wait_offload_copies()
+                state = m._fsdp_state
+                if state.unit.has_unsharded_grads:
+                    state.note_reduce()
+                    state.unit.reduce_grads()
+                    state.unit.finish_reduce(scale=float(scale))
+                    state.unit.wait_offload_copies()
+                    reduced.append(state)
+        drop_unused_grads(reduced)
 
     def set_reshard_after_forward(
         self, reshard_after_forward: bool | int | None, *, recurse: bool = True
@@ -639,12 +649,16 @@ def fully_shard(
     _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # checked before building
     offload = _check_offload_policy(offload_policy)
     device = _mesh_device(mesh)
+    check_granularity(granularity)
     slots, params, owned_modules = _collect_params(modules, ignored)
+    where = type(modules[0]).__name__
+    check_not_managed([s.fqn for s in slots], params, where)
     _check_shard_placements(shard_placement_fn, slots, params, granularity)
     if check_quant(quant) is not None:
         for m in modules:
             convert_unit_linears(m, slots, params, quant)
         slots, params, owned_modules = _collect_params(modules, ignored)  # owners: FP8Linears
+    originals = list(params)  # the parameter objects this unit takes over (before any move)
     # Tensors on the meta device stay there until ``to_empty`` (FSDP2's meta-device init).
     for m in owned_modules:
         for k, b in m._buffers.items():
@@ -661,6 +675,8 @@ def fully_shard(
         split_by_submodule=wraps_units, offload_policy=offload,
     )
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
+    state.unmatched_granularity = unmatched_patterns(granularity, modules)
+    record_managed([s.fqn for s in slots], originals, where)
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))

@@ -71,10 +71,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_placement._compat import outside_selective_checkpoint
 from ragged_placement.fsdp._dynamo import dynamo_disable
+from ragged_placement.fsdp._validation import unmatched_patterns
 from ragged_placement.fsdp.mesh import PostForwardMesh
 from ragged_placement.fsdp.unit import FSDPUnit
 
-__all__ = ["FSDPState", "RootContext", "TrainingState"]
+__all__ = ["FSDPState", "RootContext", "TrainingState", "drop_unused_grads"]
 
 
 class TrainingState(enum.Enum):
@@ -199,6 +200,13 @@ class FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.requires_gradient_sync = True
+        # patterns of the ``granularity`` mapping that matched no parameter of this unit's tree
+        # (checked against the root's tree at its lazy init)
+        self.unmatched_granularity: set[str] = set()
+        # slots that got a gradient since the last reduce-scatter, and whether each sharded
+        # parameter had a ``.grad`` before it (see :func:`drop_unused_grads`)
+        self.got_grad: set[int] = set()
+        self.had_grad: list[bool] | None = None
         self.root: RootContext | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
@@ -221,6 +229,13 @@ class FSDPState:
                 s = getattr(m, "_fsdp_state", None)
                 if s is not None and all(s is not t for t in states):
                     states.append(s)
+        pending = set().union(*(s.unmatched_granularity for s in states))
+        typos = unmatched_patterns(dict.fromkeys(pending), self.modules)
+        if typos:
+            raise ValueError(
+                f"granularity: the pattern(s) {sorted(typos)} match no parameter of "
+                f"{type(self.module).__name__} (names relative to any of its modules)"
+            )
         ctx = RootContext(states)
         for s in states:
             s.root = ctx
@@ -376,7 +391,13 @@ class FSDPState:
         # Runs before AccumulateGrad of unsharded parameter ``index``. A segment's gradient
         # buffer is allocated at its first gradient, not at pre-backward, where it would sit on
         # the activation peak.
+        self.got_grad.add(index)
         self.unit.prepare_grads(index)
+
+    def note_reduce(self) -> None:
+        """Called before the unit's reduce-scatter: which sharded parameters had a ``.grad``."""
+        if self.had_grad is None:
+            self.had_grad = [p.grad is not None for p in self.unit.sharded_params]
 
     @dynamo_disable
     def post_backward(self) -> None:
@@ -388,6 +409,7 @@ class FSDPState:
         unit = self.unit
         if unit.has_unsharded_grads and self.requires_gradient_sync:
             self.root.finish_pending_reduce()
+            self.note_reduce()
             unit.reduce_grads()
             if unit.device.type == "cpu":
                 # gloo stages the reduce-scatter in buffers of its own, alive with the input
@@ -409,4 +431,37 @@ class FSDPState:
         ctx.finish_pending_reduce()
         for s in ctx.states:  # CPU offload: the optimizer reads the host gradients next
             s.unit.wait_offload_copies()
+        drop_unused_grads(ctx.states)
         ctx.callback_queued = False
+
+
+def drop_unused_grads(states: Sequence[FSDPState]) -> None:
+    """After the reduce-scatters: ``.grad = None`` for the parameters that no rank's backward
+    reached since the previous reduce-scatter and that had no ``.grad`` before it, as FSDP2
+    (and one process) leave them, so that the optimizer skips them (AdamW's weight decay does
+    not move them). A parameter some rank used (rank-dependent routing) keeps its reduced
+    gradient on every rank.
+
+    Ranks agree by one all-reduce of one int32 per parameter of the reduced units, per distinct
+    data-parallel group (one in the common case), per synchronizing backward: a rank cannot
+    know that no other rank used a parameter without hearing from each of them."""
+    by_group: dict[tuple, list[FSDPState]] = {}
+    for s in states:
+        if s.had_grad is not None:
+            dp = s.unit.dp
+            by_group.setdefault((dp.shard_group, dp.replicate_group), []).append(s)
+    for (shard_group, replicate_group), group_states in by_group.items():
+        used = torch.tensor(
+            [i in s.got_grad for s in group_states for i in range(len(s.unit.slots))],
+            dtype=torch.int32, device=group_states[0].unit.device,
+        )
+        for g in (shard_group, replicate_group):
+            if g is not None:
+                torch.distributed.all_reduce(used, group=g)
+        flags = iter(used.tolist())
+        for s in group_states:
+            for slot, p, had, anywhere in zip(s.unit.slots, s.unit.sharded_params, s.had_grad, flags):
+                if slot.requires_grad and not had and not anywhere:
+                    p.grad = None
+            s.unit.release_dropped_grads()
+            s.got_grad, s.had_grad = set(), None

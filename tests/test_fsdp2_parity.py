@@ -1,0 +1,274 @@
+"""FSDP2 code run unchanged on ours: the cases where ours gave silent wrong numbers (issue 24).
+
+Each case runs torch FSDP2 on the same model and data in the same test where FSDP2 has the
+feature, and compares with one process on the concatenated batch (2 threaded ranks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_threaded
+from ragged_placement.planner import Granularity
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from ragged_placement import RaggedShard
+from ragged_placement._compat import dispatcher_runs_rewritten_ops
+from ragged_placement.distribute import distribute_tensor
+from ragged_placement.fsdp import fully_shard
+
+WORLD = 2
+STEPS = 4
+BATCH = 8
+D = 8
+TOL = 1e-5
+
+_GEN = torch.Generator().manual_seed(0)
+X = torch.randn(STEPS, BATCH, D, generator=_GEN)
+Y = torch.randn(STEPS, BATCH, 3, generator=_GEN)
+
+
+def _mesh(ws: int) -> DeviceMesh:
+    return DeviceMesh("cpu", list(range(ws)))
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+
+
+def _fs(runtime: str):
+    return fully_shard if runtime == "ours" else torch_fully_shard
+
+
+# -- a weight tied across units ----------------------------------------------------------------
+
+
+def _tied(rank: int, ws: int, runtime: str) -> str:
+    emb = nn.Embedding(10, D)
+    head = nn.Linear(D, 10, bias=False)
+    head.weight = emb.weight
+    m = nn.Sequential(emb, head)
+    fs = _fs(runtime)
+    with pytest.raises(ValueError, match=r"shared with .*fully_shard\(\[module_a, module_b\]\)"):
+        fs(emb, mesh=_mesh(ws))
+        fs(head, mesh=_mesh(ws))
+        fs(m, mesh=_mesh(ws))
+        m(torch.tensor([1, 2]))  # FSDP2 raises at its lazy init
+    return runtime
+
+
+def test_weight_tied_across_units_raises_as_in_fsdp2():
+    for runtime in ("ours", "fsdp2"):
+        assert run_threaded(_tied, WORLD, runtime) == [runtime] * WORLD
+
+
+# -- parameters no rank's forward uses, AdamW with weight decay ------------------------------
+
+
+class Routed(nn.Module):
+    """A block, an ``expert`` used where ``route`` is true and a parameter never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.block = nn.Sequential(nn.Linear(D, D), nn.Tanh())
+        self.expert = nn.Linear(D, D)
+        self.unused = nn.Linear(D, D)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor, route: bool) -> torch.Tensor:
+        h = self.block(self.inp(x))
+        if route:
+            h = h + self.expert(h)
+        return self.head(h)
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(0)
+    ROUTED = Routed().state_dict()
+
+
+def _routed() -> Routed:
+    m = Routed()
+    m.load_state_dict(ROUTED)
+    return m
+
+
+def _adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _route(step: int, rank: int, mode: str) -> bool:
+    """``never``: no rank uses the expert; ``some``: one rank per step (rank-dependent)."""
+    return mode == "some" and (step + rank) % 2 == 0
+
+
+def _routed_reference(mode: str, ws: int):
+    m = _routed()
+    opt = _adamw(m.parameters())
+    per = BATCH // ws
+    grads_none = []
+    for s in range(STEPS):
+        loss = sum(
+            F.mse_loss(m(X[s, r * per : (r + 1) * per], _route(s, r, mode)),
+                       Y[s, r * per : (r + 1) * per])
+            for r in range(ws)
+        ) / ws
+        loss.backward()
+        grads_none.append(sorted(k for k, p in m.named_parameters() if p.grad is None))
+        opt.step()
+        opt.zero_grad()
+    return grads_none, {k: _full(v) for k, v in m.named_parameters()}
+
+
+def _routed_train(rank: int, ws: int, runtime: str, mode: str):
+    m = _routed()
+    fs = _fs(runtime)
+    fs(m.block, mesh=_mesh(ws))
+    fs(m, mesh=_mesh(ws))
+    opt = _adamw(m.parameters())
+    per = BATCH // ws
+    grads_none = []
+    for s in range(STEPS):
+        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
+        F.mse_loss(m(x, _route(s, rank, mode)), y).backward()
+        grads_none.append(sorted(k for k, p in m.named_parameters() if p.grad is None))
+        opt.step()
+        opt.zero_grad()
+    return grads_none, {k: _full(v) for k, v in m.named_parameters()}
+
+
+def test_unused_parameters_get_no_gradient_as_in_fsdp2_and_one_process():
+    """No rank uses ``unused`` (nor, in ``never``, ``expert``): ``.grad`` is None, so AdamW's
+    weight decay leaves them as one process and FSDP2 do; an ``expert`` used on one rank per
+    step gets its reduced gradient on every rank (FSDP2 cannot run that case)."""
+    for mode, runtimes in (("never", ("ours", "fsdp2")), ("some", ("ours",))):
+        ref_none, ref_params = _routed_reference(mode, WORLD)
+        assert ref_none[0] == (
+            ["expert.bias", "expert.weight", "unused.bias", "unused.weight"]
+            if mode == "never" else ["unused.bias", "unused.weight"]
+        )
+        for runtime in runtimes:
+            for grads_none, params in run_threaded(_routed_train, WORLD, runtime, mode):
+                assert grads_none == ref_none, (mode, runtime)
+                for k, v in params.items():
+                    torch.testing.assert_close(v, ref_params[k], atol=TOL, rtol=0,
+                                               msg=f"{mode} {runtime} {k}")
+
+
+# -- vector norms of order inf, -inf and 0 ------------------------------------------------------
+
+ORDS = (math.inf, -math.inf, 0, 1, 2, 3, -1)
+
+
+def _norms(rank: int, ws: int) -> list[tuple]:
+    full = torch.arange(24.0).reshape(6, 2, 2) - 7
+    out = []
+    for units in ((3, 3), (6, 0), (0, 6)):
+        for dims in ((0,), (0, 1)):
+            d = distribute_tensor(full, _mesh(ws), [RaggedShard(dims, units)])
+            for ord_ in ORDS:
+                got = torch.linalg.vector_norm(d, ord=ord_).full_tensor()
+                out.append((units, dims, ord_, got.item()))
+            got = torch._foreach_norm([d, d * 2], math.inf)
+            out.append((units, dims, "foreach", [g.full_tensor().item() for g in got]))
+    return out
+
+
+@pytest.mark.skipif(not dispatcher_runs_rewritten_ops(), reason="needs torch 2.13's dispatcher")
+def test_vector_norm_of_every_order_matches_torch_with_empty_shards():
+    full = torch.arange(24.0).reshape(6, 2, 2) - 7
+    expected = {o: torch.linalg.vector_norm(full, ord=o).item() for o in ORDS}
+    results = run_threaded(_norms, WORLD)
+    assert results[0] == results[1]
+    for units, dims, ord_, got in results[0]:
+        if ord_ == "foreach":
+            assert got == [expected[math.inf], 2 * expected[math.inf]], (units, dims)
+        else:
+            assert got == pytest.approx(expected[ord_], rel=1e-6), (units, dims, ord_)
+
+
+class Small(nn.Module):
+    def __init__(self, n_out: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.out = nn.Linear(D, n_out)  # ours leaves one rank's shard of the bias empty
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc(x)))
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(1)
+    SMALL = {n: Small(n).state_dict() for n in (1, 2)}  # threads must not race on the global RNG
+
+
+def _small(n_out: int) -> Small:
+    m = Small(n_out)
+    m.load_state_dict(SMALL[n_out])
+    return m
+
+
+def _clip(m: nn.Module, x: torch.Tensor, norm_type: float):
+    (m(x) ** 2).mean().backward()
+    total = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.01, norm_type=norm_type)
+    return _full(total).item(), {k: _full(p.grad) for k, p in m.named_parameters()}
+
+
+def _clip_sharded(rank: int, ws: int, runtime: str, n_out: int, norm_type: float):
+    m = _small(n_out)
+    _fs(runtime)(m, mesh=_mesh(ws))
+    if runtime == "ours":
+        assert 0 in m.out.bias.placements[0].local_units
+    per = BATCH // ws
+    return _clip(m, X[0, rank * per : (rank + 1) * per], norm_type)
+
+
+@pytest.mark.skipif(not dispatcher_runs_rewritten_ops(), reason="needs torch 2.13's dispatcher")
+@pytest.mark.parametrize("norm_type", [math.inf, 2.0])
+def test_clip_grad_norm_matches_one_process_and_fsdp2_with_empty_shards(norm_type):
+    """Ours has an empty shard of ``out.bias`` in both; FSDP2 has one with ``n_out=1``, where its
+    inf-norm raises on that rank only (torch's ``_foreach_norm`` of an empty tensor), so it runs
+    on ``n_out=2``."""
+    for n_out, runtimes in ((1, ("ours",)), (2, ("ours", "fsdp2"))):
+        ref_total, ref_grads = _clip(_small(n_out), X[0], norm_type)
+        for runtime in runtimes:
+            for total, grads in run_threaded(_clip_sharded, WORLD, runtime, n_out, norm_type):
+                assert total == pytest.approx(ref_total, rel=1e-5), (n_out, runtime)
+                for k, g in grads.items():
+                    torch.testing.assert_close(g, ref_grads[k], atol=1e-6, rtol=1e-5)
+
+
+# -- granularity patterns -----------------------------------------------------------------------
+
+
+def _granularity_checks(rank: int, ws: int) -> bool:
+    row = Granularity.row()
+    # the FSDP2 recipe: one mapping for every call, each pattern meant for some unit
+    m = _routed()
+    recipe = {"0.weight": row, "head.weight": row}
+    fully_shard(m.block, mesh=_mesh(ws), granularity=recipe)
+    fully_shard(m, mesh=_mesh(ws), granularity=recipe)
+    m(X[0], True).sum().backward()
+    # a typo: raised by the root before its first all-gather, on every rank
+    m = _routed()
+    typo = {"0.weigth": row, "head.weight": row}
+    fully_shard(m.block, mesh=_mesh(ws), granularity=typo)
+    fully_shard(m, mesh=_mesh(ws), granularity=typo)
+    with pytest.raises(ValueError, match=r"granularity: the pattern\(s\) \['0.weigth'\] match no"):
+        m(X[0], True)
+    with pytest.raises(TypeError, match=r"granularity's keys must be fnmatch patterns .* 3 \(int\)"):
+        fully_shard(_routed(), mesh=_mesh(ws), granularity={3: row})
+    with pytest.raises(TypeError, match=r"granularity maps 'head\.\*' to 'row'"):
+        fully_shard(_routed(), mesh=_mesh(ws), granularity={"head.*": "row"})
+    return True
+
+
+def test_granularity_pattern_matching_no_parameter_raises_naming_it():
+    assert all(run_threaded(_granularity_checks, WORLD))
