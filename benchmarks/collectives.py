@@ -9,7 +9,7 @@ the GPT 4x128 block's, ``--sizes``) issued
 * ``coalesced``: in torch's ``_coalescing_manager`` (zero-copy, what NCCL runs);
 * ``separate``: as one async collective per segment, waited together;
 * ``packed``: as one collective through a staging buffer with FSDP2's copy ops (what
-  :func:`ragged_placement._compat.reduce_scatter_segments` runs on gloo).
+  :func:`ragged_placement.fsdp.collectives.reduce_scatter_segments` runs on gloo).
 
 Medians of ``--reps`` alternating repetitions, each between barriers; ratios to ``single``.
 
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ragged_placement import _compat
+from ragged_placement.fsdp import collectives
 from ragged_placement.launch import run_gloo
 from ragged_placement.planner.plan import Segment
 
@@ -78,7 +79,7 @@ def _variants(sizes: list[int], ws: int) -> dict[str, dict]:
             "single": lambda: _compat.reduce_scatter_single(reduced, full),
             "coalesced": lambda: coalesced(rs),
             "separate": lambda: separate(rs),
-            "packed": lambda: _compat.reduce_scatter_segments(reduced, grads, segments, ws),
+            "packed": lambda: collectives.reduce_scatter_segments(reduced, grads, segments, ws),
         },
     }
 

@@ -375,7 +375,7 @@ def options(worlds=(256, 1024, 4096)) -> None:
 def _collective_times(rank: int, world: int, numel: int, repeats: int) -> dict[str, float]:
     import torch.distributed as dist
 
-    from ragged_placement._compat import all_gather_segments, reduce_scatter_segments
+    from ragged_placement.fsdp.collectives import all_gather_segments, reduce_scatter_segments
     from ragged_placement.planner import Segment
 
     s = numel // world

@@ -13,7 +13,7 @@ parameter boundary, a band boundary, or any element of an element-granularity pa
 to ``r * numel / W``. Consecutive allowed cuts are at most one band apart, so every chunk is
 within one band of the mean: ``chunk_numel <= numel / W + band``. The buffer holds exactly the
 parameters, so the all-gather moves exactly their bytes; the price is an uneven collective
-(:func:`ragged_placement._compat.all_gather_segments`): NCCL runs torch's ``all_gather`` into a
+(:func:`ragged_placement.fsdp.collectives.all_gather_segments`): NCCL runs torch's ``all_gather`` into a
 list of uneven views as one group of ``W`` broadcasts, gloo as ``W`` broadcasts (see
 ``docs/planner-options.md`` for the measured comparison).
 

@@ -1,7 +1,7 @@
-"""The segment collectives of :mod:`ragged_placement._compat` on real gloo ranks.
+"""The segment collectives of :mod:`ragged_placement.fsdp.collectives` on real gloo ranks.
 
 A unit of several equal segments is reduce-scattered on gloo as one packed collective (a staging
-buffer filled by FSDP2's copy-in op, :func:`ragged_placement._compat._packed_sizes`) instead of
+buffer filled by FSDP2's copy-in op, :func:`ragged_placement.fsdp.collectives._packed_sizes`) instead of
 gloo's coalesced one; all-gathers stay coalesced and zero-copy.
 Both paths must give the same results (the gathers bitwise; the reductions up to the rounding of
 gloo's summation order): each is compared with the other on the same inputs, and
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 from dist_utils import run_gloo
-from ragged_placement import _compat
+from ragged_placement.fsdp import collectives
 from ragged_placement.fsdp.profiling import LayoutCopyMeter
 from ragged_placement.planner.plan import Segment
 
@@ -46,20 +46,20 @@ def _run(segments, packed: bool, async_op: bool):
     inputs = [by_segment[id(s)] for s in segments]
     gathered = torch.full((WORLD * sum(SIZES),), float("nan"))
     reduced = torch.full((sum(SIZES),), float("nan"))
-    original = _compat._packed_sizes
+    original = collectives._packed_sizes
     if not packed:
-        _compat._packed_sizes = lambda segments, group: None
+        collectives._packed_sizes = lambda segments, group: None
     try:
         with CommDebugMode() as comm, LayoutCopyMeter() as copies:
-            work = _compat.all_gather_segments(gathered, chunk, segments, WORLD, async_op=async_op)
+            work = collectives.all_gather_segments(gathered, chunk, segments, WORLD, async_op=async_op)
             if async_op:
                 work.wait()
-            work = _compat.reduce_scatter_segments(reduced, inputs, segments, WORLD,
+            work = collectives.reduce_scatter_segments(reduced, inputs, segments, WORLD,
                                                    async_op=async_op)
             if async_op:
                 work.wait()
     finally:
-        _compat._packed_sizes = original
+        collectives._packed_sizes = original
     ops = {str(k).rsplit(".", 1)[-1]: v for k, v in comm.get_comm_counts().items()}
     return gathered, reduced, ops, copies.total
 
@@ -113,13 +113,13 @@ def _mixed_parts(rank: int, ws: int) -> dict:
             reduced = [torch.full_like(c, float("nan")) for c in chunks]
             with CommDebugMode() as comm:
                 if coalesced:
-                    _compat.all_gather_parts(list(zip(gathered, chunks, segments)), WORLD)
-                    _compat.reduce_scatter_parts(list(zip(reduced, grads, segments)), WORLD)
+                    collectives.all_gather_parts(list(zip(gathered, chunks, segments)), WORLD)
+                    collectives.reduce_scatter_parts(list(zip(reduced, grads, segments)), WORLD)
                 else:
                     for args in zip(gathered, chunks, segments):
-                        _compat.all_gather_segments(*args, WORLD)
+                        collectives.all_gather_segments(*args, WORLD)
                     for args in zip(reduced, grads, segments):
-                        _compat.reduce_scatter_segments(*args, WORLD)
+                        collectives.reduce_scatter_segments(*args, WORLD)
             results.append((gathered + reduced, comm.get_comm_counts()))
         (ours, ops), (theirs, _) = results
         ops = {str(k).rsplit(".", 1)[-1]: v for k, v in ops.items()}

@@ -436,7 +436,7 @@ def test_gradient_buffers_are_allocated_per_segment_as_backward_reaches_them():
 
 
 def test_reduce_scatter_segments_rejects_buffers_of_the_wrong_size():
-    from ragged_placement._compat import reduce_scatter_segments
+    from ragged_placement.fsdp.collectives import reduce_scatter_segments
     from ragged_placement.planner.plan import Segment
 
     segments = (Segment(0, 0, 4), Segment(4, 8, 2))

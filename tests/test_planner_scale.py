@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dist_utils import run_threaded
-from ragged_placement._compat import all_gather_segments, reduce_scatter_segments
+from ragged_placement.fsdp.collectives import all_gather_segments, reduce_scatter_segments
 from ragged_placement.planner import (
     Granularity,
     SegmentedPlan,

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import ragged_placement._compat as compat
+from ragged_placement.fsdp import collectives
 
 __all__ = ["AllocationMeter", "CollectiveMeter", "HeapPeakMeter", "LayoutCopyMeter", "heap_in_use"]
 
@@ -102,8 +103,8 @@ class CollectiveMeter:
             if fn is not None:
                 self._saved.append((obj, name, fn))
                 setattr(obj, name, self._wrap(kind, fn))
-        self._saved.append((compat, "_coalesced", compat._coalesced))
-        compat._coalesced = self._wrap_coalesced(compat._coalesced)
+        self._saved.append((collectives, "_coalesced", collectives._coalesced))
+        collectives._coalesced = self._wrap_coalesced(collectives._coalesced)
         return self
 
     def __exit__(self, *exc) -> None:

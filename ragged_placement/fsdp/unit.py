@@ -7,7 +7,7 @@ would pad (more than 1%, or more than per-parameter ``Shard(0)``) the planner re
 chunks instead (:class:`~ragged_placement.planner.UnevenPlan`): the buffer holds exactly the
 parameters (``plan.buffer_numel``), rank ``r`` owns ``[rank_starts[r], rank_starts[r+1])``, every
 rank's sharded buffer has the largest chunk's size and uses its first ``plan.rank_numel(r)``
-elements, and the collectives are the uneven ones of :mod:`ragged_placement._compat`. Because
+elements, and the collectives are the uneven ones of :mod:`ragged_placement.fsdp.collectives`. Because
 the planner cuts only on row (or coarser) boundaries, each parameter's part of a chunk is a :class:`RaggedShard` local tensor.
 
 Buffers a unit holds (``W`` = world size, ``P`` = ``param_dtype``, ``R`` = ``reduce_dtype``):
@@ -88,9 +88,8 @@ segments coarsened, :meth:`FSDPUnit.post_forward_segments`), copied out once bef
 from __future__ import annotations
 
 import contextlib
-import enum
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -100,7 +99,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from ragged_placement._compat import all_gather_parts, reduce_scatter_parts
+from ragged_placement.fsdp.collectives import (
+    Gather,
+    Reduction,
+    issue_all_gather,
+    issue_reduce_scatter,
+)
+from ragged_placement.fsdp.common import CommStats, UnitState
 from ragged_placement.fsdp.fp8 import FP8UnitGather, fp8_granularity, is_fp8_weight
 from ragged_placement.fsdp.mesh import (
     DataParallelMesh,
@@ -136,40 +141,6 @@ class ParamSlot:
     owners: list[tuple[nn.Module, str]]
     shape: torch.Size
     requires_grad: bool
-
-
-@dataclass
-class CommStats:
-    """Per-unit counters of collectives issued and bytes moved (this rank's send + receive view).
-
-    ``all_gathers`` / ``all_gather_bytes`` count every all-gather (bytes: its output, the unit's
-    gathered buffer); the ``post_forward_`` ones count those of them that ran over the
-    post-forward group (an ``int`` ``reshard_after_forward``) instead of the shard group. The
-    ``h2d_`` / ``d2h_`` ones count the CPU-offload staging copies: host-to-device before each
-    all-gather, device-to-host after each reduction (zero without offload)."""
-
-    all_gathers: int = 0
-    reduce_scatters: int = 0
-    all_reduces: int = 0  # HSDP: over the replicate dim
-    all_gather_bytes: int = 0
-    reduce_scatter_bytes: int = 0
-    all_reduce_bytes: int = 0
-    post_forward_all_gathers: int = 0
-    post_forward_all_gather_bytes: int = 0
-    h2d_copies: int = 0
-    d2h_copies: int = 0
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, 0)
-
-
-class UnitState(enum.Enum):
-    SHARDED = "sharded"
-    UNSHARDING = "unsharding"  # all-gather issued, not waited on
-    UNSHARDED = "unsharded"
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -1011,93 +982,6 @@ class FSDPUnit:
                 p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
             else:
                 p.grad._local_tensor.add_(views[slot.fqn])
-
-
-@dataclass(frozen=True)
-class Gather:
-    """One unit's share of an all-gather (:meth:`FSDPUnit.prepare_unshard`): this rank's
-    ``input`` gathered into ``output`` by ``segments`` over ``group`` of ``world_size`` ranks
-    (the post-forward group where ``post_forward``)."""
-
-    output: torch.Tensor
-    input: torch.Tensor
-    segments: Sequence[Segment]
-    world_size: int
-    group: object
-    post_forward: bool
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """One unit's share of a reduce-scatter (:meth:`FSDPUnit.prepare_reduce`): ``inputs`` (one
-    per segment) summed over ``group`` of ``world_size`` ranks into ``output``."""
-
-    output: torch.Tensor
-    inputs: list[torch.Tensor]
-    segments: Sequence[Segment]
-    world_size: int
-    group: object
-
-
-class _SharedWork:
-    """The work of one collective held by several units: the first :meth:`wait` waits on it,
-    later ones return at once."""
-
-    def __init__(self, work) -> None:
-        self._work = work
-
-    def wait(self, timeout=None) -> bool:
-        if self._work is not None:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
-            self._work = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
-
-
-def _one_group(requests: list) -> tuple[object, int]:
-    """The group and world size ``requests`` share (the parts of one unit share its mesh)."""
-    group, world_size = requests[0].group, requests[0].world_size
-    if any(r.group is not group or r.world_size != world_size for r in requests):
-        raise RuntimeError(
-            "units coalesced into one collective must share its process group: got "
-            f"{[(r.group, r.world_size) for r in requests]}"
-        )
-    return group, world_size
-
-
-def issue_all_gather(gathers: list[Gather], stats: CommStats) -> _SharedWork:
-    """Issue ``gathers`` (one unit's, or the parts' of a :class:`MultiDtypeUnit`) as one
-    coalesced all-gather, counted once in ``stats`` (bytes: all outputs); returns its work,
-    which every unit of ``gathers`` may hold and wait on."""
-    group, world_size = _one_group(gathers)
-    nbytes = sum(g.output.numel() * g.output.element_size() for g in gathers)
-    stats.all_gathers += 1
-    stats.all_gather_bytes += nbytes
-    if any(g.post_forward for g in gathers):
-        stats.post_forward_all_gathers += 1
-        stats.post_forward_all_gather_bytes += nbytes
-    work = all_gather_parts(
-        [(g.output, g.input, g.segments) for g in gathers], world_size, group=group, async_op=True
-    )
-    return _SharedWork(work)
-
-
-def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats) -> _SharedWork:
-    """Issue ``reductions`` (one unit's, or the parts' of a :class:`MultiDtypeUnit`) as one
-    coalesced reduce-scatter (a sum), counted once in ``stats`` (bytes: all inputs); returns
-    its work, which every unit of ``reductions`` may hold and wait on."""
-    group, world_size = _one_group(reductions)
-    stats.reduce_scatters += 1
-    stats.reduce_scatter_bytes += sum(
-        g.numel() * g.element_size() for r in reductions for g in r.inputs
-    )
-    work = reduce_scatter_parts(
-        [(r.output, r.inputs, r.segments) for r in reductions], world_size,
-        op=dist.ReduceOp.SUM, group=group, async_op=True,
-    )
-    return _SharedWork(work)
 
 
 def _recorded_event(device: torch.device) -> torch.Event:

@@ -1,0 +1,347 @@
+"""The collectives of an FSDP unit: one coalesced all-gather per pass, one reduce-scatter per
+backward, over the segments of the unit's plan (torch FSDP2's ``_fsdp_collectives.py``).
+
+Two layers:
+
+* the segment collectives (:func:`all_gather_segments`, :func:`reduce_scatter_segments` and
+  their several-part forms :func:`all_gather_parts`, :func:`reduce_scatter_parts`): a rank's
+  chunk of each plan segment to and from the segment's place in the unsharded buffer, as one
+  coalesced collective (uneven segments as separate calls; on gloo several equal segments of a
+  reduce-scatter run packed, :func:`_packed_sizes`);
+* one unit's request of a collective (:class:`Gather`, :class:`Reduction`), issued by
+  :func:`issue_all_gather` / :func:`issue_reduce_scatter` for all the unit's flat buffers at
+  once and counted in its :class:`~ragged_placement.fsdp.common.CommStats`; every buffer holds
+  the returned :class:`_SharedWork`.
+
+c10d is called through the :mod:`ragged_placement._compat` wrappers (torch-version
+differences only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ragged_placement._compat import all_gather_single, reduce_scatter_single
+from ragged_placement.fsdp.common import CommStats
+from ragged_placement.planner.plan import Segment
+
+__all__ = [
+    "Gather", "Reduction", "all_gather_parts", "all_gather_segments", "issue_all_gather",
+    "issue_reduce_scatter", "reduce_scatter_parts", "reduce_scatter_segments",
+]
+
+
+def _coalesced(calls, group, async_op: bool):
+    """Run ``calls`` (thunks issuing collectives) as one coalesced collective (one NCCL group /
+    one gloo ``*_coalesced`` op); a single call runs as itself."""
+    if len(calls) == 1:
+        return calls[0](async_op)
+    with dist._coalescing_manager(group=group, async_ops=True) as cm:
+        for call in calls:
+            call(True)
+    if async_op:
+        return cm
+    cm.wait()
+    return None
+
+
+class _Works:
+    """Several in-flight collectives waited on as one (``wait`` waits for all, in order)."""
+
+    def __init__(self, works) -> None:
+        self.works = [w for w in works if w is not None]
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            w.wait() if timeout is None else w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _rank_views(buffer: torch.Tensor, starts) -> list[torch.Tensor]:
+    return [buffer[starts[r]:starts[r + 1]] for r in range(len(starts) - 1)]
+
+
+def _all_gather_uneven(output: torch.Tensor, input: torch.Tensor, starts, group, async_op: bool):
+    """Gather rank ``r``'s ``input`` (``starts[r+1] - starts[r]`` elements) into
+    ``output[starts[r]:starts[r+1]]``, zero-copy on the receiving side.
+
+    NCCL runs torch's ``all_gather`` into a list of uneven views as one group of broadcasts. Gloo
+    rejects uneven ``all_gather`` and torch's coalescing manager drops gloo broadcasts without an
+    error (torch 2.13), so gloo gets one async broadcast per rank that holds elements."""
+    views = _rank_views(output, starts)
+    if dist.get_backend(group) != "gloo":
+        return dist.all_gather(views, input, group=group, async_op=async_op)
+    rank = dist.get_rank(group)
+    views[rank].copy_(input)
+    works = [
+        dist.broadcast(v, src=dist.get_global_rank(group, r) if group is not None else r,
+                       group=group, async_op=True)
+        for r, v in enumerate(views) if v.numel()
+    ]
+    out = _Works(works)
+    if async_op:
+        return out
+    out.wait()
+    return None
+
+
+def _segment_calls(segments, world_size, group, gather_call, uneven_call):
+    """One thunk per segment; uneven segments (``rank_starts``) are issued apart, since the
+    coalescing manager takes only equal collectives on every backend."""
+    equal = [gather_call(s) for s in segments if s.rank_starts is None]
+    uneven = [uneven_call(s) for s in segments if s.rank_starts is not None]
+    return equal, uneven
+
+
+def _run(equal, uneven, group, async_op: bool):
+    if not uneven:
+        return _coalesced(equal, group, async_op)
+    works = [_coalesced(equal, group, True)] if equal else []
+    works += [call(True) for call in uneven]
+    out = _Works(works)
+    if async_op:
+        return out
+    out.wait()
+    return None
+
+
+def _run_parts(calls, group, async_op: bool):
+    """Run every part's ``(equal, uneven)`` calls as one collective (:func:`_run`)."""
+    equal = [call for part_equal, _ in calls for call in part_equal]
+    uneven = [call for _, part_uneven in calls for call in part_uneven]
+    return _run(equal, uneven, group, async_op)
+
+
+def _packed_sizes(segments, group) -> list[int] | None:
+    """Per-segment chunk sizes when a reduce-scatter of ``segments`` runs packed, else ``None``.
+
+    gloo runs a coalesced reduce-scatter through staging of its own, at 2.2-2.3x the time of one
+    reduce-scatter of the same bytes for a GPT block's three segments (packed: 1.08-1.17x);
+    separate async calls are no faster, while packing an all-gather only adds its copy-out
+    (``benchmarks/collectives.py``, table in ``docs/fsdp.md``). There several equal segments
+    that tile the chunk in order are reduce-scattered as one collective from a rank-major
+    staging buffer that FSDP2's copy-in op fills (``torch._chunk_cat``, counted by
+    :class:`~ragged_placement.fsdp.profiling.LayoutCopyMeter`). NCCL groups coalesced calls
+    without copies: segments stay zero-copy there, and all-gathers everywhere."""
+    if len(segments) < 2 or any(s.rank_starts is not None for s in segments):
+        return None
+    if dist.get_backend(group) != "gloo":
+        return None
+    offset = 0
+    for s in segments:
+        if s.chunk_offset != offset:
+            return None
+        offset += s.chunk_numel
+    return [s.chunk_numel for s in segments]
+
+
+def _reduce_scatter_packed(output, inputs, sizes, world_size, op, group):
+    """A thunk reduce-scattering ``inputs`` (segments tiling ``output`` in order, chunk
+    ``sizes``) as one collective from a rank-major staging buffer, filled here."""
+    staging = inputs[0].new_empty(world_size, sum(sizes))
+    torch._chunk_cat(list(inputs), dim=0, num_chunks=world_size, out=staging)
+    # gloo's work holds ``staging`` until the collective completes
+    return lambda a: reduce_scatter_single(output[:sum(sizes)], staging.view(-1), op=op,
+                                           group=group, async_op=a)
+
+
+def _gather_calls(output, input, segments, world_size, rank, group, as_bytes: bool):
+    """The calls gathering one part: equal segments' (coalescable; of byte views of the
+    segments where ``as_bytes``) and uneven ones'."""
+
+    def equal(s):
+        out = output[s.buffer_offset:s.buffer_offset + world_size * s.chunk_numel]
+        inp = input[s.chunk_offset:s.chunk_offset + s.chunk_numel]
+        if as_bytes:
+            out, inp = out.view(torch.uint8), inp.view(torch.uint8)
+        return lambda a: all_gather_single(out, inp, group=group, async_op=a)
+
+    def uneven(s):
+        lo, hi = s.rank_starts[rank], s.rank_starts[rank + 1]
+        return lambda a: _all_gather_uneven(
+            output[s.buffer_offset:s.buffer_offset + s.rank_starts[-1]],
+            input[s.chunk_offset:s.chunk_offset + hi - lo], s.rank_starts, group, a)
+
+    return _segment_calls(segments, world_size, group, equal, uneven)
+
+
+def all_gather_parts(parts, world_size: int, group=None, async_op: bool = False):
+    """All-gather several parts, each an ``(output, input, segments)`` triple as the arguments
+    of :func:`all_gather_segments` (the parts may differ in dtype), as one coalesced collective
+    over ``group``: every part's equal segments in one coalescing manager (one NCCL group, one
+    gloo ``allgather_into_tensor_coalesced_``), uneven segments as separate calls.
+
+    Parts of several dtypes are gathered as byte views (exact, zero-copy: an all-gather only
+    moves bytes): gloo's coalesced all-gather corrupts tensors of mixed element sizes unless
+    the largest comes first (torch 2.13: an fp32 part before a float64 or after a bf16 one)."""
+    rank = dist.get_rank(group)
+    as_bytes = len({input.dtype for _, input, _ in parts}) > 1
+    calls = [_gather_calls(output, input, segments, world_size, rank, group, as_bytes)
+             for output, input, segments in parts]
+    return _run_parts(calls, group, async_op)
+
+
+def all_gather_segments(output: torch.Tensor, input: torch.Tensor, segments, world_size: int,
+                        group=None, async_op: bool = False):
+    """All-gather each segment of ``input`` (a rank's chunk: segment ``k`` at
+    ``[chunk_offset, chunk_offset + chunk_numel)``) into its place in ``output`` (segment ``k`` at
+    ``[buffer_offset, buffer_offset + world_size * chunk_numel)``), as one coalesced collective.
+
+    An uneven segment (``rank_starts`` set) takes rank ``r``'s first
+    ``rank_starts[r+1] - rank_starts[r]`` chunk elements into ``output[buffer_offset +
+    rank_starts[r]:...]`` with an uneven all-gather (see :func:`_all_gather_uneven`)."""
+    return all_gather_parts([(output, input, segments)], world_size, group, async_op)
+
+
+def _check_reduce_inputs(inputs, segments, world_size: int) -> None:
+    """``ValueError`` unless ``inputs`` hold each segment's unsharded buffer (before any
+    collective is issued)."""
+    sizes = [x.numel() for x in inputs]
+    want = [s.rank_starts[-1] if s.rank_starts is not None else world_size * s.chunk_numel
+            for s in segments]
+    if sizes != want:
+        raise ValueError(
+            f"inputs must hold world_size * chunk_numel elements per segment (rank_starts[-1] "
+            f"for an uneven one): {want}, got {sizes}"
+        )
+
+
+def _reduce_calls(output, inputs, segments, world_size, op, rank, group):
+    """The calls reduce-scattering one part: one packed call where :func:`_packed_sizes` says
+    so, else equal segments' (coalescable) and uneven ones'."""
+    packed = _packed_sizes(segments, group)
+    if packed is not None:
+        return [_reduce_scatter_packed(output, inputs, packed, world_size, op, group)], []
+    by_segment = dict(zip(map(id, segments), inputs))
+
+    def equal(s):
+        return lambda a: reduce_scatter_single(
+            output[s.chunk_offset:s.chunk_offset + s.chunk_numel], by_segment[id(s)], op=op,
+            group=group, async_op=a)
+
+    def uneven(s):
+        lo, hi = s.rank_starts[rank], s.rank_starts[rank + 1]
+        return lambda a: dist.reduce_scatter(
+            output[s.chunk_offset:s.chunk_offset + hi - lo],
+            _rank_views(by_segment[id(s)], s.rank_starts), op=op, group=group, async_op=a)
+
+    return _segment_calls(segments, world_size, group, equal, uneven)
+
+
+def reduce_scatter_parts(parts, world_size: int, op=dist.ReduceOp.SUM, group=None,
+                         async_op: bool = False):
+    """Reduce-scatter several parts, each an ``(output, inputs, segments)`` triple as the
+    arguments of :func:`reduce_scatter_segments` (the parts may differ in dtype), as one
+    coalesced collective over ``group``: every part's equal calls (a part packed on gloo is one
+    of them) in one coalescing manager, uneven segments as separate calls."""
+    parts = [(output, list(inputs), segments) for output, inputs, segments in parts]
+    for _, inputs, segments in parts:
+        _check_reduce_inputs(inputs, segments, world_size)
+    rank = dist.get_rank(group)
+    calls = [_reduce_calls(output, inputs, segments, world_size, op, rank, group)
+             for output, inputs, segments in parts]
+    return _run_parts(calls, group, async_op)
+
+
+def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: int,
+                            op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """The inverse of :func:`all_gather_segments`: reduce each segment's unsharded buffer
+    (``inputs[k]``, ``world_size * chunk_numel`` elements, or ``rank_starts[-1]`` for an uneven
+    segment) and keep this rank's chunk of it in ``output`` (segment ``k`` at ``chunk_offset``),
+    as one coalesced collective (uneven segments: torch's list ``reduce_scatter``, which NCCL runs
+    as one group of reduces; on gloo several equal segments run packed, :func:`_packed_sizes`)."""
+    return reduce_scatter_parts([(output, inputs, segments)], world_size, op, group, async_op)
+
+
+@dataclass(frozen=True)
+class Gather:
+    """One unit's share of an all-gather (:meth:`FSDPUnit.prepare_unshard`): this rank's
+    ``input`` gathered into ``output`` by ``segments`` over ``group`` of ``world_size`` ranks
+    (the post-forward group where ``post_forward``)."""
+
+    output: torch.Tensor
+    input: torch.Tensor
+    segments: Sequence[Segment]
+    world_size: int
+    group: object
+    post_forward: bool
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One unit's share of a reduce-scatter (:meth:`FSDPUnit.prepare_reduce`): ``inputs`` (one
+    per segment) summed over ``group`` of ``world_size`` ranks into ``output``."""
+
+    output: torch.Tensor
+    inputs: list[torch.Tensor]
+    segments: Sequence[Segment]
+    world_size: int
+    group: object
+
+
+class _SharedWork:
+    """The work of one collective held by several units: the first :meth:`wait` waits on it,
+    later ones return at once."""
+
+    def __init__(self, work) -> None:
+        self._work = work
+
+    def wait(self, timeout=None) -> bool:
+        if self._work is not None:
+            self._work.wait() if timeout is None else self._work.wait(timeout)
+            self._work = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _one_group(requests: list) -> tuple[object, int]:
+    """The group and world size ``requests`` share (the parts of one unit share its mesh)."""
+    group, world_size = requests[0].group, requests[0].world_size
+    if any(r.group is not group or r.world_size != world_size for r in requests):
+        raise RuntimeError(
+            "units coalesced into one collective must share its process group: got "
+            f"{[(r.group, r.world_size) for r in requests]}"
+        )
+    return group, world_size
+
+
+def issue_all_gather(gathers: list[Gather], stats: CommStats) -> _SharedWork:
+    """Issue ``gathers`` (one unit's, or the parts' of a :class:`MultiDtypeUnit`) as one
+    coalesced all-gather, counted once in ``stats`` (bytes: all outputs); returns its work,
+    which every unit of ``gathers`` may hold and wait on."""
+    group, world_size = _one_group(gathers)
+    nbytes = sum(g.output.numel() * g.output.element_size() for g in gathers)
+    stats.all_gathers += 1
+    stats.all_gather_bytes += nbytes
+    if any(g.post_forward for g in gathers):
+        stats.post_forward_all_gathers += 1
+        stats.post_forward_all_gather_bytes += nbytes
+    work = all_gather_parts(
+        [(g.output, g.input, g.segments) for g in gathers], world_size, group=group, async_op=True
+    )
+    return _SharedWork(work)
+
+
+def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats) -> _SharedWork:
+    """Issue ``reductions`` (one unit's, or the parts' of a :class:`MultiDtypeUnit`) as one
+    coalesced reduce-scatter (a sum), counted once in ``stats`` (bytes: all inputs); returns
+    its work, which every unit of ``reductions`` may hold and wait on."""
+    group, world_size = _one_group(reductions)
+    stats.reduce_scatters += 1
+    stats.reduce_scatter_bytes += sum(
+        g.numel() * g.element_size() for r in reductions for g in r.inputs
+    )
+    work = reduce_scatter_parts(
+        [(r.output, r.inputs, r.segments) for r in reductions], world_size,
+        op=dist.ReduceOp.SUM, group=group, async_op=True,
+    )
+    return _SharedWork(work)
