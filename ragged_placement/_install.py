@@ -201,7 +201,7 @@ def _build_from_local(original_fn):
     def from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
                    stride=None, grad_placements=None):
         if _ragged(placements):
-            from ragged_placement.distribute import global_shape_and_stride
+            from ragged_placement.distribute import check_local_shape, global_shape_and_stride
             from ragged_placement.redistribute import validate_placements
 
             mesh = _current_mesh(device_mesh)
@@ -209,6 +209,8 @@ def _build_from_local(original_fn):
             validate_placements(mesh, list(placements), ndim)
             if shape is None and stride is None:
                 global_shape_and_stride(local_tensor, mesh, placements)  # raises if not inferable
+            elif shape is not None and mesh.get_coordinate() is not None:
+                check_local_shape(local_tensor, mesh, placements, shape, run_check)
         return original_fn(local_tensor, device_mesh, placements, run_check=run_check,
                            shape=shape, stride=stride, grad_placements=grad_placements)
 

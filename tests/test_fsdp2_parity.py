@@ -272,3 +272,29 @@ def _granularity_checks(rank: int, ws: int) -> bool:
 
 def test_granularity_pattern_matching_no_parameter_raises_naming_it():
     assert all(run_threaded(_granularity_checks, WORLD))
+
+
+# -- DTensor.from_local with a shape its local tensor contradicts -------------------------------
+
+
+def _from_local_checks(rank: int, ws: int) -> bool:
+    mesh = _mesh(ws)
+    full = torch.arange(24.0).reshape(6, 2, 2)
+    for dims, units in (((0,), (2, 4)), ((0, 1), (5, 7))):
+        good = distribute_tensor(full, mesh, [RaggedShard(dims, units)])
+        local = good.to_local()
+        for run_check in (False, True):
+            d = DTensor.from_local(local, mesh, [RaggedShard(dims, units)], shape=full.shape,
+                                   stride=full.stride(), run_check=run_check)
+            assert torch.equal(d.full_tensor(), full)
+    # rank 1 holds 3 rows where local_units gives it 4: with run_check every rank raises
+    local = full[:2] if rank == 0 else full[2:5]
+    with pytest.raises(ValueError, match=r"rank 1's local tensor has shape \(3, 2, 2\), but .* "
+                                         r"gives it shape \(4, 2, 2\) of the global shape \(6, 2, 2\)"):
+        DTensor.from_local(local, mesh, [RaggedShard((0,), (2, 4))], shape=full.shape,
+                           stride=full.stride(), run_check=True)
+    return True
+
+
+def test_from_local_with_a_shape_its_local_tensor_contradicts_raises_naming_the_rank():
+    assert all(run_threaded(_from_local_checks, WORLD))
