@@ -21,6 +21,7 @@ Upstream, each row becomes a method on ``Placement`` consulted by the same call 
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -217,6 +218,50 @@ def _build_from_local(original_fn):
     return staticmethod(from_local)
 
 
+# -- pickling -------------------------------------------------------------------------------------
+# torch's DTensor wrapper takes its local tensor's storage offset, so a RaggedShard DTensor whose
+# local tensor starts inside its storage (a view of a ``fully_shard`` unit's flat buffer) has a
+# nonzero ``data_ptr()`` while it has no storage: ``Tensor.__reduce_ex__`` and ``__deepcopy__``
+# then take it for a dense tensor and fail on its storage. Such a DTensor is reduced and
+# deep-copied as torch does any wrapper subclass (its local tensor, a view, is copied with its
+# own storage), with the wrapper's offset 0, which means nothing for a storage-less wrapper;
+# ``torch.load(weights_only=True)`` loads the result as it loads FSDP2's DTensors.
+def _needs_wrapper_reduce(t: DTensor) -> bool:
+    return t.storage_offset() != 0 and _ragged(t.placements)
+
+
+def _wrapper_reduce(t: DTensor):
+    state = torch._utils._get_obj_state(t)
+    wrapper = (type(t), t.dtype, tuple(t.size()), t.stride(), 0, t.layout, t.device, t.requires_grad)
+    return (torch._tensor._rebuild_from_type_v2,
+            (torch._utils._rebuild_wrapper_subclass, type(t), wrapper, state))
+
+
+def _build_reduce_ex(original):
+    @functools.wraps(original)
+    def __reduce_ex__(self, proto):
+        return _wrapper_reduce(self) if _needs_wrapper_reduce(self) else original(self, proto)
+
+    return __reduce_ex__
+
+
+def _build_deepcopy(original):
+    @functools.wraps(original)
+    def __deepcopy__(self, memo):
+        if not _needs_wrapper_reduce(self):
+            return original(self, memo)
+        if id(self) not in memo:
+            rebuild, args = _wrapper_reduce(self)
+            with torch.no_grad():
+                new = rebuild(*copy.deepcopy(args, memo))
+                if self.grad is not None:
+                    new.grad = copy.deepcopy(self.grad, memo)
+            memo[id(self)] = new
+        return memo[id(self)]
+
+    return __deepcopy__
+
+
 # -- distributed checkpoint -----------------------------------------------------------------------
 def _build_checkpoint_method(name: str):
     def build(original):
@@ -374,6 +419,8 @@ PATCHES: tuple[Patch, ...] = (
           _build_propagate_cached),
     Patch(_API, "compute_global_tensor_info", _compat.global_tensor_info_name(), _build_global_tensor_info),
     Patch(f"{_API}:DTensor", "from_local", f"{_API}.DTensor.from_local", _build_from_local),
+    Patch(f"{_API}:DTensor", "__reduce_ex__", "torch._tensor.Tensor.__reduce_ex__", _build_reduce_ex),
+    Patch(f"{_API}:DTensor", "__deepcopy__", "torch._tensor.Tensor.__deepcopy__", _build_deepcopy),
     *(
         Patch(f"{_API}:DTensor", name, f"{_API}.DTensor.{name}", _build_checkpoint_method(name))
         for name in ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")

@@ -6,7 +6,10 @@ feature, and compares with one process on the concatenated batch (2 threaded ran
 
 from __future__ import annotations
 
+import copy
+import io
 import math
+import pickle
 
 import pytest
 import torch
@@ -298,3 +301,42 @@ def _from_local_checks(rank: int, ws: int) -> bool:
 
 def test_from_local_with_a_shape_its_local_tensor_contradicts_raises_naming_the_rank():
     assert all(run_threaded(_from_local_checks, WORLD))
+
+
+# -- torch.save / pickle / deepcopy / torch.load of sharded parameters ------------------------
+
+
+def _serialize(rank: int, ws: int, runtime: str) -> bool:
+    m = _routed()
+    _fs(runtime)(m.block, mesh=_mesh(ws))
+    _fs(runtime)(m, mesh=_mesh(ws))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    F.mse_loss(m(X[0], True), Y[0]).backward()
+    opt.step()
+    state = m.state_dict()
+    if runtime == "ours":  # views at nonzero offsets of the unit's flat buffer
+        assert any(v._local_tensor.storage_offset() > 0 for v in state.values())
+    buf = io.BytesIO()
+    torch.save({"model": state, "optim": opt.state_dict()}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)  # weights_only=True
+    for k, v in state.items():
+        assert torch.equal(loaded["model"][k].full_tensor(), v.full_tensor()), k
+        assert loaded["model"][k].placements == v.placements, k
+    for i, s in opt.state_dict()["state"].items():
+        assert torch.equal(loaded["optim"]["state"][i]["exp_avg"].full_tensor(),
+                           s["exp_avg"].full_tensor())
+    if runtime == "fsdp2":  # torch 2.13: deepcopy of an FSDP2 parameter with a .grad fails
+        opt.zero_grad()     # ("invalid python storage": the grad DTensor's offset)
+    for p in m.parameters():
+        for copied in (pickle.loads(pickle.dumps(p)), copy.deepcopy(p)):
+            assert isinstance(copied, nn.Parameter) and copied.placements == p.placements
+            assert torch.equal(copied.full_tensor(), p.full_tensor())
+        if p.grad is not None:
+            assert torch.equal(copy.deepcopy(p).grad.full_tensor(), p.grad.full_tensor())
+    return True
+
+
+def test_save_pickle_deepcopy_and_weights_only_load_as_in_fsdp2():
+    for runtime in ("fsdp2", "ours"):
+        assert all(run_threaded(_serialize, WORLD, runtime))
