@@ -9,7 +9,8 @@ exactly as before.
 
 :data:`PATCHES` is the whole list for DTensor: one :class:`Patch` per torch attribute we replace
 (owner, name, the torch original we expect there, the replacement). :data:`FSDP2_PATCHES` holds
-the one row for torch's FSDP2 (a clear error when its ``fully_shard`` meets a RaggedShard
+the rows for torch's FSDP2 (its ``register_fsdp_forward_method`` reaches ours for our modules;
+a clear error when its ``fully_shard`` meets a RaggedShard
 parameter), applied when :mod:`ragged_placement.fsdp` is imported. :func:`install` checks every row's
 current value against its expected original before patching anything (``ImportError`` naming the
 row if torch changed, so a torch upgrade fails loudly at import instead of misbehaving), and
@@ -478,7 +479,40 @@ def _fsdp2_mix_message(module_info, param) -> str:
     )
 
 
+def _forward_method_trampoline(module, method_name):
+    # Runs with the globals of torch's ``_fully_shard`` (its code replaces torch's function's).
+    return _ragged_placement_register_fsdp_forward_method(  # noqa: F821 - injected there
+        module, method_name
+    )
+
+
+def _build_forward_method_dispatch(_absent):
+    """torch's ``register_fsdp_forward_method`` is a silent no-op on a module that is not its
+    ``FSDPModule``: for ours it runs :func:`ragged_placement.fsdp.register_fsdp_forward_method`,
+    for every other module a copy of torch's function."""
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    fn = _fully_shard.register_fsdp_forward_method
+    original = type(fn)(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+    def dispatch(module, method_name):
+        from ragged_placement.fsdp import api
+
+        if isinstance(module, api.FSDPModule):
+            return api.register_fsdp_forward_method(module, method_name)
+        return original(module, method_name)
+
+    return dispatch
+
+
+def _build_forward_method_trampoline(_code):
+    # The code of the function object itself: reaches ``torch.distributed.fsdp``'s re-export
+    # and names users bound before importing this package.
+    return _forward_method_trampoline.__code__
+
+
 _FSDP_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam"
+_FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard"
 
 #: The rows for torch's FSDP2, applied when :mod:`ragged_placement.fsdp` is imported (importing
 #: torch's FSDP2 costs about 0.2 s, which the placement alone does not pay) and restored by
@@ -487,6 +521,10 @@ FSDP2_PATCHES: tuple[Patch, ...] = (
     Patch(_FSDP_PARAM, "_init_sharded_param",
           "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._init_sharded_param",
           _build_fsdp2_param_guard),
+    Patch(_FULLY_SHARD, "_ragged_placement_register_fsdp_forward_method", None,
+          _build_forward_method_dispatch),
+    Patch(f"{_FULLY_SHARD}:register_fsdp_forward_method", "__code__",
+          "_fully_shard.py:register_fsdp_forward_method", _build_forward_method_trampoline),
 )
 
 # (patch, owner, original raw value) of every applied row, in install order

@@ -19,12 +19,15 @@ from ragged_placement.planner import Granularity
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp import (
+    register_fsdp_forward_method as torch_register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
 from ragged_placement import RaggedShard
 from ragged_placement._compat import dispatcher_runs_rewritten_ops
 from ragged_placement.distribute import distribute_tensor
-from ragged_placement.fsdp import fully_shard
+from ragged_placement.fsdp import fully_shard, register_fsdp_forward_method
 
 WORLD = 2
 STEPS = 4
@@ -340,3 +343,109 @@ def _serialize(rank: int, ws: int, runtime: str) -> bool:
 def test_save_pickle_deepcopy_and_weights_only_load_as_in_fsdp2():
     for runtime in ("fsdp2", "ours"):
         assert all(run_threaded(_serialize, WORLD, runtime))
+
+
+# -- a loss computed after forward from a root parameter; methods other than forward ----------
+
+
+class Scored(nn.Module):
+    """``forward`` returns the hidden state (the loss applies ``head`` outside, as a fused
+    linear-cross-entropy does); ``score`` is a second entry point."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(D, D), nn.Tanh())
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(2)
+    SCORED = Scored().state_dict()
+
+
+def _scored_steps(m: Scored, rank: int, ws: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Steps alternating a loss on ``F.linear(m(x), m.head.weight, m.head.bias)`` and one on
+    ``m.score(x)``, on this rank's part of the batch."""
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    per = BATCH // ws
+    losses = []
+    for s in range(STEPS):
+        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
+        out = F.linear(m(x), m.head.weight, m.head.bias) if s % 2 == 0 else m.score(x)
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: _full(v) for k, v in m.named_parameters()}
+
+
+def _scored(rank: int, ws: int, runtime: str, register: str):
+    m = Scored()
+    m.load_state_dict(SCORED)
+    fs = _fs(runtime)
+    fs(m.block, mesh=_mesh(ws))
+    fs(m, mesh=_mesh(ws))
+    reg = torch_register_fsdp_forward_method if register == "torch" else register_fsdp_forward_method
+    reg(m, "score")
+    with pytest.raises(ValueError, match="does not have a method"):
+        reg(m, "generate")
+    losses, params = _scored_steps(m, rank, ws)
+    total = torch.tensor(losses)
+    torch.distributed.all_reduce(total)
+    return (total / ws).tolist(), params
+
+
+def test_loss_outside_forward_and_registered_forward_methods_match_one_process_and_fsdp2():
+    m = Scored()
+    m.load_state_dict(SCORED)
+    ref_losses, ref_params = _scored_steps(m, 0, 1)
+    for runtime, register in (("ours", "ours"), ("ours", "torch"), ("fsdp2", "torch")):
+        for losses, params in run_threaded(_scored, WORLD, runtime, register):
+            assert losses == pytest.approx(ref_losses, abs=TOL), (runtime, register)
+            for k, v in params.items():
+                torch.testing.assert_close(v, ref_params[k], atol=TOL, rtol=0,
+                                           msg=f"{runtime} {register} {k}")
+
+
+# -- AdamW(fused=True) on CPU; parameters_to_vector ----------------------------------------------
+
+
+def _fused_steps(m: Routed, rank: int, ws: int) -> dict[str, torch.Tensor]:
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    per = BATCH // ws
+    for s in range(STEPS):
+        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
+        F.mse_loss(m(x, True), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: _full(v) for k, v in m.named_parameters()}
+
+
+def _fused(rank: int, ws: int, runtime: str):
+    m = _routed()
+    _fs(runtime)(m.block, mesh=_mesh(ws))
+    _fs(runtime)(m, mesh=_mesh(ws))
+    params = _fused_steps(m, rank, ws)
+    # FSDP2's parameters_to_vector raises on these uneven dims ("Cannot flatten unevenly
+    # sharded tensor"); ours gathers, as torch's cat of Shard(0) does on even ones
+    vector = _full(torch.nn.utils.parameters_to_vector(m.parameters())) if runtime == "ours" else None
+    return params, vector
+
+
+def test_fused_adamw_and_parameters_to_vector_match_one_process_and_fsdp2():
+    m = _routed()
+    ref = _fused_steps(m, 0, 1)
+    ref_vector = torch.nn.utils.parameters_to_vector(m.parameters()).detach()
+    for runtime in ("ours", "fsdp2"):
+        for params, vector in run_threaded(_fused, WORLD, runtime):
+            for k, v in params.items():
+                torch.testing.assert_close(v, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
+            if runtime == "ours":
+                torch.testing.assert_close(vector, ref_vector, atol=TOL, rtol=0)

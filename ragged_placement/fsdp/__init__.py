@@ -8,9 +8,21 @@ work on them.
 """
 
 from ragged_placement._install import install_fsdp2
-from ragged_placement.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard
+from ragged_placement.fsdp.api import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from ragged_placement.fsdp.unit import CommStats, FSDPUnit
 
 install_fsdp2()  # torch's fully_shard over these modules: a ValueError naming the module
 
-__all__ = ["CommStats", "FSDPModule", "FSDPUnit", "MixedPrecisionPolicy", "fully_shard"]
+__all__ = [
+    "CommStats",
+    "FSDPModule",
+    "FSDPUnit",
+    "MixedPrecisionPolicy",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,6 +35,7 @@ __all__ = [
     "OffloadPolicy",
     "UnshardHandle",
     "fully_shard",
+    "register_fsdp_forward_method",
 ]
 
 
@@ -273,6 +275,33 @@ class UnshardHandle:
             self._unit.wait_unshard()
             self._unit.register(sharded=False)
             self._unit = None
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module``'s ``method_name`` (e.g. ``generate``) between the unit's pre- and
+    post-forward hooks, as its ``forward`` (torch FSDP2's function; torch's own, imported from
+    ``torch.distributed.fsdp``, reaches this one for these modules). A module sharded by
+    neither runtime is left as it is (FSDP2's no-op); one sharded by torch's goes to torch's.
+
+    Raises:
+        ValueError: ``method_name`` is not a method name of ``module``.
+    """
+    if isinstance(module, TorchFSDPModule) or not isinstance(module, FSDPModule):
+        from torch.distributed.fsdp import register_fsdp_forward_method as torchs
+
+        torchs(module, method_name)
+        return
+    if not isinstance(method_name, str) or not callable(getattr(module, method_name, None)):
+        raise ValueError(f"{type(module).__name__} does not have a method {method_name!r}")
+    method = getattr(module, method_name)
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        return state._post_forward(self, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
 
 
 def _check_bool(name: str, value: object) -> None:

@@ -21,9 +21,11 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
   first); with a :class:`~ragged_placement.fsdp.mesh.PostForwardMesh` (an ``int``
   ``reshard_after_forward``) keep this rank's ``1/N`` of the gathered buffer first, which
-  backward all-gathers over the ``N``-rank group. A unit that keeps its buffer still registers
-  its *sharded* parameters, so that ``model.parameters()`` outside forward and backward are
-  always the sharded ones (autograd holds the unsharded tensors it saved). Hook the outputs.
+  backward all-gathers over the ``N``-rank group. A non-root unit that keeps its buffer still
+  registers its *sharded* parameters (autograd holds the unsharded tensors it saved); the root,
+  as FSDP2's, keeps its unsharded ones registered until its post-backward, so that a loss
+  computed after forward from a root parameter (``F.linear(h, model.head.weight)``) works and
+  reaches its gradient. Hook the outputs.
 * pre-backward (a hook on ``u``'s outputs; -> PRE_BACKWARD, once per backward of ``u``):
   re-gather, register the unsharded parameters (a recomputed forward reads them from the module)
   and prefetch the all-gather of the unit whose backward runs next (on GPUs). The first gradient
@@ -361,6 +363,11 @@ class FSDPState:
                 # autograd already holds the unsharded tensors it saved, and pre-backward
                 # registers them again for a recomputation.
                 self.unit.expose_sharded()
+                if self.is_root:
+                    # as FSDP2's root: the unsharded parameters stay registered until backward,
+                    # so a loss computed after forward from one of them (a fused
+                    # linear-cross-entropy on ``model.head.weight``) reaches its gradient
+                    self.unit.register(sharded=False)
                 self.holds_forward_gather = True
         if grad:
             self._register_pre_backward(output)
@@ -442,9 +449,11 @@ def drop_unused_grads(states: Sequence[FSDPState]) -> None:
     not move them). A parameter some rank used (rank-dependent routing) keeps its reduced
     gradient on every rank.
 
-    Ranks agree by one all-reduce of one int32 per parameter of the reduced units, per distinct
-    data-parallel group (one in the common case), per synchronizing backward: a rank cannot
-    know that no other rank used a parameter without hearing from each of them."""
+    Ranks agree by one all-reduce (max) of one byte per parameter of the reduced units, per
+    distinct data-parallel group (one in the common case), per synchronizing backward, at its
+    end: a rank cannot know that no other rank used a parameter without hearing from each of
+    them, and the reduce-scatter delivers a parameter's sum only to the ranks holding part of
+    it (ragged shards leave others with none)."""
     by_group: dict[tuple, list[FSDPState]] = {}
     for s in states:
         if s.had_grad is not None:
@@ -453,11 +462,11 @@ def drop_unused_grads(states: Sequence[FSDPState]) -> None:
     for (shard_group, replicate_group), group_states in by_group.items():
         used = torch.tensor(
             [i in s.got_grad for s in group_states for i in range(len(s.unit.slots))],
-            dtype=torch.int32, device=group_states[0].unit.device,
+            dtype=torch.uint8, device=group_states[0].unit.device,
         )
         for g in (shard_group, replicate_group):
             if g is not None:
-                torch.distributed.all_reduce(used, group=g)
+                torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.MAX, group=g)
         flags = iter(used.tolist())
         for s in group_states:
             for slot, p, had, anywhere in zip(s.unit.slots, s.unit.sharded_params, s.had_grad, flags):

@@ -10,9 +10,9 @@ differs from the global one (a flattened prefix is one local dim), the local dim
 Rules here, by tag or name:
 
 * pointwise ops (``torch.Tag.pointwise``, ``masked_fill``), the ``_foreach_*`` family torch's
-  optimizers call, ``*_like`` factories, casts, ``clone``/``copy_``/``fill_``/``zero_``: run
-  locally. Operands with the lead's shape and other placements are redistributed to its
-  placements; an operand constant along the ragged rows (a scalar, or size 1 / absent on the
+  optimizers call and their fused kernels (``_fused_adamw_``, ...), ``*_like`` factories,
+  casts, ``clone``/``copy_``/``fill_``/``zero_``: run locally. Operands with the lead's shape
+  and other placements are redistributed to its placements; an operand constant along the ragged rows (a scalar, or size 1 / absent on the
   prefix dims) is replicated; a row-sharded operand with the same rows broadcasts within rows; a
   pending sum stays pending only through ops linear in it (``add``/``sub`` of equal partials,
   ``mul``/``div`` by a replica, scalings) and is reduced first otherwise; anything else raises.
@@ -149,8 +149,20 @@ _UNTAGGED_POINTWISE = {
 }
 
 
+# The fused optimizer kernels (``AdamW(fused=True)``): element-wise over lists, as ``_foreach_*``.
+_FUSED_OPTIMIZER_OPS = ("aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_",
+                        "aten::_fused_adagrad_")
+
+
+def _is_list_op(op) -> bool:
+    """Whether ``op`` takes lists of tensors and works element ``i`` of each list together."""
+    return op.name().startswith("aten::_foreach_") or op.name() in _FUSED_OPTIMIZER_OPS
+
+
 def _is_pointwise(op) -> bool:
     name = op.name()
+    if name in _FUSED_OPTIMIZER_OPS:
+        return True
     if name.startswith("aten::_foreach_"):
         return name[len("aten::"):].split(".")[0].rstrip("_") not in _NON_POINTWISE_FOREACH
     return torch.Tag.pointwise in op.tags or op in _LIKE_OPS or op in _UNTAGGED_POINTWISE
@@ -239,7 +251,7 @@ def _partial_dims_to_replicate(op, specs: list[DTensorSpec], lead_index: int) ->
 def _pointwise(op_schema: OpSchema, meta) -> OutputSharding:
     args = op_schema.args_schema
     op = op_schema.op
-    is_foreach = op.name().startswith("aten::_foreach_")
+    is_foreach = _is_list_op(op)
     inplace = op_schema.is_inplace_op() or op_schema.is_out_variant_op()
 
     def operands(i: int) -> list[DTensorSpec]:
