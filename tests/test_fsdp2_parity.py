@@ -7,6 +7,7 @@ feature, and compares with one process on the concatenated batch (2 threaded ran
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 import pickle
@@ -449,3 +450,65 @@ def test_fused_adamw_and_parameters_to_vector_match_one_process_and_fsdp2():
                 torch.testing.assert_close(v, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
             if runtime == "ours":
                 torch.testing.assert_close(vector, ref_vector, atol=TOL, rtol=0)
+
+
+# -- a block that returns a dataclass ---------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BlockOut:
+    h: torch.Tensor
+    aux: torch.Tensor
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> BlockOut:
+        h = torch.tanh(self.fc(x))
+        return BlockOut(h, h.pow(2).mean())
+
+
+class DataclassNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(DataclassBlock() for _ in range(2))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, aux = self.inp(x), 0.0
+        for block in self.blocks:
+            out = block(h)
+            h, aux = out.h, aux + out.aux
+        return self.head(h), aux
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(3)
+    DATACLASS_NET = DataclassNet().state_dict()
+
+
+def _dataclass_grads(rank: int, ws: int, runtime: str | None) -> dict[str, torch.Tensor]:
+    m = DataclassNet()
+    m.load_state_dict(DATACLASS_NET)
+    if runtime is not None:
+        for block in m.blocks:
+            _fs(runtime)(block, mesh=_mesh(ws))
+        _fs(runtime)(m, mesh=_mesh(ws))
+    per = BATCH // ws
+    out, aux = m(X[0, rank * per : (rank + 1) * per])
+    (F.mse_loss(out, Y[0, rank * per : (rank + 1) * per]) + aux).backward()
+    return {k: _full(p.grad) for k, p in m.named_parameters()}
+
+
+def test_block_returning_a_dataclass_matches_one_process_and_fsdp2():
+    """Its output's tensors get the pre-backward hook (``tree_flatten`` leaves a dataclass
+    whole: backward then found the block's parameters freed, ``setStorage ... out of bounds``)."""
+    ref = _dataclass_grads(0, 1, None)
+    for runtime in ("ours", "fsdp2"):
+        for grads in run_threaded(_dataclass_grads, WORLD, runtime):
+            for k, g in grads.items():
+                torch.testing.assert_close(g, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")

@@ -62,6 +62,7 @@ gathers there, the recomputation does not.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from typing import Any
@@ -171,6 +172,23 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         ctx.state.post_backward()
         return (None, *grads)
+
+
+def _grad_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors that require grad in a module's output: in lists, tuples (named too), dicts
+    and dataclasses (a block returning a dataclass, which ``tree_flatten`` leaves whole), as
+    FSDP2 finds them."""
+    if torch.is_tensor(output):
+        return [output] if output.requires_grad else []
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        items = [getattr(output, f.name) for f in dataclasses.fields(output)]
+    elif isinstance(output, dict):
+        items = list(output.values())
+    elif isinstance(output, (list, tuple)):
+        items = list(output)
+    else:
+        return []
+    return [t for item in items for t in _grad_tensors(item)]
 
 
 def _map_float_tensors(fn, tree: Any) -> Any:
@@ -375,10 +393,8 @@ class FSDPState:
         return self._cast_output(output)
 
     def _register_pre_backward(self, output: Any) -> None:
-        leaves, _ = tree_flatten(output)
-        for t in leaves:
-            if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(self._pre_backward)
+        for t in _grad_tensors(output):
+            t.register_hook(self._pre_backward)
 
     # -- backward ------------------------------------------------------------------------------
     @dynamo_disable
