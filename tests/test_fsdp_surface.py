@@ -392,9 +392,8 @@ def test_reshard_after_forward_2_with_tensor_parallel_and_hsdp_trains_as_true():
 
 
 def _held_between_forward_and_backward(rank: int, ws: int, value):
-    """Per block after a forward: (bytes of its unsharded buffer, of its post-forward shard);
-    whether the blocks show their sharded parameters and the root its unsharded ones; then the
-    backward's gathers by group."""
+    """Per block after a forward: (bytes of its unsharded buffer, of its post-forward shard,
+    whether the modules show the sharded parameters); then the backward's gathers by group."""
     m = _net()
     _per_block(reshard_after_forward=value)(m, DeviceMesh("cpu", list(range(ws))), fully_shard)
     blocks = [b.fsdp_unit for b in m.blocks]
@@ -407,11 +406,7 @@ def _held_between_forward_and_backward(rank: int, ws: int, value):
             0 if shard is None else shard.untyped_storage().nbytes(),
             unit.plan.buffer_numel * 4,
         ))
-    # the blocks show their sharded parameters; the root its unsharded ones until backward (as
-    # FSDP2's root: a loss may be computed after forward from one of them)
-    sharded = all(isinstance(p, DTensor) for p in m.blocks.parameters()) and not any(
-        isinstance(p, DTensor) for p in (*m.inp.parameters(), *m.head.parameters())
-    )
+    sharded = all(isinstance(p, DTensor) for p in m.parameters())
     for unit in blocks:
         unit.stats.reset()
     loss.backward()

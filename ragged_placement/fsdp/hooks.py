@@ -21,11 +21,11 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
   first); with a :class:`~ragged_placement.fsdp.mesh.PostForwardMesh` (an ``int``
   ``reshard_after_forward``) keep this rank's ``1/N`` of the gathered buffer first, which
-  backward all-gathers over the ``N``-rank group. A non-root unit that keeps its buffer still
-  registers its *sharded* parameters (autograd holds the unsharded tensors it saved); the root,
-  as FSDP2's, keeps its unsharded ones registered until its post-backward, so that a loss
-  computed after forward from a root parameter (``F.linear(h, model.head.weight)``) works and
-  reaches its gradient. Hook the outputs.
+  backward all-gathers over the ``N``-rank group. A unit that keeps its buffer still
+  registers its *sharded* parameters, so that ``model.parameters()`` outside forward and
+  backward are always the sharded ones (autograd holds the unsharded tensors it saved); the
+  root's unsharded ones stay reachable as attributes until its post-backward, as in FSDP2, for
+  a loss computed after forward (see ``FSDPState._show_unsharded``). Hook the outputs.
 * pre-backward (a hook on ``u``'s outputs; -> PRE_BACKWARD, once per backward of ``u``):
   re-gather, register the unsharded parameters (a recomputed forward reads them from the module)
   and prefetch the all-gather of the unit whose backward runs next (on GPUs). The first gradient
@@ -325,6 +325,22 @@ class FSDPState:
         if self.holds_forward_gather:
             self.unit.reshard()
             self.holds_forward_gather = False
+            self._show_unsharded(False)
+
+    def _show_unsharded(self, show: bool) -> None:
+        """Between the root's forward and its backward, attribute access to a root parameter
+        (``model.head.weight``) gives the unsharded parameter, as FSDP2's root: a loss computed
+        after forward from it (a fused linear-cross-entropy) works and reaches its gradient.
+        ``model.parameters()`` (the modules' ``_parameters``) still gives the sharded ones, so
+        an optimizer built after a forward steps them. The unsharded parameter sits in the
+        module's instance ``__dict__``, found before ``nn.Module.__getattr__`` looks at
+        ``_parameters``; post-backward (or the next forward) removes it."""
+        for slot, p in zip(self.unit.slots, self.unit.unsharded_params):
+            for module, attr in slot.owners:
+                if show:
+                    module.__dict__[attr] = p
+                else:
+                    module.__dict__.pop(attr, None)
 
     def _unshard_and_register(self) -> None:
         self.unit.unshard(async_op=False)
@@ -382,10 +398,7 @@ class FSDPState:
                 # registers them again for a recomputation.
                 self.unit.expose_sharded()
                 if self.is_root:
-                    # as FSDP2's root: the unsharded parameters stay registered until backward,
-                    # so a loss computed after forward from one of them (a fused
-                    # linear-cross-entropy on ``model.head.weight``) reaches its gradient
-                    self.unit.register(sharded=False)
+                    self._show_unsharded(True)
                 self.holds_forward_gather = True
         if grad:
             self._register_pre_backward(output)
@@ -443,6 +456,7 @@ class FSDPState:
                 self.root.pending_reduce = unit
         unit.reshard()
         self.holds_forward_gather = False
+        self._show_unsharded(False)
         self.training_state = TrainingState.POST_BACKWARD
 
     @dynamo_disable
