@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from ragged_placement.placement import RaggedShard
+from ragged_placement.regions import contiguous_stride
 
 __all__ = ["is_nd", "assign_nd_owners", "owner_placements", "gather_to_owner", "scatter_from_owner"]
 
@@ -84,20 +85,16 @@ def owner_placements(p: DTensor, owner: tuple[int, ...]) -> list[Placement]:
     ]
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    return tuple(torch.empty(tuple(shape), device="meta").stride())
-
-
 def gather_to_owner(local: torch.Tensor, p: DTensor, placements: Sequence[Placement]) -> torch.Tensor:
     """The full matrix on the owner (an empty tensor elsewhere) from this rank's ``local`` part,
     laid out like ``p``'s local tensor."""
     dt = DTensor.from_local(local.view(p._local_tensor.shape), p.device_mesh, p.placements,
-                            shape=p.shape, stride=_contiguous_stride(p.shape), run_check=False)
+                            shape=p.shape, stride=contiguous_stride(p.shape), run_check=False)
     return dt.redistribute(p.device_mesh, placements).to_local()
 
 
 def scatter_from_owner(full: torch.Tensor, p: DTensor, placements: Sequence[Placement]) -> torch.Tensor:
     """The inverse of :func:`gather_to_owner`: this rank's part of the owner's result."""
     dt = DTensor.from_local(full, p.device_mesh, placements, shape=p.shape,
-                            stride=_contiguous_stride(p.shape), run_check=False)
+                            stride=contiguous_stride(p.shape), run_check=False)
     return dt.redistribute(p.device_mesh, p.placements).to_local()

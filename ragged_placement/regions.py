@@ -108,6 +108,11 @@ def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
     return boxes
 
 
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of ``shape`` (a size-0 dim counts as 1)."""
+    return tuple(torch.empty(tuple(shape), device="meta").stride())
+
+
 def _row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, acc = [], 1
     for s in reversed(shape):

@@ -14,7 +14,9 @@ from ragged_placement.fsdp.api import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from ragged_placement.fsdp.unit import CommStats, FSDPUnit
+from ragged_placement.fsdp.common import CommStats
+from ragged_placement.fsdp.state_sharding import StateSharding
+from ragged_placement.fsdp.unit import FSDPUnit
 
 install_fsdp2()  # torch's fully_shard over these modules: a ValueError naming the module
 
@@ -23,6 +25,7 @@ __all__ = [
     "FSDPModule",
     "FSDPUnit",
     "MixedPrecisionPolicy",
+    "StateSharding",
     "fully_shard",
     "register_fsdp_forward_method",
 ]

@@ -23,8 +23,9 @@ from ragged_placement.fsdp._validation import (
 )
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState, drop_unused_grads
-from ragged_placement.fsdp.mesh import DataParallelMesh, ParamLayout, PostForwardMesh
-from ragged_placement.fsdp.unit import FSDPUnit, ParamSlot, build_unit
+from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
+from ragged_placement.fsdp.param import ParamLayout, ParamSlot, mesh_device
+from ragged_placement.fsdp.unit import FSDPUnit, build_unit
 from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config
 
@@ -373,13 +374,6 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    handle = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, handle.current_device())
-
-
 def _root_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
     """``modules`` without those nested in another of them (FSDP2 groups the roots), once each."""
     roots: list[nn.Module] = []
@@ -610,7 +604,7 @@ def fully_shard(
             sharded over dim 1 and its gradients are also all-reduced over dim 0. Parameters
             that are DTensors on a tensor-parallel mesh (``parallelize_module`` on a sibling
             sub-mesh of the same root) are planned on their TP-local shape and become DTensors
-            on the ``(mesh..., tp)`` mesh (see :mod:`ragged_placement.fsdp.mesh`).
+            on the ``(mesh..., tp)`` mesh (see :mod:`ragged_placement.fsdp.param`).
         reshard_after_forward: ``True`` (or ``None``, FSDP2's default): free the unsharded
             parameters after forward and all-gather them again in backward; ``False``: keep
             them until backward. The outermost (root) unit always keeps them (FSDP2 does so
@@ -677,7 +671,7 @@ def fully_shard(
     dp = DataParallelMesh.of(mesh)
     _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # checked before building
     offload = _check_offload_policy(offload_policy)
-    device = _mesh_device(mesh)
+    device = mesh_device(mesh)
     check_granularity(granularity)
     slots, params, owned_modules = _collect_params(modules, ignored)
     where = type(modules[0]).__name__

@@ -51,6 +51,7 @@ from ragged_placement.quant import (
 )
 from ragged_placement.quant.reference import FP8_DTYPE, scale_shape
 from ragged_placement.quant.sharded import _alias as _byte_alias
+from ragged_placement.quant.sharded import _align
 
 __all__ = [
     "FP8UnitGather",
@@ -60,8 +61,6 @@ __all__ = [
     "is_fp8_weight",
     "segment_layouts",
 ]
-
-_ALIGN = 16
 
 
 def check_quant(quant: object) -> BlockFP8Config | None:
@@ -332,7 +331,3 @@ def segment_layouts(
         )
         for part in parts
     ]
-
-
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN

@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -106,22 +106,22 @@ from ragged_placement.fsdp.collectives import (
     issue_reduce_scatter,
 )
 from ragged_placement.fsdp.common import CommStats, UnitState
-from ragged_placement.fsdp.fp8 import FP8UnitGather, fp8_granularity, is_fp8_weight
-from ragged_placement.fsdp.mesh import (
-    DataParallelMesh,
+from ragged_placement.fsdp.fp8 import FP8UnitGather, is_fp8_weight
+from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
+from ragged_placement.fsdp.param import (
     ParamLayout,
-    PostForwardMesh,
+    ParamSlot,
+    alias,
+    mesh_device,
+    rebind,
+    resolve_granularity,
     spmd_mesh,
-    tp_policy,
     tp_spec_of,
     unit_tp_mesh,
 )
 from ragged_placement.planner.plan import Segment
 
-__all__ = [
-    "CommStats", "FSDPUnit", "MultiDtypeUnit", "ParamSlot", "build_unit", "plan_unit",
-    "resolve_granularity",
-]
+__all__ = ["FSDPUnit", "MultiDtypeUnit", "build_unit", "plan_unit"]
 
 
 def _submodule_groups(fqns: list[str]) -> list[list[str]]:
@@ -130,61 +130,6 @@ def _submodule_groups(fqns: list[str]) -> list[list[str]]:
     for fqn in fqns:
         groups.setdefault(fqn.split(".", 1)[0] if "." in fqn else "", []).append(fqn)
     return list(groups.values())
-
-
-@dataclass
-class ParamSlot:
-    """Where one managed parameter lives: every ``(module, attribute)`` that registers it.
-    ``shape`` is the planned (for a tensor-parallel DTensor, the TP-local) shape."""
-
-    fqn: str
-    owners: list[tuple[nn.Module, str]]
-    shape: torch.Size
-    requires_grad: bool
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
-
-
-def _alias(
-    storage: torch.UntypedStorage,
-    dtype: torch.dtype,
-    device: torch.device,
-    offset: int,
-    shape: torch.Size,
-) -> torch.Tensor:
-    """A tensor over ``storage`` with its own version counter (a plain view would share the
-    buffer's, and the all-gather writing the buffer would invalidate tensors autograd saved)."""
-    out = torch.empty(0, dtype=dtype, device=device)
-    out.set_(storage, offset, shape, _contiguous_stride(shape))
-    return out
-
-
-def resolve_granularity(
-    granularity,
-    slots: list[ParamSlot],
-    tp_specs: list[DTensorSpec | None],
-    quantized: list[bool],
-    quant,
-):
-    """The planner policy of a unit: the user's ``granularity``, then the tensor-parallel
-    constraint (never cut a TP-sharded dim), then the FP8 one (whole quantization blocks).
-
-    ``ValueError`` if FP8 weights and tensor-parallel parameters share the unit, or if the
-    user's policy cuts what a constraint keeps whole."""
-    policy = granularity
-    if any(t is not None for t in tp_specs):
-        if any(quantized):
-            tp_names = [s.fqn for s, t in zip(slots, tp_specs) if t is not None]
-            raise ValueError(
-                f"quant does not compose with tensor-parallel parameters yet: {tp_names}"
-            )
-        policy = tp_policy(policy, {s.fqn: t for s, t in zip(slots, tp_specs)})
-    if any(quantized):
-        fp8_shapes = {s.fqn: tuple(s.shape) for s, q in zip(slots, quantized) if q}
-        policy = fp8_granularity(policy, fp8_shapes, quant.block)
-    return policy
 
 
 def plan_unit(
@@ -255,28 +200,6 @@ def _unit_device(
             f"not: build the whole unit under torch.device('meta') or none of it"
         )
     return params[0].device
-
-
-def _rebind(param: nn.Parameter, value: torch.Tensor) -> None:
-    """Point ``param`` at ``value``'s data, keeping the parameter object (optimizers hold it).
-
-    Where ``.data`` can be assigned (same tensor type; any device but meta) the parameter also
-    keeps its hooks and version counter, a DTensor taking over ``value``'s local tensor and
-    spec; to or from the meta device the contents are swapped as ``nn.Module._apply`` does."""
-    if torch._has_compatible_shallow_copy_type(param, value):
-        param.data = value
-        if isinstance(value, DTensor):
-            param._local_tensor = value._local_tensor
-            param._spec = value._spec
-    else:
-        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device of this rank on ``mesh`` (the current CUDA device for a CUDA mesh)."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
 class FSDPUnit:
@@ -399,13 +322,13 @@ class FSDPUnit:
         are left to the caller (:meth:`bind`)."""
         device = torch.device(device)
         offloaded = self.offload_device is not None and device.type != "meta"
-        self.device = _mesh_device(self.mesh) if offloaded else device  # the compute device
+        self.device = mesh_device(self.mesh) if offloaded else device  # the compute device
         self.orig_dtype = dtype
         param_dtype, reduce_dtype = self._mp_dtypes
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         # The unsharded parameters never live on the meta device: they keep their hooks only
-        # through moves between devices of one tensor type (see _rebind).
+        # through moves between devices of one tensor type (see rebind).
         self.sharded = self._new_sharded(dtype)
         self._allocate_unsharded(self.device)
         self.state = UnitState.SHARDED
@@ -505,7 +428,7 @@ class FSDPUnit:
             # On the meta device: one-element placeholders of each parameter's shape on the
             # mesh's device, re-pointed (hooks kept) at the all-gather output by to_empty.
             self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
-            compute = _mesh_device(self.mesh)
+            compute = mesh_device(self.mesh)
             unsharded = [
                 torch.zeros((), dtype=self.param_dtype, device=compute).expand(slot.shape)
                 for slot in self.slots
@@ -523,7 +446,7 @@ class FSDPUnit:
             self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
             unsharded = []
             for slot, tp in zip(self.slots, self.unsharded_specs):
-                t = _alias(
+                t = alias(
                     self._storage,
                     self.param_dtype,
                     self.unsharded.device,
@@ -543,8 +466,8 @@ class FSDPUnit:
                     u = nn.Parameter(u, requires_grad=slot.requires_grad)
                 self.unsharded_params.append(u)
             else:
-                _rebind(self.sharded_params[i], sharded[i])
-                _rebind(self.unsharded_params[i], unsharded[i])
+                rebind(self.sharded_params[i], sharded[i])
+                rebind(self.unsharded_params[i], unsharded[i])
         self.register(sharded=True)
 
     # -- parameters ----------------------------------------------------------------------------
