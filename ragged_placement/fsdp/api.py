@@ -148,16 +148,19 @@ class FSDPModule:
                     reduced.append(state)
         drop_unused_grads(reduced)
 
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool | int | None, *, recurse: bool = True
-    ) -> None:
-        """Whether units free their unsharded parameters after forward (root units never do);
-        the values :func:`fully_shard` takes, checked against each unit's shard world size (an
-        ``int`` creates its groups the first time for a mesh: call it on every rank)."""
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether units free their unsharded parameters after forward (root units never do).
+        As FSDP2's, a bool only (``recurse`` may be positional): an ``int`` ``N`` (the groups
+        to reshard to) and ``None`` are :func:`fully_shard`'s, not this method's."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)} "
+                f"({reshard_after_forward!r}; an int N or None is fully_shard's argument)"
+            )
+        _check_bool("recurse", recurse)
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
-                state = m._fsdp_state
-                state.reshard_after_forward = _reshard_setting(reshard_after_forward, state.unit)
+                m._fsdp_state.reshard_after_forward = reshard_after_forward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted as FSDP2 (pipeline schedules call it): every backward here finishes its
