@@ -512,3 +512,37 @@ def test_block_returning_a_dataclass_matches_one_process_and_fsdp2():
         for grads in run_threaded(_dataclass_grads, WORLD, runtime):
             for k, g in grads.items():
                 torch.testing.assert_close(g, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
+
+
+# -- FSDP2's names ---------------------------------------------------------------------------------
+
+
+def _surface(rank: int, ws: int) -> bool:
+    import torch.distributed.fsdp as torch_fsdp
+
+    from ragged_placement import fsdp
+
+    for name in ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"):
+        assert getattr(fsdp, name) is getattr(torch_fsdp, name), name
+    m = _routed()
+    fully_shard(m.block, mesh=_mesh(ws))
+    fully_shard(m, mesh=_mesh(ws))
+    handle = m.block.unshard(async_op=True)
+    assert isinstance(handle, torch_fsdp.UnshardHandle)
+    handle.wait()
+    m.block.reshard()
+    fsdp.share_comm_ctx([m, m.block])
+    with pytest.raises(ValueError, match="Expects list of FSDPModules"):
+        fsdp.share_comm_ctx([m, nn.Linear(2, 2)])
+    return True
+
+
+def test_fsdp2_names_are_exported():
+    import torch.distributed.fsdp as torch_fsdp
+
+    from ragged_placement import fsdp
+
+    fsdp2 = {"fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+             "CPUOffloadPolicy", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"}
+    assert fsdp2 <= set(dir(torch_fsdp)) and fsdp2 <= set(fsdp.__all__)
+    assert all(run_threaded(_surface, WORLD))

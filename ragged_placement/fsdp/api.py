@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 
 from ragged_placement.fsdp._validation import (
@@ -37,6 +38,7 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]
 
 
@@ -267,8 +269,9 @@ for _name in (
 del _name
 
 
-class UnshardHandle:
-    """What :meth:`FSDPModule.unshard` returns with ``async_op=True`` (as FSDP2's)."""
+class UnshardHandle(TorchUnshardHandle):
+    """What :meth:`FSDPModule.unshard` returns with ``async_op=True``: an instance of FSDP2's
+    ``UnshardHandle``."""
 
     def __init__(self, unit: FSDPUnit) -> None:
         self._unit: FSDPUnit | None = unit
@@ -279,6 +282,21 @@ class UnshardHandle:
             self._unit.wait_unshard()
             self._unit.register(sharded=False)
             self._unit = None
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """FSDP2's ``share_comm_ctx`` (pipeline stages, each a root, sharing CUDA streams): these
+    units have no streams of their own (collectives run on the process group's, copies on the
+    current stream), so there is nothing to share; the modules are checked as FSDP2 does.
+
+    Raises:
+        ValueError: ``modules`` is not a list of modules sharded by :func:`fully_shard`.
+    """
+    if not isinstance(modules, (list, tuple)):
+        raise ValueError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {m!r}")
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
