@@ -190,6 +190,49 @@ class FSDPModule:
                 "set_requires_gradient_sync(False), which skips reduce-scatter and all-reduce"
             )
 
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Every parameter is in the reduce-scatter here, whichever ranks used it (so ranks that
+        use different parameters, a mixture of experts, never mismatch). ``False`` (default):
+        a parameter no rank used gets ``.grad`` ``None`` (see ``hooks.drop_unused_grads``: one
+        small all-reduce per backward); ``True``: it keeps its zero gradient, as FSDP2 gives it
+        with ``True``, and no all-reduce runs for these units."""
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        _check_bool("recurse", recurse)
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp_state.keep_unused_grads = reduce_scatter_unused_params
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """As FSDP2's: the root's next all-gather waits for ``event`` (recorded after the
+        optimizer step), then forgets it. This runtime's all-gathers run on the current stream,
+        which waits for the event; call it on the root with a new event each iteration."""
+        if not isinstance(event, torch.Event) and not hasattr(event, "wait"):
+            raise ValueError(f"event must be a torch.Event, got {type(event).__name__}")
+        state = self._fsdp_state
+        if state.root is None:
+            state._lazy_init()
+        state.root.post_optim_event = event
+
+    def reset_iter_state(self) -> None:
+        """As FSDP2's, after an exception cut a forward or backward short, on the root: the
+        reduce-scatter in flight finishes, gradients not reduced yet are dropped, every unit is
+        resharded and the iteration's state cleared (restart a gradient accumulation; call
+        ``zero_grad()`` before the next step).
+
+        Raises:
+            RuntimeError: called on a module that is not a root.
+        """
+        state = self._fsdp_state
+        if state.root is not None and not state.is_root:
+            raise RuntimeError(
+                "reset_iter_state must be called on the root fully_shard module (the one "
+                f"forwarded first), not on {type(self).__name__}"
+            )
+        if state.root is not None:
+            state.root.reset()
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's summed gradients by ``factor`` instead of the data-parallel world
         size (``1.0``: the plain sum). Not recursive, as FSDP2."""
@@ -251,14 +294,11 @@ def _not_implemented(name: str):
 
 # torch FSDP2's FSDPModule methods (2.11 - 2.13) without a counterpart here: they say so.
 for _name in (
-    "reset_iter_state",
     "set_modules_to_forward_prefetch",
     "set_modules_to_backward_prefetch",
     "set_custom_all_gather",
     "set_custom_reduce_scatter",
     "set_all_reduce_hook",
-    "set_post_optim_event",
-    "set_reduce_scatter_unused_params",
     "set_reduce_scatter_max_input_buffers",
     "set_separate_reduce_scatter_group",
     "set_unshard_in_backward",

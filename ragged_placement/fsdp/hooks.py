@@ -104,6 +104,7 @@ class RootContext:
         self._recording: list[FSDPState] = []
         self.pending_reduce: FSDPUnit | None = None
         self.callback_queued = False
+        self.post_optim_event: torch.Event | None = None  # FSDPModule.set_post_optim_event
 
     @staticmethod
     def prefetch(state: FSDPState | None, *, backward: bool = False) -> None:
@@ -135,6 +136,23 @@ class RootContext:
         """The root's forward ended: its recording is the order used to prefetch."""
         self.forward_order = self._recording
         self._recording = []  # a unit run on its own later must not extend forward_order
+
+    def reset(self) -> None:
+        """After an exception cut a forward or backward short: finish the reduce-scatter in
+        flight (its gradients land), drop the gradients not reduced yet, reshard every unit and
+        clear the per-iteration state, so the next iteration runs as the first."""
+        self.finish_pending_reduce()
+        for s in self.states:
+            for part in getattr(s.unit, "parts", [s.unit]):
+                part.unsharded_grads = [None] * len(part.unsharded_grads)
+            s.unit.reshard()
+            s._show_unsharded(False)
+            s.holds_forward_gather = False
+            s.training_state = TrainingState.IDLE
+            s._to_run.clear()
+            s.got_grad, s.had_grad = set(), None
+        self._recording = []
+        self.callback_queued = False
 
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is not None:
@@ -227,6 +245,9 @@ class FSDPState:
         # parameter had a ``.grad`` before it (see :func:`drop_unused_grads`)
         self.got_grad: set[int] = set()
         self.had_grad: list[bool] | None = None
+        # FSDPModule.set_reduce_scatter_unused_params(True): unused parameters keep their zero
+        # reduced gradients, as FSDP2's (no agreement needed)
+        self.keep_unused_grads = False
         self.root: RootContext | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
@@ -273,6 +294,9 @@ class FSDPState:
         first = self._first_in_pass(module)
         with outside_selective_checkpoint():
             if self.is_root and first:
+                if ctx.post_optim_event is not None:  # the gathers below run on this stream
+                    ctx.post_optim_event.wait()
+                    ctx.post_optim_event = None
                 ctx.start_forward()
                 for s in ctx.states:
                     s.drop_stale_gather()
@@ -486,7 +510,9 @@ def drop_unused_grads(states: Sequence[FSDPState]) -> None:
     it (ragged shards leave others with none)."""
     by_group: dict[tuple, list[FSDPState]] = {}
     for s in states:
-        if s.had_grad is not None:
+        if s.had_grad is not None and s.keep_unused_grads:
+            s.got_grad, s.had_grad = set(), None
+        elif s.had_grad is not None:
             dp = s.unit.dp
             by_group.setdefault((dp.shard_group, dp.replicate_group), []).append(s)
     for (shard_group, replicate_group), group_states in by_group.items():
