@@ -525,7 +525,8 @@ def drop_unused_grads(states: Sequence[FSDPState]) -> None:
                 torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.MAX, group=g)
         flags = iter(used.tolist())
         for s in group_states:
-            for slot, p, had, anywhere in zip(s.unit.slots, s.unit.sharded_params, s.had_grad, flags):
+            unit = s.unit
+            for slot, p, had, anywhere in zip(unit.slots, unit.sharded_params, s.had_grad, flags):
                 if slot.requires_grad and not had and not anywhere:
                     p.grad = None
             s.unit.release_dropped_grads()
