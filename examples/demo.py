@@ -100,7 +100,7 @@ def _train(
     model, step = _build(rank, ws, runtime, args, cfg, init, corpus)
     if runtime == "ours" and rank == 0:
         for name, unit in list(model.fsdp_units())[:2]:
-            print(f"\nplan of unit {name or '<root>'!r}:\n{unit.plan.summary()}")
+            print(f"\nplan of unit {name or '<root>'!r}:\n{unit.buffers[0].plan.summary()}")
     per = args.batch
     tokens_per_step = per * ws * cfg.block_size
 

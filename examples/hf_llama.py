@@ -62,7 +62,7 @@ def _worker(rank: int, ws: int, steps: int) -> list[float]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if rank == 0:
-        print(model.fsdp_unit.plan.summary())
+        print(model.fsdp_unit.buffers[0].plan.summary())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     corpus = StdlibCorpus(max_bytes=1 << 20)
     per = BATCH // ws

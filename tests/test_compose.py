@@ -86,10 +86,10 @@ def _tp(rank: int, state, ckpt: str) -> dict:
     half = BATCH // 2
     out = {"placements": {n: tuple(p.placements) for n, p in model.named_parameters()}}
     # The sharded locals are views of the unit's flat buffer; .grad are root-mesh DTensors.
-    unit = model.layers["0"].fsdp_unit
+    (flat,) = model.layers["0"].fsdp_unit.buffers
     wq = model.layers["0"].attention.wq.weight
     out["view"] = (
-        wq._local_tensor.untyped_storage().data_ptr() == unit.sharded.untyped_storage().data_ptr()
+        wq._local_tensor.untyped_storage().data_ptr() == flat.sharded.untyped_storage().data_ptr()
     )
     out["mesh"] = wq.device_mesh.mesh_dim_names
     out["losses"] = _mean_over(
@@ -100,7 +100,7 @@ def _tp(rank: int, state, ckpt: str) -> dict:
     out["grad_placements"] = tuple(wq.grad.placements)
     out["grad_view"] = (
         wq.grad._local_tensor.untyped_storage().data_ptr()
-        == unit.sharded_grad.untyped_storage().data_ptr()
+        == flat.sharded_grad.untyped_storage().data_ptr()
     )
     model.zero_grad()
     out["full"] = _full(model)

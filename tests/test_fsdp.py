@@ -191,7 +191,7 @@ def _count_step(rank: int, ws: int, runtime: str, reshard: bool):
         else None
     )
     # the threaded PG runs a coalesced collective as one call per segment (gloo and NCCL as one op)
-    segments = {name: len(u.plan.segments) for name, u in m.fsdp_units()} if runtime == "ours" else None
+    segments = {name: len(u.buffers[0].plan.segments) for name, u in m.fsdp_units()} if runtime == "ours" else None
     return dict(_COUNTS.get(threading.get_ident(), {})), per_unit, segments
 
 
@@ -232,36 +232,38 @@ def _zero_copy(rank: int, ws: int):
     ref_grads = dict(ref.named_parameters())
     checks = []
     for prefix, unit in m.fsdp_units():
+        (flat,) = unit.buffers  # one dtype: one flat buffer
         for i, (slot, up, sp) in enumerate(
             zip(unit.slots, unit.unsharded_params, unit.sharded_params)
         ):
             name = f"{prefix}.{slot.fqn}" if prefix else slot.fqn
-            buf, o = unit.grad_buffer_of(i)
+            buf, o = flat.grad_buffer_of(i)
             checks.append(up.grad.data_ptr() == buf.data_ptr() + o * buf.element_size())
             checks.append(torch.allclose(up.grad, ref_grads[name].grad, atol=1e-6))
             local = sp._local_tensor
             if local.numel():
-                begin, _ = unit.plan.local_slice(slot.fqn, rank)
+                begin, _ = flat.plan.local_slice(slot.fqn, rank)
                 checks.append(
                     local.data_ptr()
-                    == unit.sharded.data_ptr() + begin * unit.sharded.element_size()
+                    == flat.sharded.data_ptr() + begin * flat.sharded.element_size()
                 )
             assert isinstance(sp.placements[0], RaggedShard)
     m.set_requires_gradient_sync(True)
     m(x, y).backward()  # the sync step reduces the accumulated sum of both backward passes
     for prefix, unit in m.fsdp_units():
+        (flat,) = unit.buffers
         for slot, sp in zip(unit.slots, unit.sharded_params):
             name = f"{prefix}.{slot.fqn}" if prefix else slot.fqn
             g = sp.grad
             assert isinstance(g, DTensor) and g.placements == sp.placements
             if g._local_tensor.numel():
-                begin, _ = unit.plan.local_slice(slot.fqn, rank)
+                begin, _ = flat.plan.local_slice(slot.fqn, rank)
                 checks.append(
-                    g._local_tensor.data_ptr() == unit.sharded_grad.data_ptr() + begin * 4
+                    g._local_tensor.data_ptr() == flat.sharded_grad.data_ptr() + begin * 4
                 )
             expect = sp.placements[0].shard_local(2 * ref_grads[name].grad, rank)
             checks.append(torch.allclose(g._local_tensor, expect, atol=1e-6))
-    unit_storage = [u._storage.nbytes() for _, u in m.fsdp_units()]
+    unit_storage = [b._storage.nbytes() for _, u in m.fsdp_units() for b in u.buffers]
     return all(checks), len(checks), unit_storage
 
 
@@ -356,7 +358,7 @@ def _mixed_precision_dtypes(rank: int, ws: int):
     handle.remove()
     logits.float().sum().backward()
     unit = m.fsdp_unit
-    numel = unit.chunk_numel * ws
+    numel = unit.buffers[0].chunk_numel * ws
     return (
         seen,
         logits.dtype,
@@ -397,7 +399,7 @@ def _container_root(rank: int, ws: int):
         torch.allclose(p.grad._local_tensor, p.placements[0].shard_local(q.grad, rank), atol=1e-5)
         for p, q in zip(model.parameters(), ref.parameters())
     )
-    return ok, model.fsdp_unit.plan is None, model.fsdp_unit.stats.all_gathers
+    return ok, model.fsdp_unit.buffers == [], model.fsdp_unit.stats.all_gathers
 
 
 def test_root_without_own_parameters_issues_no_collectives():
@@ -413,8 +415,9 @@ def _first_gradients(rank: int, ws: int):
     def landed(unit, prefix: str, index: int) -> None:
         if any(name == prefix for name, *_ in seen):
             return
-        allocated = [k for k, g in enumerate(unit.unsharded_grads) if g is not None]
-        seen.append((prefix, len(unit.plan.segments), unit._segment_of[index], allocated))
+        (flat,) = unit.buffers
+        allocated = [k for k, g in enumerate(flat.unsharded_grads) if g is not None]
+        seen.append((prefix, len(flat.plan.segments), flat._segment_of[index], allocated))
 
     for prefix, unit in m.fsdp_units():
         for i, p in enumerate(unit.unsharded_params):

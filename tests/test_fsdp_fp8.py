@@ -127,9 +127,10 @@ def _expected_gather_nbytes(unit, ws: int) -> int:
     def a16(n: int) -> int:
         return -(-n // 16) * 16
 
-    fp8 = {s.fqn for s, w in zip(unit.slots, unit.fp8.weights) if w is not None}
+    (flat,) = unit.buffers
+    fp8 = {s.fqn for s, w in zip(flat.slots, flat.fp8.weights) if w is not None}
     total = 0
-    for part in getattr(unit.plan, "parts", (unit.plan,)):
+    for part in getattr(flat.plan, "parts", (flat.plan,)):
         per_rank = []
         for r in range(ws):
             scales = raw = q = 0
@@ -187,15 +188,15 @@ def _gather_rank(rank: int, ws: int):
             u.stats.all_gathers,
             u.stats.all_gather_bytes,
             u.stats.reduce_scatters,
-            u.fp8.gathered_nbytes,
+            u.buffers[0].fp8.gathered_nbytes,
             _expected_gather_nbytes(u, ws),
-            u.fp8.padding_nbytes,
-            u.fp8.assembled_nbytes,
-            u._storage.nbytes() + u.fp8.assembled.untyped_storage().nbytes(),
+            u.buffers[0].fp8.padding_nbytes,
+            u.buffers[0].fp8.assembled_nbytes,
+            u.buffers[0]._storage.nbytes() + u.buffers[0].fp8.assembled.untyped_storage().nbytes(),
         )
         for name, u in units.items()
     }
-    return seen, dict(meter.counts), per_unit, type(seg.fsdp_unit.plan).__name__
+    return seen, dict(meter.counts), per_unit, type(seg.fsdp_unit.buffers[0].plan).__name__
 
 
 @pytest.mark.multiprocess
@@ -282,7 +283,7 @@ def _fp8_train_rank(rank: int, ws: int, steps: int, batch: int):
 
     def landed(p: torch.Tensor, unit, index: int) -> None:
         # right after AccumulateGrad: the gradient is the parameter's view of the flat buffer
-        buf, offset = unit.grad_buffer_of(index)
+        buf, offset = unit.buffers[0].grad_buffer_of(index)
         zero_copy.append(p.grad.data_ptr() == buf.data_ptr() + offset * buf.element_size())
 
     handles = [
@@ -352,8 +353,8 @@ def _fp8_pairs_rank(rank: int, ws: int, reshard) -> tuple[list[float], list[floa
         x, y = _corpus().batch(s, 8, SEQ)
         loss = m(_rows(x, rank, ws), _rows(y, rank, ws))
         held.append([
-            (0 if u.post_forward_shard is None else u.post_forward_shard.untyped_storage().nbytes(),
-             u.fp8.gathered_nbytes) for u in units
+            (0 if b.post_forward_shard is None else b.post_forward_shard.untyped_storage().nbytes(),
+             b.fp8.gathered_nbytes) for u in units for b in u.buffers
         ])
         loss.backward()
         opt.step()
@@ -423,7 +424,7 @@ def _bad_input_rank(rank: int, ws: int):
     for policy in ({"*.weight": Granularity.rows(256)}, {"*.fc.weight": Granularity.matrix()}):
         block = _gpt().layers[0]
         fully_shard(block, mesh=mesh, quant=QUANT, granularity=policy)
-        ok.append(block.fsdp_unit.fp8 is not None)
+        ok.append(block.fsdp_unit.buffers[0].fp8 is not None)
     with pytest.raises(ValueError, match="quant"):
         fully_shard(_gpt().layers[0], mesh=mesh, quant=(128, 128))
     with pytest.raises(ValueError, match="bare nn.Linear"):

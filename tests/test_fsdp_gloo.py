@@ -66,11 +66,11 @@ def _train_and_save(rank: int, ws: int, ckpt: str):
     corpus = StdlibCorpus(max_bytes=1 << 18)
     m, opt = _sharded("ours", None)  # mesh=None: a 1-D cpu mesh over the default gloo group
     losses, counts = [], []
-    segments = [len(u.plan.segments) for _, u in m.fsdp_units() if u.plan is not None]
+    segments = [len(b.plan.segments) for _, u in m.fsdp_units() for b in u.buffers]
     # an uneven segment (the root here: equal chunks would pad > 1%) is gathered on gloo by one
     # broadcast per rank holding part of it (NCCL: one grouped all_gather), reduced by one
     # list reduce_scatter; its unit gathers once per step
-    uneven = [s for _, u in m.fsdp_units() if u.plan is not None for s in u.plan.segments if s.uneven]
+    uneven = [s for _, u in m.fsdp_units() for b in u.buffers for s in b.plan.segments if s.uneven]
     broadcasts = sum(sum(b > a for a, b in zip(s.rank_starts, s.rank_starts[1:])) for s in uneven)
     for s in range(STEPS):
         # the c10d ops gloo runs: a unit of several segments issues one coalesced op

@@ -91,7 +91,7 @@ def _meta_init_and_train(rank: int, ws: int, runtime: str):
     init_weights(m)
     facts = {}
     if runtime == "ours":
-        units = [u for _, u in m.fsdp_units() if u.slots]
+        units = [b for _, u in m.fsdp_units() for b in u.buffers]
         chunk = [u.chunk_numel * 4 for u in units]
         unshard = [u.chunk_numel * ws * 4 for u in units]
         storages = {p._local_tensor.untyped_storage().data_ptr() for p in m.parameters()}

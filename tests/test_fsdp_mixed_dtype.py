@@ -19,7 +19,6 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
-from ragged_placement.fsdp.unit import MultiDtypeUnit
 
 WORLD = 2
 VOCAB, DIM, SEQ, BATCH, STEPS, LR = 64, 16, 8, 4, 5, 1e-2
@@ -111,16 +110,16 @@ def _sharded_training(rank: int, ws: int, runtime: str, dtype: torch.dtype, mp: 
     facts = {}
     if runtime == "ours":
         units = [u for _, u in m.fsdp_units()]
-        facts["mixed"] = all(isinstance(u, MultiDtypeUnit) for u in units)
+        facts["mixed"] = all(len(u.buffers) == 2 for u in units)  # one flat buffer per dtype
         facts["part_dtypes"] = all(
-            [p.orig_dtype for p in u.parts] == [torch.float32, dtype] for u in units
+            [b.orig_dtype for b in u.buffers] == [torch.float32, dtype] for u in units
         )
         facts["views"] = all(
             sp.dtype == part.orig_dtype
             and sp._local_tensor.untyped_storage().data_ptr()
             == part.sharded.untyped_storage().data_ptr()
             for u in units
-            for part in u.parts
+            for part in u.buffers
             for sp in part.sharded_params
         )
         for u in units:
@@ -205,7 +204,7 @@ def _coalesced_on_gloo(rank: int, ws: int) -> dict[str, tuple]:
             fully_shard(block, mesh=mesh, **kw)
         fully_shard(m, mesh=mesh, **{k: v for k, v in kw.items() if k != "reshard_after_forward"})
         units = [u for _, u in m.fsdp_units()]
-        assert all(isinstance(u, MultiDtypeUnit) and len(u.parts) == 2 for u in units)
+        assert all(len(u.buffers) == 2 for u in units)
         ops_per_step = []
 
         @contextlib.contextmanager
@@ -220,7 +219,7 @@ def _coalesced_on_gloo(rank: int, ws: int) -> dict[str, tuple]:
         stats = [
             (u.stats.all_gathers, u.stats.reduce_scatters, u.stats.post_forward_all_gathers,
              u.stats.h2d_copies, u.stats.all_gather_bytes,
-             STEPS * sum(p.unsharded.numel() * p.unsharded.element_size() for p in u.parts))
+             STEPS * sum(b.unsharded.numel() * b.unsharded.element_size() for b in u.buffers))
             for u in units
         ]
         out[name] = (losses, ops_per_step, stats)

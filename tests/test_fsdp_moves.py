@@ -64,8 +64,8 @@ def _reference(cast) -> list[float]:
 
 def _views_of_units(m: nn.Module, dtype: torch.dtype) -> bool:
     """Every sharded parameter (and gradient) views its unit's flat buffer, one storage per
-    unit, in ``dtype``; unsharded storages are freed."""
-    units = [u for _, u in m.fsdp_units() if u.slots]
+    buffer, in ``dtype``; unsharded storages are freed."""
+    units = [b for _, u in m.fsdp_units() for b in u.buffers]
     ok = {p._local_tensor.untyped_storage().data_ptr() for p in m.parameters()} == {
         u.sharded.untyped_storage().data_ptr() for u in units
     }

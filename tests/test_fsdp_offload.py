@@ -62,12 +62,13 @@ def _check_step(m: Net) -> None:
     gradient chunk once per reduce-scatter, and nothing of the sharded state left the CPU."""
     for name, unit in m.fsdp_units():
         s = unit.stats
-        chunk_bytes = unit.sharded.numel() * unit.sharded.element_size()
+        (flat,) = unit.buffers
+        chunk_bytes = flat.sharded.numel() * flat.sharded.element_size()
         assert s.all_gathers >= 1 and s.reduce_scatters == 1, name
         assert (s.h2d_copies, s.d2h_copies) == (s.all_gathers, s.reduce_scatters), name
         assert s.h2d_bytes == s.all_gathers * chunk_bytes, name
-        assert s.d2h_bytes == unit.sharded_grad.numel() * unit.sharded_grad.element_size(), name
-        assert unit.sharded_device == unit.offload_device == torch.device("cpu"), name
+        assert s.d2h_bytes == flat.sharded_grad.numel() * flat.sharded_grad.element_size(), name
+        assert flat.sharded_device == flat.offload_device == torch.device("cpu"), name
         for p in unit.sharded_params:
             assert isinstance(p, DTensor) and p._local_tensor.device.type == "cpu", name
             assert p.grad._local_tensor.device.type == "cpu", name
@@ -158,14 +159,15 @@ def _bad_input(rank: int, ws: int):
         fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=None))
     m = fully_shard(_net(), mesh=mesh, offload_policy=OFFLOAD)
     unit = m.fsdp_unit
-    assert unit.stats.h2d_copies == 0 and unit.offload_device == torch.device("cpu")
+    (flat,) = unit.buffers
+    assert unit.stats.h2d_copies == 0 and flat.offload_device == torch.device("cpu")
     m.to("cpu").to("meta").to_empty(device="cpu").bfloat16()  # moves that keep it on CPU
-    assert unit.sharded.device.type == "cpu" and unit.sharded.dtype == torch.bfloat16
+    assert flat.sharded.device.type == "cpu" and flat.sharded.dtype == torch.bfloat16
     # a move to another device than CPU is refused (a CPU-only torch cannot make a CUDA
     # tensor, so the unit's check is called as apply_ calls it)
     with pytest.raises(ValueError, match=r"offloads its sharded parameters \(offload_policy="):
-        unit._check_target(torch.device("cuda", 0), torch.float32, "inp.weight")
-    plain = fully_shard(_net(), mesh=mesh).fsdp_unit
+        flat._check_target(torch.device("cuda", 0), torch.float32, "inp.weight")
+    plain = fully_shard(_net(), mesh=mesh).fsdp_unit.buffers[0]
     assert plain.offload_device is None and plain.sharded_device == plain.device
     return True
 
@@ -194,7 +196,7 @@ def _fp8_train(rank: int, ws: int, offload: OffloadPolicy):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, m.fsdp_unit.stats.h2d_copies, m.fsdp_unit.sharded.device.type
+    return losses, m.fsdp_unit.stats.h2d_copies, m.fsdp_unit.buffers[0].sharded.device.type
 
 
 def test_cpu_offload_fp8_unit_trains_as_without_offload():
@@ -247,17 +249,19 @@ def test_cpu_offload_async_staging_copies_are_waited_for_before_the_host_uses_th
 
     import torch.distributed as dist
 
-    from ragged_placement.fsdp import unit as unit_module
+    from ragged_placement.fsdp import offload as offload_module
 
     def recorded(device):
-        caller = inspect.stack()[1].function  # _copy_to_device or _copy_to_host
-        event = _FakeEvent("h2d" if caller == "_copy_to_device" else "d2h")
+        caller = inspect.stack()[1].function  # to_device or to_host
+        event = _FakeEvent("h2d" if caller == "to_device" else "d2h")
         event.rank = dist.get_rank()
         return event
 
     # patched once for both rank threads (a per-thread patch of a class would race)
-    monkeypatch.setattr(unit_module.FSDPUnit, "_async_copies", property(lambda self: True))
-    monkeypatch.setattr(unit_module, "_recorded_event", recorded)
+    monkeypatch.setattr(
+        offload_module.OffloadStaging, "_asynchronous", lambda self, device: True
+    )
+    monkeypatch.setattr(offload_module, "_recorded_event", recorded)
     _FakeEvent.log.clear()
     for result in run_threaded(_async_staging_is_waited_for, 2):
         assert result == {"forward": True, "backward": True}

@@ -321,7 +321,7 @@ def _train_pairs_on_gloo(rank: int, ws: int):
         units = [b.fsdp_unit for b in m.blocks]
         pair_gathers.append([
             (u.stats.post_forward_all_gathers, u.stats.post_forward_all_gather_bytes,
-             u.plan.buffer_numel * 4, len(u.plan.segments))
+             u.buffers[0].plan.buffer_numel * 4, len(u.buffers[0].plan.segments))
             for u in units
         ])
         for u in units:
@@ -407,11 +407,12 @@ def _held_between_forward_and_backward(rank: int, ws: int, value):
     loss = F.mse_loss(m(X[0, :2]), Y[0, :2])
     held = []
     for unit in blocks:
-        shard = unit.post_forward_shard
+        (flat,) = unit.buffers
+        shard = flat.post_forward_shard
         held.append((
-            unit.unsharded.untyped_storage().nbytes(),
+            flat.unsharded.untyped_storage().nbytes(),
             0 if shard is None else shard.untyped_storage().nbytes(),
-            unit.plan.buffer_numel * 4,
+            flat.plan.buffer_numel * 4,
         ))
     sharded = all(isinstance(p, DTensor) for p in m.parameters())
     for unit in blocks:
@@ -593,7 +594,7 @@ def _group_layout(rank: int, ws: int):
     assert [s.fqn for s in unit.slots][:2] == ["0.norm.weight", "0.norm.bias"]
     assert {s.fqn for s in unit.slots} >= {"1.fc1.weight", "1.fc2.bias"}
     # the granularity policy sees the index-prefixed names: block 1's matrices are never cut
-    assert unit.plan.granularities["1.fc1.weight"] == Granularity.matrix()
+    assert unit.buffers[0].plan.granularities["1.fc1.weight"] == Granularity.matrix()
     assert isinstance(m.blocks[1].fc1.weight.placements[0], RaggedShard)
     return True
 
@@ -686,7 +687,7 @@ def _surface_checks(rank: int, ws: int):
     # tests/test_fsdp_offload.py); pinned memory needs an accelerator, as in FSDP2
     m = fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     assert isinstance(m, FSDPModule) and not isinstance(m, TorchFSDPModule)
-    assert m.fsdp_unit.offload_device == torch.device("cpu")
+    assert m.fsdp_unit.buffers[0].offload_device == torch.device("cpu")
     if not torch.accelerator.is_available():
         with pytest.raises(ValueError, match="pin_memory=True needs an accelerator"):
             fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy())
@@ -811,9 +812,9 @@ def _load_full_state_dict(rank: int, ws: int):
                 (_full(v) - source[k]).abs().max().item() for k, v in m.state_dict().items()
             )
             if runtime == "ours":  # loaded in place: the flat buffers the next all-gather reads
-                for _, unit in m.fsdp_units():
-                    buffer = unit.sharded.untyped_storage().data_ptr()
-                    for p in unit.sharded_params:
+                for flat in (b for _, unit in m.fsdp_units() for b in unit.buffers):
+                    buffer = flat.sharded.untyped_storage().data_ptr()
+                    for p in flat.sharded_params:
                         assert p.to_local().untyped_storage().data_ptr() == buffer
     return out
 

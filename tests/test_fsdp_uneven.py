@@ -78,7 +78,7 @@ def _pairs(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor],
     units = [ours[0].fsdp_unit, ours[2].fsdp_unit]
     x, _ = _data(0)
     out = ours(x[rank * 2:(rank + 1) * 2])
-    held = [u.post_forward_shard.numel() for u in units]
+    held = [u.buffers[0].post_forward_shard.numel() for u in units]
     out.sum().backward()
     ours.zero_grad()
     for u in units:
@@ -89,9 +89,10 @@ def _pairs(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor],
 
 def _ranks(rank: int, world: int):
     ours = _ours()
-    units = [u for _, u in ours.fsdp_units() if u.plan is not None]
-    layout = [(isinstance(u.plan, UnevenPlan), [u.plan.rank_numel(r) for r in range(world)],
-               u.plan.padding_numel, u.plan.numel) for u in units]
+    units = [u for _, u in ours.fsdp_units() if u.buffers]
+    plans = [b.plan for u in units for b in u.buffers]
+    layout = [(isinstance(p, UnevenPlan), [p.rank_numel(r) for r in range(world)],
+               p.padding_numel, p.numel) for p in plans]
     for u in units:
         u.stats.reset()
     losses = _train(ours, rank, world)

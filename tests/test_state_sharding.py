@@ -147,7 +147,7 @@ def _runtime_buffers(rank, world_size, mesh_shape):
     # a sharded model's parameters are DTensors: the partitioner wants the unsharded shapes
     with pytest.raises(ValueError, match="is a DTensor"):
         plan_state_sharding(model, {"dp": 4}, math.inf, bandwidth={"dp": 1e9})
-    return [(u.chunk_numel, u.plan.buffer_numel) for _, u in model.fsdp_units()]
+    return [(b.chunk_numel, b.plan.buffer_numel) for _, u in model.fsdp_units() for b in u.buffers]
 
 
 def test_memory_matches_fully_shards_buffers():

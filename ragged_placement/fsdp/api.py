@@ -22,11 +22,12 @@ from ragged_placement.fsdp._validation import (
     record_managed,
     unmatched_patterns,
 )
+from ragged_placement.fsdp.common import UnitOptions
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState, drop_unused_grads
 from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot, mesh_device
-from ragged_placement.fsdp.unit import FSDPUnit, build_unit
+from ragged_placement.fsdp.unit import FSDPUnit
 from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config
 
@@ -754,10 +755,11 @@ def fully_shard(
     wraps_units = any(
         isinstance(sub, FSDPModule) for m in modules for sub in m.modules() if sub is not m
     )
-    unit = build_unit(
-        slots, params, mesh, mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
+    options = UnitOptions(
+        mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
         split_by_submodule=wraps_units, offload_policy=offload,
     )
+    unit = FSDPUnit(slots, params, mesh, options)
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
     state.unmatched_granularity = unmatched_patterns(granularity, modules)
     record_managed([s.fqn for s in slots], originals, where)

@@ -10,8 +10,7 @@ Two layers:
   reduce-scatter run packed, :func:`_packed_sizes`);
 * one unit's request of a collective (:class:`Gather`, :class:`Reduction`), issued by
   :func:`issue_all_gather` / :func:`issue_reduce_scatter` for all the unit's flat buffers at
-  once and counted in its :class:`~ragged_placement.fsdp.common.CommStats`; every buffer holds
-  the returned :class:`_SharedWork`.
+  once and counted in its :class:`~ragged_placement.fsdp.common.CommStats`.
 
 c10d is called through the :mod:`ragged_placement._compat` wrappers (torch-version
 differences only).
@@ -262,9 +261,10 @@ def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: 
 
 @dataclass(frozen=True)
 class Gather:
-    """One unit's share of an all-gather (:meth:`FSDPUnit.prepare_unshard`): this rank's
-    ``input`` gathered into ``output`` by ``segments`` over ``group`` of ``world_size`` ranks
-    (the post-forward group where ``post_forward``)."""
+    """One flat buffer's share of a unit's all-gather
+    (:meth:`~ragged_placement.fsdp.buffer.FlatBuffer.prepare_unshard`): this rank's ``input``
+    gathered into ``output`` by ``segments`` over ``group`` of ``world_size`` ranks (the
+    post-forward group where ``post_forward``)."""
 
     output: torch.Tensor
     input: torch.Tensor
@@ -276,8 +276,9 @@ class Gather:
 
 @dataclass(frozen=True)
 class Reduction:
-    """One unit's share of a reduce-scatter (:meth:`FSDPUnit.prepare_reduce`): ``inputs`` (one
-    per segment) summed over ``group`` of ``world_size`` ranks into ``output``."""
+    """One flat buffer's share of a unit's reduce-scatter
+    (:meth:`~ragged_placement.fsdp.buffer.FlatBuffer.prepare_reduce`): ``inputs`` (one per
+    segment) summed over ``group`` of ``world_size`` ranks into ``output``."""
 
     output: torch.Tensor
     inputs: list[torch.Tensor]
@@ -286,38 +287,20 @@ class Reduction:
     group: object
 
 
-class _SharedWork:
-    """The work of one collective held by several units: the first :meth:`wait` waits on it,
-    later ones return at once."""
-
-    def __init__(self, work) -> None:
-        self._work = work
-
-    def wait(self, timeout=None) -> bool:
-        if self._work is not None:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
-            self._work = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
-
-
 def _one_group(requests: list) -> tuple[object, int]:
-    """The group and world size ``requests`` share (the parts of one unit share its mesh)."""
+    """The group and world size ``requests`` share (the buffers of one unit share its mesh)."""
     group, world_size = requests[0].group, requests[0].world_size
     if any(r.group is not group or r.world_size != world_size for r in requests):
         raise RuntimeError(
-            "units coalesced into one collective must share its process group: got "
+            "buffers coalesced into one collective must share its process group: got "
             f"{[(r.group, r.world_size) for r in requests]}"
         )
     return group, world_size
 
 
-def issue_all_gather(gathers: list[Gather], stats: CommStats) -> _SharedWork:
-    """Issue ``gathers`` (one unit's, or the parts' of a :class:`MultiDtypeUnit`) as one
-    coalesced all-gather, counted once in ``stats`` (bytes: all outputs); returns its work,
-    which every unit of ``gathers`` may hold and wait on."""
+def issue_all_gather(gathers: list[Gather], stats: CommStats):
+    """Issue ``gathers`` (the flat buffers of one unit) as one coalesced all-gather, counted
+    once in ``stats`` (bytes: all outputs); returns its work."""
     group, world_size = _one_group(gathers)
     nbytes = sum(g.output.numel() * g.output.element_size() for g in gathers)
     stats.all_gathers += 1
@@ -325,23 +308,20 @@ def issue_all_gather(gathers: list[Gather], stats: CommStats) -> _SharedWork:
     if any(g.post_forward for g in gathers):
         stats.post_forward_all_gathers += 1
         stats.post_forward_all_gather_bytes += nbytes
-    work = all_gather_parts(
+    return all_gather_parts(
         [(g.output, g.input, g.segments) for g in gathers], world_size, group=group, async_op=True
     )
-    return _SharedWork(work)
 
 
-def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats) -> _SharedWork:
-    """Issue ``reductions`` (one unit's, or the parts' of a :class:`MultiDtypeUnit`) as one
-    coalesced reduce-scatter (a sum), counted once in ``stats`` (bytes: all inputs); returns
-    its work, which every unit of ``reductions`` may hold and wait on."""
+def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats):
+    """Issue ``reductions`` (the flat buffers of one unit) as one coalesced reduce-scatter (a
+    sum), counted once in ``stats`` (bytes: all inputs); returns its work."""
     group, world_size = _one_group(reductions)
     stats.reduce_scatters += 1
     stats.reduce_scatter_bytes += sum(
         g.numel() * g.element_size() for r in reductions for g in r.inputs
     )
-    work = reduce_scatter_parts(
+    return reduce_scatter_parts(
         [(r.output, r.inputs, r.segments) for r in reductions], world_size,
         op=dist.ReduceOp.SUM, group=group, async_op=True,
     )
-    return _SharedWork(work)

@@ -1,12 +1,16 @@
-"""What the parts of the FSDP runtime share: a unit's state and its communication counters
-(torch FSDP2's ``_fsdp_common.py``)."""
+"""What the parts of the FSDP runtime share: a unit's state, its settings and its
+communication counters (torch FSDP2's ``_fsdp_common.py``)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
+from typing import Any
 
-__all__ = ["CommStats", "UnitState"]
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+__all__ = ["CommStats", "UnitOptions", "UnitState"]
 
 
 @dataclass
@@ -38,6 +42,43 @@ class CommStats:
 
 
 class UnitState(enum.Enum):
+    """Where a unit's parameters are (torch FSDP2's ``ShardedState``, plus the all-gather in
+    flight)::
+
+        SHARDED --unshard--> UNSHARDING --wait_unshard--> UNSHARDED --reshard--> SHARDED
+        UNSHARDED --reshard_post_forward--> SHARDED_POST_FORWARD --unshard--> UNSHARDING
+        SHARDED_POST_FORWARD --reshard--> SHARDED
+    """
+
     SHARDED = "sharded"
+    # an int reshard_after_forward: the unit keeps 1/N of the gathered buffer between forward
+    # and backward, and all-gathers over the N-rank group from it
+    SHARDED_POST_FORWARD = "sharded_post_forward"
     UNSHARDING = "unsharding"  # all-gather issued, not waited on
     UNSHARDED = "unsharded"
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    """The settings of one ``fully_shard`` unit that its flat buffers share.
+
+    Args:
+        param_dtype: dtype of the all-gather and of the unsharded parameters (``None``: the
+            parameters' dtype, also after a cast).
+        reduce_dtype: dtype of the gradient reduce-scatter (``None``: ``param_dtype``).
+        granularity: the planner's granularity policy for the unit's parameters.
+        quant: block-wise FP8 for the weights of the unit's ``FP8Linear`` modules (planned at
+            block granularity, all-gathered as FP8 + scales); ``None`` for none.
+        split_by_submodule: prefer one plan segment per direct submodule (see
+            :func:`~ragged_placement.fsdp.buffer.plan_buffer`).
+        offload_policy: a :class:`~torch.distributed.fsdp.CPUOffloadPolicy` keeps ``sharded``
+            and ``sharded_grad`` on CPU (:class:`~ragged_placement.fsdp.offload.OffloadStaging`);
+            ``None``: no offload.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    granularity: Any = None
+    quant: Any = None
+    split_by_submodule: bool = False
+    offload_policy: CPUOffloadPolicy | None = None

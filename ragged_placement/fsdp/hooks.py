@@ -143,8 +143,8 @@ class RootContext:
         clear the per-iteration state, so the next iteration runs as the first."""
         self.finish_pending_reduce()
         for s in self.states:
-            for part in getattr(s.unit, "parts", [s.unit]):
-                part.unsharded_grads = [None] * len(part.unsharded_grads)
+            for buffer in s.unit.buffers:
+                buffer.unsharded_grads = [None] * len(buffer.unsharded_grads)
             s.unit.reshard()
             s._show_unsharded(False)
             s.holds_forward_gather = False
