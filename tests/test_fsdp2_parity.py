@@ -725,3 +725,34 @@ def test_gradient_divide_factor_on_gloo_and_ranks_disagreeing_on_the_plan():
         for k, g in grads.items():
             torch.testing.assert_close(g, expected[k], atol=TOL, rtol=0, msg=k)
         assert seconds < 2.0
+
+
+# -- bad input: named, before any collective -------------------------------------------------------
+
+
+def _bad_input(rank: int, ws: int) -> bool:
+    m = _routed()
+    fully_shard(m.block, mesh=_mesh(ws))
+    fully_shard(m, mesh=_mesh(ws))
+    for call, match in (
+        (lambda: m.unshard(async_op=1), "async_op must be a bool"),
+        (lambda: m.set_requires_gradient_sync(True, recurse=1), "recurse must be a bool"),
+        (lambda: m.set_requires_all_reduce(True, recurse="x"), "recurse must be a bool"),
+        (lambda: m.set_reshard_after_backward(True, recurse="x"), "recurse must be a bool"),
+        (lambda: m.set_reduce_scatter_unused_params(1), "reduce_scatter_unused_params must be"),
+        (lambda: m.load_state_dict(m.state_dict(), strict="no"), "strict must be a bool"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            call()
+    with pytest.raises(TypeError, match="state_dict must be a mapping, got int"):
+        m.load_state_dict(3)
+    with pytest.raises(TypeError, match="method_name must be a str, got 3"):
+        register_fsdp_forward_method(m, 3)
+    with pytest.raises(RuntimeError, match="reset_iter_state must be called on the root"):
+        m(X[0], True)
+        m.block.reset_iter_state()
+    return True
+
+
+def test_bad_arguments_raise_naming_them():
+    assert all(run_threaded(_bad_input, WORLD))

@@ -89,6 +89,7 @@ class FSDPModule:
         """All-gather this unit's parameters and register the unsharded ones; with
         ``async_op=True`` only issue the all-gather and return a handle whose ``wait()``
         finishes it (the next forward waits for it too), as FSDP2."""
+        _check_bool("async_op", async_op)
         unit = self._fsdp_state.unit
         unit.unshard(async_op=async_op)
         if async_op:
@@ -122,6 +123,7 @@ class FSDPModule:
             raise ValueError(
                 f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}"
             )
+        _check_bool("recurse", recurse)
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
                 m._fsdp_state.requires_gradient_sync = requires_gradient_sync
@@ -176,6 +178,7 @@ class FSDPModule:
         """Only ``True`` (what the units always do): keeping the unsharded parameters across
         backwards is not implemented."""
         _check_bool("reshard_after_backward", reshard_after_backward)
+        _check_bool("recurse", recurse)
         if not reshard_after_backward:
             raise NotImplementedError(
                 "set_reshard_after_backward(False) is not implemented: units always reshard "
@@ -185,6 +188,7 @@ class FSDPModule:
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Only ``True`` (HSDP's all-reduce always follows the reduce-scatter)."""
         _check_bool("requires_all_reduce", requires_all_reduce)
+        _check_bool("recurse", recurse)
         if not requires_all_reduce:
             raise NotImplementedError(
                 "set_requires_all_reduce(False) is not implemented: use "
@@ -256,6 +260,9 @@ class FSDPModule:
         """Load into the sharded parameters in place. Values may be DTensors with this module's
         placements, DTensors with other placements (redistributed), or full tensors (this rank's
         RaggedShard run is taken from them). Other entries go through ``nn.Module``'s loader."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        _check_bool("strict", strict)
         if assign:
             raise ValueError(
                 "assign=True is not supported by fully_shard modules (loading is in place)"
@@ -354,7 +361,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
         torchs(module, method_name)
         return
-    if not isinstance(method_name, str) or not callable(getattr(module, method_name, None)):
+    if not isinstance(method_name, str):
+        raise TypeError(f"method_name must be a str, got {method_name!r}")
+    if not callable(getattr(module, method_name, None)):
         raise ValueError(f"{type(module).__name__} does not have a method {method_name!r}")
     method = getattr(module, method_name)
     state = module._fsdp_state
