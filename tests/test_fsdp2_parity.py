@@ -756,3 +756,91 @@ def _bad_input(rank: int, ws: int) -> bool:
 
 def test_bad_arguments_raise_naming_them():
     assert all(run_threaded(_bad_input, WORLD))
+
+
+# -- explicit prefetch ---------------------------------------------------------------------------
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(4)
+    CHAIN = Chain().state_dict()
+
+
+def _gathered(m: Chain, runtime: str) -> list[bool]:
+    """Whether each block's all-gather was issued (ours: not SHARDED; FSDP2: its group's
+    all-gather state or parameters unsharded)."""
+    if runtime == "ours":
+        return [b.fsdp_unit.state.value != "sharded" for b in m.blocks]
+    return [b._get_fsdp_state()._fsdp_param_group._all_gather_result is not None
+            or not isinstance(b[0].weight, DTensor) for b in m.blocks]
+
+
+def _prefetch(rank: int, ws: int, runtime: str, explicit: bool):
+    """Block 0's forward prefetches blocks 1 and 2; block 2's backward blocks 1 and 0. Seen
+    from inside block 0's forward and block 2's backward (second step: the first records the
+    order the implicit prefetch follows)."""
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    for block in m.blocks:
+        _fs(runtime)(block, mesh=_mesh(ws))
+    _fs(runtime)(m, mesh=_mesh(ws))
+    if explicit:
+        m.blocks[0].set_modules_to_forward_prefetch([m.blocks[1], m.blocks[2]])
+        m.blocks[2].set_modules_to_backward_prefetch([m.blocks[1], m.blocks[0]])
+    seen = {}
+
+    def in_forward(module, args):
+        seen.setdefault("forward", _gathered(m, runtime))
+
+    def in_backward(module, grad_in, grad_out):
+        seen.setdefault("backward", _gathered(m, runtime))
+
+    opt = _adamw(m.parameters())
+    per = BATCH // ws
+    for s in range(STEPS):
+        if s == 1:
+            m.blocks[0][1].register_forward_pre_hook(in_forward)
+            m.blocks[2][0].register_full_backward_hook(in_backward)
+        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
+        F.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return seen, {k: _full(v) for k, v in m.named_parameters()}
+
+
+def test_explicit_prefetch_changes_the_gather_order_as_in_fsdp2():
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    ref = _prefetch_reference(m)
+    for runtime in ("ours", "fsdp2"):
+        for explicit in (False, True):
+            for seen, params in run_threaded(_prefetch, WORLD, runtime, explicit):
+                if explicit:
+                    assert seen == {"forward": [True, True, True],
+                                    "backward": [True, True, True]}, runtime
+                elif runtime == "ours":  # the recorded order: the next block only; none on CPU
+                    assert seen == {"forward": [True, True, False],
+                                    "backward": [False, False, True]}, runtime
+                for k, v in params.items():
+                    torch.testing.assert_close(v, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
+
+
+def _prefetch_reference(m: Chain) -> dict[str, torch.Tensor]:
+    opt = _adamw(m.parameters())
+    for s in range(STEPS):
+        F.mse_loss(m(X[s]), Y[s]).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: _full(v) for k, v in m.named_parameters()}

@@ -728,8 +728,8 @@ def _fsdp_module_methods(rank: int, ws: int):
     m.set_requires_all_reduce(True)
     with pytest.raises(NotImplementedError, match=r"set_reshard_after_backward\(False\)"):
         m.set_reshard_after_backward(False)
-    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_modules_to_forward_prefetch"):
-        m.set_modules_to_forward_prefetch([m.blocks[0]])
+    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_custom_all_gather"):
+        m.set_custom_all_gather(None)
     with pytest.raises(ValueError, match="factor must be a positive number"):
         m.set_gradient_divide_factor(0)
     with pytest.raises(ValueError, match="is_last_backward must be a bool"):

@@ -195,6 +195,17 @@ class FSDPModule:
                 "set_requires_gradient_sync(False), which skips reduce-scatter and all-reduce"
             )
 
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """As FSDP2's: after this unit's forward all-gather, issue those of ``modules`` (in
+        order) instead of the next unit of the recorded forward order."""
+        self._fsdp_state.forward_prefetch = _prefetch_states(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """As FSDP2's: after this unit's backward all-gather, issue those of ``modules`` (in
+        order) instead of the previous unit of the recorded forward order (also on CPU, where
+        the implicit backward prefetch is off)."""
+        self._fsdp_state.backward_prefetch = _prefetch_states(modules)
+
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
@@ -302,8 +313,6 @@ def _not_implemented(name: str):
 
 # torch FSDP2's FSDPModule methods (2.11 - 2.13) without a counterpart here: they say so.
 for _name in (
-    "set_modules_to_forward_prefetch",
-    "set_modules_to_backward_prefetch",
     "set_custom_all_gather",
     "set_custom_reduce_scatter",
     "set_all_reduce_hook",
@@ -374,6 +383,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._post_forward(self, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def _prefetch_states(modules: object) -> list[FSDPState]:
+    if not isinstance(modules, (list, tuple)):
+        raise ValueError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"modules must be FSDPModules (fully_shard's), got {m!r}")
+    return [m._fsdp_state for m in modules]
 
 
 def _check_bool(name: str, value: object) -> None:

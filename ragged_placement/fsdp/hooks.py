@@ -106,6 +106,19 @@ class RootContext:
         self.callback_queued = False
         self.post_optim_event: torch.Event | None = None  # FSDPModule.set_post_optim_event
 
+    def prefetch_after(self, state: FSDPState, *, backward: bool) -> None:
+        """Prefetch what follows ``state``'s unshard: the units its
+        ``set_modules_to_{forward,backward}_prefetch`` named, in that order (on every device,
+        as FSDP2), else the next unit of the recorded order."""
+        explicit = state.backward_prefetch if backward else state.forward_prefetch
+        if explicit is not None:
+            for target in explicit:
+                target.unit.unshard(async_op=True)
+        elif backward:
+            self.prefetch(self.next_in_backward(state), backward=True)
+        else:
+            self.prefetch(self.next_in_forward(state))
+
     @staticmethod
     def prefetch(state: FSDPState | None, *, backward: bool = False) -> None:
         """Issue ``state``'s all-gather (asynchronously) ahead of its use.
@@ -248,6 +261,9 @@ class FSDPState:
         # FSDPModule.set_reduce_scatter_unused_params(True): unused parameters keep their zero
         # reduced gradients, as FSDP2's (no agreement needed)
         self.keep_unused_grads = False
+        # FSDPModule.set_modules_to_{forward,backward}_prefetch; None: the recorded order
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
         self.root: RootContext | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
@@ -307,7 +323,7 @@ class FSDPState:
                 ctx.record_forward(self)
             self._unshard_and_register()
             if first:
-                ctx.prefetch(ctx.next_in_forward(self))
+                ctx.prefetch_after(self, backward=False)
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled() and first:
             args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
@@ -444,7 +460,7 @@ class FSDPState:
             ctx.callback_queued = True
             Variable._execution_engine.queue_callback(self._root_final_callback)
         self._unshard_and_register()
-        ctx.prefetch(ctx.next_in_backward(self), backward=True)
+        ctx.prefetch_after(self, backward=True)
 
     @dynamo_disable
     def _on_grad(self, index: int) -> None:
