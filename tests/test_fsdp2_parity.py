@@ -823,7 +823,7 @@ def _prefetch(rank: int, ws: int, runtime: str, explicit: bool):
 def test_explicit_prefetch_changes_the_gather_order_as_in_fsdp2():
     m = Chain()
     m.load_state_dict(CHAIN)
-    ref = _prefetch_reference(m)
+    ref = _chain_reference(m)
     for runtime in ("ours", "fsdp2"):
         for explicit in (False, True):
             for seen, params in run_threaded(_prefetch, WORLD, runtime, explicit):
@@ -837,10 +837,48 @@ def test_explicit_prefetch_changes_the_gather_order_as_in_fsdp2():
                     torch.testing.assert_close(v, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
 
 
-def _prefetch_reference(m: Chain) -> dict[str, torch.Tensor]:
+def _chain_reference(m: Chain) -> dict[str, torch.Tensor]:
     opt = _adamw(m.parameters())
     for s in range(STEPS):
         F.mse_loss(m(X[s]), Y[s]).backward()
         opt.step()
         opt.zero_grad()
     return {k: _full(v) for k, v in m.named_parameters()}
+
+
+# -- set_reshard_after_backward(False): gradient accumulation without re-gathering -------------
+
+
+def _accumulate(rank: int, ws: int, runtime: str):
+    """Two micro-batches per step; the first keeps the units gathered after its backward and
+    skips the reduce-scatter. Ours also returns each block's all-gathers per step."""
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    for block in m.blocks:
+        _fs(runtime)(block, mesh=_mesh(ws))
+    _fs(runtime)(m, mesh=_mesh(ws))
+    opt = _adamw(m.parameters())
+    per = BATCH // ws // 2
+    for s in range(STEPS):
+        for micro in range(2):
+            last = micro == 1
+            m.set_requires_gradient_sync(last)
+            m.set_reshard_after_backward(last)
+            lo = rank * 2 * per + micro * per
+            (F.mse_loss(m(X[s, lo : lo + per]), Y[s, lo : lo + per]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    gathers = [b.fsdp_unit.stats.all_gathers for b in m.blocks] if runtime == "ours" else None
+    return gathers, {k: _full(v) for k, v in m.named_parameters()}
+
+
+def test_reshard_after_backward_false_skips_the_next_gather_as_in_fsdp2():
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    ref = _chain_reference(m)
+    for runtime in ("ours", "fsdp2"):
+        for gathers, params in run_threaded(_accumulate, WORLD, runtime):
+            if runtime == "ours":  # forward and backward of micro-batch 0, backward of 1
+                assert gathers == [3 * STEPS] * 3
+            for k, v in params.items():
+                torch.testing.assert_close(v, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")

@@ -175,15 +175,15 @@ class FSDPModule:
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        """Only ``True`` (what the units always do): keeping the unsharded parameters across
-        backwards is not implemented."""
+        """As FSDP2's: with ``False``, units keep their gathered parameters after backward and
+        the next forward uses them without an all-gather (gradient accumulation: set it back to
+        ``True`` for the last micro-batch, before the optimizer steps, which the kept values
+        would not see). The sharded parameters stay registered."""
         _check_bool("reshard_after_backward", reshard_after_backward)
         _check_bool("recurse", recurse)
-        if not reshard_after_backward:
-            raise NotImplementedError(
-                "set_reshard_after_backward(False) is not implemented: units always reshard "
-                "after backward (for gradient accumulation use set_requires_gradient_sync(False))"
-            )
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp_state.reshard_after_backward = reshard_after_backward
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Only ``True`` (HSDP's all-reduce always follows the reduce-scatter)."""

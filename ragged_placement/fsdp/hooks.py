@@ -262,6 +262,7 @@ class FSDPState:
         # reduced gradients, as FSDP2's (no agreement needed)
         self.keep_unused_grads = False
         # FSDPModule.set_modules_to_{forward,backward}_prefetch; None: the recorded order
+        self.reshard_after_backward = True  # FSDPModule.set_reshard_after_backward
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self.root: RootContext | None = None
@@ -494,7 +495,10 @@ class FSDPState:
                 unit.finish_reduce()
             else:
                 self.root.pending_reduce = unit
-        unit.reshard()
+        if self.reshard_after_backward:
+            unit.reshard()
+        else:  # FSDPModule.set_reshard_after_backward(False): the next forward reuses it
+            unit.expose_sharded()
         self.holds_forward_gather = False
         self._show_unsharded(False)
         self.training_state = TrainingState.POST_BACKWARD
