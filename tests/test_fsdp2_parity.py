@@ -882,3 +882,51 @@ def test_reshard_after_backward_false_skips_the_next_gather_as_in_fsdp2():
                 assert gathers == [3 * STEPS] * 3
             for k, v in params.items():
                 torch.testing.assert_close(v, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
+
+
+# -- set_unshard_in_backward(False) ------------------------------------------------------------
+
+
+class Embedded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, D)
+        self.body = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.body(self.emb(ids))
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(5)
+    EMBEDDED = Embedded().state_dict()
+IDS = torch.randint(0, 16, (STEPS, BATCH), generator=_GEN)
+
+
+def _embedded(rank: int, ws: int, runtime: str | None):
+    """The embedding's backward reads only the ids: its unit need not gather in backward."""
+    m = Embedded()
+    m.load_state_dict(EMBEDDED)
+    if runtime is not None:
+        _fs(runtime)(m.emb, mesh=_mesh(ws))
+        _fs(runtime)(m, mesh=_mesh(ws))
+        m.emb.set_unshard_in_backward(False)
+    opt = _adamw(m.parameters())
+    per = BATCH // ws
+    for s in range(STEPS):
+        sl = slice(rank * per, (rank + 1) * per)
+        F.mse_loss(m(IDS[s, sl]), Y[s, sl]).backward()
+        opt.step()
+        opt.zero_grad()
+    gathers = m.emb.fsdp_unit.stats.all_gathers if runtime == "ours" else None
+    return gathers, {k: _full(v) for k, v in m.named_parameters()}
+
+
+def test_unshard_in_backward_false_gathers_once_per_step_as_in_fsdp2():
+    _, ref = _embedded(0, 1, None)
+    for runtime in ("ours", "fsdp2"):
+        for gathers, params in run_threaded(_embedded, WORLD, runtime):
+            if runtime == "ours":
+                assert gathers == STEPS  # forward only
+            for k, v in params.items():
+                torch.testing.assert_close(v, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")

@@ -206,6 +206,13 @@ class FSDPModule:
         the implicit backward prefetch is off)."""
         self._fsdp_state.backward_prefetch = _prefetch_states(modules)
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """As FSDP2's (not recursive): with ``False`` this unit's backward does not all-gather
+        its parameters, for units whose backward does not read them (an embedding). Autograd
+        raises if one it saved is read after all (its storage is freed)."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        self._fsdp_state.unshard_in_backward = unshard_in_backward
+
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
@@ -318,7 +325,6 @@ for _name in (
     "set_all_reduce_hook",
     "set_reduce_scatter_max_input_buffers",
     "set_separate_reduce_scatter_group",
-    "set_unshard_in_backward",
     "set_allocate_memory_from_process_group_for_comm",
     "set_symm_mem_for_comm",
 ):

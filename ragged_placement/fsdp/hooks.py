@@ -263,6 +263,7 @@ class FSDPState:
         self.keep_unused_grads = False
         # FSDPModule.set_modules_to_{forward,backward}_prefetch; None: the recorded order
         self.reshard_after_backward = True  # FSDPModule.set_reshard_after_backward
+        self.unshard_in_backward = True  # FSDPModule.set_unshard_in_backward
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self.root: RootContext | None = None
@@ -460,7 +461,8 @@ class FSDPState:
         if not ctx.callback_queued:
             ctx.callback_queued = True
             Variable._execution_engine.queue_callback(self._root_final_callback)
-        self._unshard_and_register()
+        if self.unshard_in_backward:
+            self._unshard_and_register()
         ctx.prefetch_after(self, backward=True)
 
     @dynamo_disable
