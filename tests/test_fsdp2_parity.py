@@ -930,3 +930,40 @@ def test_unshard_in_backward_false_gathers_once_per_step_as_in_fsdp2():
                 assert gathers == STEPS  # forward only
             for k, v in params.items():
                 torch.testing.assert_close(v, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
+
+
+# -- set_all_reduce_hook --------------------------------------------------------------------------
+
+
+def _hooked(rank: int, ws: int, runtime: str):
+    """A hook that doubles the reduced gradients: the result is used (gradients twice one
+    process's); ours also returns the sizes it saw (the unit's flat shard)."""
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    for block in m.blocks:
+        _fs(runtime)(block, mesh=_mesh(ws))
+    _fs(runtime)(m, mesh=_mesh(ws))
+    seen = []
+
+    def hook(reduced: torch.Tensor) -> None:
+        seen.append(reduced.numel())
+        reduced.mul_(2)
+
+    for module in (m, *m.blocks):
+        module.set_all_reduce_hook(hook)
+    sl = slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
+    F.mse_loss(m(X[0, sl]), Y[0, sl]).backward()
+    if runtime == "ours":
+        chunks = [b.chunk_numel for _, unit in m.fsdp_units() for b in unit.buffers]
+        assert sorted(seen) == sorted(chunks)
+    return {k: _full(p.grad) for k, p in m.named_parameters()}
+
+
+def test_all_reduce_hook_receives_the_reduced_shard_and_its_result_is_used_as_in_fsdp2():
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    F.mse_loss(m(X[0]), Y[0]).backward()
+    for runtime in ("ours", "fsdp2"):
+        for grads in run_threaded(_hooked, WORLD, runtime):
+            for k, p in m.named_parameters():
+                torch.testing.assert_close(grads[k], 2 * p.grad, atol=TOL, rtol=0, msg=k)

@@ -206,6 +206,22 @@ class FSDPModule:
         the implicit backward prefetch is off)."""
         self._fsdp_state.backward_prefetch = _prefetch_states(modules)
 
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: object = None
+    ) -> None:
+        """As FSDP2's: ``hook(reduce_output)`` runs on the unit's reduce-scatter output (after
+        HSDP's all-reduce), the summed flat gradient shard of each of its buffers (one per
+        dtype), in place, before the division and the landing in ``.grad``. It runs on the
+        current stream, where that output is ready: ``stream`` must be ``None``."""
+        if not callable(hook):
+            raise ValueError(f"hook must be callable, got {hook!r}")
+        if stream is not None:
+            raise ValueError(
+                "stream must be None: the hook runs on the current stream, after the "
+                "reduce-scatter it reads"
+            )
+        self._fsdp_state.unit.all_reduce_hook = hook
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """As FSDP2's (not recursive): with ``False`` this unit's backward does not all-gather
         its parameters, for units whose backward does not read them (an embedding). Autograd
@@ -322,7 +338,6 @@ def _not_implemented(name: str):
 for _name in (
     "set_custom_all_gather",
     "set_custom_reduce_scatter",
-    "set_all_reduce_hook",
     "set_reduce_scatter_max_input_buffers",
     "set_separate_reduce_scatter_group",
     "set_allocate_memory_from_process_group_for_comm",
