@@ -527,7 +527,8 @@ def drop_unused_grads(states: Sequence[FSDPState]) -> None:
 
     Ranks agree by one all-reduce (max) of one byte per parameter of the reduced units, per
     distinct data-parallel group (one in the common case), per synchronizing backward, at its
-    end: a rank cannot know that no other rank used a parameter without hearing from each of
+    end, whose result the host reads (on GPUs: a device sync there; ``FSDPModule.
+    set_reduce_scatter_unused_params(True)`` keeps zero gradients and skips it): a rank cannot know that no other rank used a parameter without hearing from each of
     them, and the reduce-scatter delivers a parameter's sum only to the ranks holding part of
     it (ragged shards leave others with none)."""
     by_group: dict[tuple, list[FSDPState]] = {}
