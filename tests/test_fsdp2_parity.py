@@ -27,7 +27,11 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from ragged_placement import RaggedShard
-from ragged_placement._compat import dispatcher_runs_rewritten_ops
+from ragged_placement._compat import (
+    all_gather_single,
+    dispatcher_runs_rewritten_ops,
+    reduce_scatter_single,
+)
 from ragged_placement.distribute import distribute_tensor
 from ragged_placement.fsdp import fully_shard, register_fsdp_forward_method
 
@@ -967,3 +971,86 @@ def test_all_reduce_hook_receives_the_reduced_shard_and_its_result_is_used_as_in
         for grads in run_threaded(_hooked, WORLD, runtime):
             for k, p in m.named_parameters():
                 torch.testing.assert_close(grads[k], 2 * p.grad, atol=TOL, rtol=0, msg=k)
+
+
+# -- set_custom_all_gather / set_custom_reduce_scatter -----------------------------------------
+
+
+Y2 = torch.randn(1, BATCH, 6, generator=_GEN)
+
+
+class DoublingAllGather:
+    """FSDP2's ``AllGather``: gathers, then doubles what it gathered (the result is used:
+    forward runs on twice the weights); records the output sizes it got."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.sizes.append(output_tensor.numel())
+        all_gather_single(output_tensor, input_tensor, group=group)
+        output_tensor.mul_(2)
+
+
+class DoublingReduceScatter:
+    """FSDP2's ``ReduceScatter``: reduce-scatters, then doubles its output."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.sizes.append(input_tensor.numel())
+        reduce_scatter_single(output_tensor, input_tensor, op=op, group=group)
+        output_tensor.mul_(2)
+
+
+def _square() -> nn.Sequential:
+    """Sizes that divide evenly: the planner gives this unit equal chunks."""
+    m = nn.Sequential(nn.Linear(D, D, bias=False), nn.Tanh(), nn.Linear(D, 6, bias=False))
+    m.load_state_dict(SQUARE)
+    return m
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(6)
+    SQUARE = {"0.weight": torch.randn(D, D) / 3, "2.weight": torch.randn(6, D) / 3}
+
+
+def _custom_comms(rank: int, ws: int, runtime: str):
+    if runtime == "ours":  # uneven chunks: refused, saying why
+        uneven = Chain()
+        fully_shard(uneven, mesh=_mesh(ws))
+        with pytest.raises(ValueError, match="uneven chunks"):
+            uneven.set_custom_all_gather(DoublingAllGather())
+    m = _square()
+    _fs(runtime)(m, mesh=_mesh(ws))
+    gather, scatter = DoublingAllGather(), DoublingReduceScatter()
+    m.set_custom_all_gather(gather)
+    m.set_custom_reduce_scatter(scatter)
+    sl = slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
+    F.mse_loss(m(X[0, sl]), Y2[0, sl]).backward()
+    if runtime == "ours":  # the unit's flat buffers, one call per plan segment
+        segments = [s for b in m.fsdp_unit.buffers for s in b.plan.segments]
+        assert gather.sizes == [ws * s.chunk_numel for s in segments]
+        assert scatter.sizes == gather.sizes
+    return {k: _full(p.grad) for k, p in m.named_parameters()}
+
+
+def test_custom_all_gather_and_reduce_scatter_results_are_used_as_in_fsdp2():
+    """Forward on doubled weights, gradients doubled again by the reduce-scatter."""
+    m = _square()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(2)
+    F.mse_loss(m(X[0]), Y2[0]).backward()
+    for runtime in ("ours", "fsdp2"):
+        for grads in run_threaded(_custom_comms, WORLD, runtime):
+            for k, p in m.named_parameters():
+                torch.testing.assert_close(grads[k], 2 * p.grad, atol=TOL, rtol=0,
+                                           msg=f"{runtime} {k}")

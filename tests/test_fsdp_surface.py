@@ -726,8 +726,8 @@ def _fsdp_module_methods(rank: int, ws: int):
     m.set_force_sum_reduction_for_comms(True)
     m.set_reshard_after_backward(True)
     m.set_requires_all_reduce(True)
-    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_custom_all_gather"):
-        m.set_custom_all_gather(None)
+    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_symm_mem_for_comm"):
+        m.set_symm_mem_for_comm()
     with pytest.raises(ValueError, match="factor must be a positive number"):
         m.set_gradient_divide_factor(0)
     with pytest.raises(ValueError, match="is_last_backward must be a bool"):

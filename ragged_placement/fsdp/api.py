@@ -222,6 +222,29 @@ class FSDPModule:
             )
         self._fsdp_state.unit.all_reduce_hook = hook
 
+    def set_custom_all_gather(self, comm: Callable) -> None:
+        """As FSDP2's: ``comm(output_tensor, input_tensor, group=, async_op=)`` (FSDP2's
+        ``AllGather``; its ``allocate`` is not used: the unit's buffers exist) runs this unit's
+        all-gathers, once per plan segment, on views of the unit's flat buffers (this rank's
+        chunk into the segment's ``world_size * chunk`` elements), returning a work or None.
+
+        Raises:
+            ValueError: ``comm`` is not callable, or the unit's plan has uneven chunks (the
+                planner's choice where equal ones would pad), which an all-gather of equal
+                chunks cannot move.
+        """
+        self._fsdp_state.unit.custom_all_gather = _check_custom_comm(self, comm)
+
+    def set_custom_reduce_scatter(self, comm: Callable) -> None:
+        """As FSDP2's: ``comm(output_tensor, input_tensor, group=, op=, async_op=)`` (FSDP2's
+        ``ReduceScatter``) runs this unit's reduce-scatters (a sum), once per plan segment, on
+        views of its flat gradient buffers; the output lands in ``.grad`` as c10d's does.
+
+        Raises:
+            ValueError: as :meth:`set_custom_all_gather`.
+        """
+        self._fsdp_state.unit.custom_reduce_scatter = _check_custom_comm(self, comm)
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """As FSDP2's (not recursive): with ``False`` this unit's backward does not all-gather
         its parameters, for units whose backward does not read them (an embedding). Autograd
@@ -336,8 +359,6 @@ def _not_implemented(name: str):
 
 # torch FSDP2's FSDPModule methods (2.11 - 2.13) without a counterpart here: they say so.
 for _name in (
-    "set_custom_all_gather",
-    "set_custom_reduce_scatter",
     "set_reduce_scatter_max_input_buffers",
     "set_separate_reduce_scatter_group",
     "set_allocate_memory_from_process_group_for_comm",
@@ -404,6 +425,20 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._post_forward(self, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def _check_custom_comm(module: FSDPModule, comm: object) -> Callable:
+    if not callable(comm):
+        raise ValueError(f"comm must be callable, got {comm!r}")
+    unit = module._fsdp_state.unit
+    uneven = [s for b in unit.buffers for s in b.plan.segments if s.rank_starts is not None]
+    if uneven:
+        raise ValueError(
+            f"{type(module).__name__}'s unit has {len(uneven)} plan segment(s) of uneven chunks "
+            f"(the planner's choice where equal chunks would pad its parameters by more than "
+            f"1%), which a custom all-gather / reduce-scatter of equal chunks cannot move"
+        )
+    return comm
 
 
 def _prefetch_states(modules: object) -> list[FSDPState]:

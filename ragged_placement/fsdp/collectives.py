@@ -111,10 +111,22 @@ def _run(equal, uneven, group, async_op: bool):
     return None
 
 
-def _run_parts(calls, group, async_op: bool):
-    """Run every part's ``(equal, uneven)`` calls as one collective (:func:`_run`)."""
+def _run_parts(calls, group, async_op: bool, custom: bool = False):
+    """Run every part's ``(equal, uneven)`` calls as one collective (:func:`_run`); calls of a
+    user's collective (``custom``) one after the other, uncoalesced (it may not be c10d's)."""
     equal = [call for part_equal, _ in calls for call in part_equal]
     uneven = [call for _, part_uneven in calls for call in part_uneven]
+    if custom:
+        if uneven:
+            raise ValueError(
+                "a custom all-gather / reduce-scatter (FSDPModule.set_custom_all_gather / "
+                "set_custom_reduce_scatter) moves equal chunks; this unit has uneven ones"
+            )
+        works = _Works([call(True) for call in equal])
+        if async_op:
+            return works
+        works.wait()
+        return None
     return _run(equal, uneven, group, async_op)
 
 
@@ -151,16 +163,17 @@ def _reduce_scatter_packed(output, inputs, sizes, world_size, op, group):
                                            group=group, async_op=a)
 
 
-def _gather_calls(output, input, segments, world_size, rank, group, as_bytes: bool):
+def _gather_calls(output, input, segments, world_size, rank, group, as_bytes: bool,
+                  gather=all_gather_single):
     """The calls gathering one part: equal segments' (coalescable; of byte views of the
-    segments where ``as_bytes``) and uneven ones'."""
+    segments where ``as_bytes``; through ``gather``) and uneven ones'."""
 
     def equal(s):
         out = output[s.buffer_offset:s.buffer_offset + world_size * s.chunk_numel]
         inp = input[s.chunk_offset:s.chunk_offset + s.chunk_numel]
         if as_bytes:
             out, inp = out.view(torch.uint8), inp.view(torch.uint8)
-        return lambda a: all_gather_single(out, inp, group=group, async_op=a)
+        return lambda a: gather(out, inp, group=group, async_op=a)
 
     def uneven(s):
         lo, hi = s.rank_starts[rank], s.rank_starts[rank + 1]
@@ -171,7 +184,7 @@ def _gather_calls(output, input, segments, world_size, rank, group, as_bytes: bo
     return _segment_calls(segments, world_size, group, equal, uneven)
 
 
-def all_gather_parts(parts, world_size: int, group=None, async_op: bool = False):
+def all_gather_parts(parts, world_size: int, group=None, async_op: bool = False, gather=None):
     """All-gather several parts, each an ``(output, input, segments)`` triple as the arguments
     of :func:`all_gather_segments` (the parts may differ in dtype), as one coalesced collective
     over ``group``: every part's equal segments in one coalescing manager (one NCCL group, one
@@ -179,12 +192,15 @@ def all_gather_parts(parts, world_size: int, group=None, async_op: bool = False)
 
     Parts of several dtypes are gathered as byte views (exact, zero-copy: an all-gather only
     moves bytes): gloo's coalesced all-gather corrupts tensors of mixed element sizes unless
-    the largest comes first (torch 2.13: an fp32 part before a float64 or after a bf16 one)."""
+    the largest comes first (torch 2.13: an fp32 part before a float64 or after a bf16 one).
+    ``gather``: a user's all-gather (FSDP2's ``AllGather``: ``gather(output, input, group=,
+    async_op=)``) called per equal segment on its typed views, in place of c10d's."""
     rank = dist.get_rank(group)
-    as_bytes = len({input.dtype for _, input, _ in parts}) > 1
-    calls = [_gather_calls(output, input, segments, world_size, rank, group, as_bytes)
+    as_bytes = gather is None and len({input.dtype for _, input, _ in parts}) > 1
+    calls = [_gather_calls(output, input, segments, world_size, rank, group, as_bytes,
+                           gather or all_gather_single)
              for output, input, segments in parts]
-    return _run_parts(calls, group, async_op)
+    return _run_parts(calls, group, async_op, custom=gather is not None)
 
 
 def all_gather_segments(output: torch.Tensor, input: torch.Tensor, segments, world_size: int,
@@ -212,16 +228,17 @@ def _check_reduce_inputs(inputs, segments, world_size: int) -> None:
         )
 
 
-def _reduce_calls(output, inputs, segments, world_size, op, rank, group):
+def _reduce_calls(output, inputs, segments, world_size, op, rank, group,
+                  scatter=reduce_scatter_single):
     """The calls reduce-scattering one part: one packed call where :func:`_packed_sizes` says
-    so, else equal segments' (coalescable) and uneven ones'."""
-    packed = _packed_sizes(segments, group)
+    so (not through a user's ``scatter``), else equal segments' (coalescable) and uneven ones'."""
+    packed = _packed_sizes(segments, group) if scatter is reduce_scatter_single else None
     if packed is not None:
         return [_reduce_scatter_packed(output, inputs, packed, world_size, op, group)], []
     by_segment = dict(zip(map(id, segments), inputs))
 
     def equal(s):
-        return lambda a: reduce_scatter_single(
+        return lambda a: scatter(
             output[s.chunk_offset:s.chunk_offset + s.chunk_numel], by_segment[id(s)], op=op,
             group=group, async_op=a)
 
@@ -235,18 +252,21 @@ def _reduce_calls(output, inputs, segments, world_size, op, rank, group):
 
 
 def reduce_scatter_parts(parts, world_size: int, op=dist.ReduceOp.SUM, group=None,
-                         async_op: bool = False):
+                         async_op: bool = False, scatter=None):
     """Reduce-scatter several parts, each an ``(output, inputs, segments)`` triple as the
     arguments of :func:`reduce_scatter_segments` (the parts may differ in dtype), as one
     coalesced collective over ``group``: every part's equal calls (a part packed on gloo is one
-    of them) in one coalescing manager, uneven segments as separate calls."""
+    of them) in one coalescing manager, uneven segments as separate calls. ``scatter``: a
+    user's reduce-scatter (FSDP2's ``ReduceScatter``: ``scatter(output, input, group=, op=,
+    async_op=)``) called per equal segment, in place of c10d's."""
     parts = [(output, list(inputs), segments) for output, inputs, segments in parts]
     for _, inputs, segments in parts:
         _check_reduce_inputs(inputs, segments, world_size)
     rank = dist.get_rank(group)
-    calls = [_reduce_calls(output, inputs, segments, world_size, op, rank, group)
+    calls = [_reduce_calls(output, inputs, segments, world_size, op, rank, group,
+                           scatter or reduce_scatter_single)
              for output, inputs, segments in parts]
-    return _run_parts(calls, group, async_op)
+    return _run_parts(calls, group, async_op, custom=scatter is not None)
 
 
 def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: int,
@@ -298,9 +318,10 @@ def _one_group(requests: list) -> tuple[object, int]:
     return group, world_size
 
 
-def issue_all_gather(gathers: list[Gather], stats: CommStats):
-    """Issue ``gathers`` (the flat buffers of one unit) as one coalesced all-gather, counted
-    once in ``stats`` (bytes: all outputs); returns its work."""
+def issue_all_gather(gathers: list[Gather], stats: CommStats, gather=None):
+    """Issue ``gathers`` (the flat buffers of one unit) as one coalesced all-gather (or through
+    a user's ``gather``, see :func:`all_gather_parts`), counted once in ``stats`` (bytes: all
+    outputs); returns its work."""
     group, world_size = _one_group(gathers)
     nbytes = sum(g.output.numel() * g.output.element_size() for g in gathers)
     stats.all_gathers += 1
@@ -309,13 +330,15 @@ def issue_all_gather(gathers: list[Gather], stats: CommStats):
         stats.post_forward_all_gathers += 1
         stats.post_forward_all_gather_bytes += nbytes
     return all_gather_parts(
-        [(g.output, g.input, g.segments) for g in gathers], world_size, group=group, async_op=True
+        [(g.output, g.input, g.segments) for g in gathers], world_size, group=group,
+        async_op=True, gather=gather,
     )
 
 
-def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats):
+def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats, scatter=None):
     """Issue ``reductions`` (the flat buffers of one unit) as one coalesced reduce-scatter (a
-    sum), counted once in ``stats`` (bytes: all inputs); returns its work."""
+    sum; or through a user's ``scatter``, see :func:`reduce_scatter_parts`), counted once in
+    ``stats`` (bytes: all inputs); returns its work."""
     group, world_size = _one_group(reductions)
     stats.reduce_scatters += 1
     stats.reduce_scatter_bytes += sum(
@@ -323,5 +346,5 @@ def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats):
     )
     return reduce_scatter_parts(
         [(r.output, r.inputs, r.segments) for r in reductions], world_size,
-        op=dist.ReduceOp.SUM, group=group, async_op=True,
+        op=dist.ReduceOp.SUM, group=group, async_op=True, scatter=scatter,
     )

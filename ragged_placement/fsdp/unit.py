@@ -118,6 +118,9 @@ class FSDPUnit:
     gradient_divide_factor: float | None
     # FSDPModule.set_all_reduce_hook: called on each buffer's reduced (summed) gradient shard
     all_reduce_hook: Callable[[torch.Tensor], None] | None
+    # FSDPModule.set_custom_all_gather / set_custom_reduce_scatter: run in place of c10d's
+    custom_all_gather: Callable | None
+    custom_reduce_scatter: Callable | None
     _where: list[tuple[int, int]]  # slot index -> (buffer, index in the buffer)
     _empty_device: torch.device  # the device of a unit without buffers
     _post_forward: PostForwardMesh | None  # set in SHARDED_POST_FORWARD
@@ -140,6 +143,7 @@ class FSDPUnit:
         self.state = UnitState.SHARDED
         self.gradient_divide_factor = None
         self.all_reduce_hook = None
+        self.custom_all_gather = self.custom_reduce_scatter = None
         self._empty_device = torch.device(mesh.device_type)
         self._post_forward = None
         self._ag_work = None
@@ -231,7 +235,7 @@ class FSDPUnit:
         if self.buffers:
             pf = self._post_forward if self.state is UnitState.SHARDED_POST_FORWARD else None
             gathers = [b.prepare_unshard(pf) for b in self.buffers]
-            self._ag_work = issue_all_gather(gathers, self.stats)
+            self._ag_work = issue_all_gather(gathers, self.stats, self.custom_all_gather)
             self.state = UnitState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -301,7 +305,7 @@ class FSDPUnit:
         :meth:`finish_reduce` completes it. The unsharded gradient buffers are released here."""
         ready = [b.prepare_reduce() for b in self.buffers if b.has_unsharded_grads]
         if ready:
-            self._rs_work = issue_reduce_scatter(ready, self.stats)
+            self._rs_work = issue_reduce_scatter(ready, self.stats, self.custom_reduce_scatter)
 
     def finish_reduce(self, scale: float = 1.0) -> None:
         """Wait for the reduce-scatter, sum each buffer's over the replicas (HSDP), average
