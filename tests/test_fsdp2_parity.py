@@ -1054,3 +1054,40 @@ def test_custom_all_gather_and_reduce_scatter_results_are_used_as_in_fsdp2():
             for k, p in m.named_parameters():
                 torch.testing.assert_close(grads[k], 2 * p.grad, atol=TOL, rtol=0,
                                            msg=f"{runtime} {k}")
+
+
+# -- set_requires_all_reduce(False): HSDP accumulation without the replicas' all-reduce ------
+
+
+def _hsdp_accumulate(rank: int, ws: int, runtime: str):
+    """A (replicate=2, shard=2) mesh; two micro-batches per step, the first without the
+    all-reduce. Ours also returns each block's all-reduces (one per step)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    for block in m.blocks:
+        _fs(runtime)(block, mesh=mesh)
+    _fs(runtime)(m, mesh=mesh)
+    opt = _adamw(m.parameters())
+    per = BATCH // ws // 2
+    for s in range(STEPS):
+        for micro in range(2):
+            m.set_requires_all_reduce(micro == 1)
+            lo = rank * 2 * per + micro * per
+            (F.mse_loss(m(X[s, lo : lo + per]), Y[s, lo : lo + per]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    all_reduces = [b.fsdp_unit.stats.all_reduces for b in m.blocks] if runtime == "ours" else None
+    return all_reduces, {k: _full(v) for k, v in m.named_parameters()}
+
+
+def test_requires_all_reduce_false_accumulates_hsdp_as_fsdp2_and_one_process():
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    ref = _chain_reference(m)
+    for runtime in ("ours", "fsdp2"):
+        for all_reduces, params in run_threaded(_hsdp_accumulate, 4, runtime):
+            if runtime == "ours":
+                assert all_reduces == [STEPS] * 3
+            for k, v in params.items():
+                torch.testing.assert_close(v, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")

@@ -186,14 +186,14 @@ class FSDPModule:
                 m._fsdp_state.reshard_after_backward = reshard_after_backward
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """Only ``True`` (HSDP's all-reduce always follows the reduce-scatter)."""
+        """As FSDP2's, for HSDP gradient accumulation: with ``False`` backward reduce-scatters
+        but does not all-reduce over the replicas; the sums wait (not in ``.grad``) and join the
+        next backward's with ``True``, whose all-reduce lands them all. No effect without HSDP."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         _check_bool("recurse", recurse)
-        if not requires_all_reduce:
-            raise NotImplementedError(
-                "set_requires_all_reduce(False) is not implemented: use "
-                "set_requires_gradient_sync(False), which skips reduce-scatter and all-reduce"
-            )
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp_state.unit.requires_all_reduce = requires_all_reduce
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """As FSDP2's: after this unit's forward all-gather, issue those of ``modules`` (in

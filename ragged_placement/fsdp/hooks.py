@@ -152,12 +152,14 @@ class RootContext:
 
     def reset(self) -> None:
         """After an exception cut a forward or backward short: finish the reduce-scatter in
-        flight (its gradients land), drop the gradients not reduced yet, reshard every unit and
-        clear the per-iteration state, so the next iteration runs as the first."""
+        flight (its gradients land), drop the gradients not reduced yet (or not all-reduced
+        over HSDP's replicas), reshard every unit and clear the per-iteration state, so the
+        next iteration runs as the first."""
         self.finish_pending_reduce()
         for s in self.states:
             for buffer in s.unit.buffers:
                 buffer.unsharded_grads = [None] * len(buffer.unsharded_grads)
+            s.unit.unreplicated_grads = [None] * len(s.unit.buffers)
             s.unit.reshard()
             s._show_unsharded(False)
             s.holds_forward_gather = False
@@ -527,12 +529,15 @@ def drop_unused_grads(states: Sequence[FSDPState]) -> None:
 
     Ranks agree by one all-reduce (max) of one byte per parameter of the reduced units, per
     distinct data-parallel group (one in the common case), per synchronizing backward, at its
-    end, whose result the host reads (on GPUs: a device sync there; ``FSDPModule.
-    set_reduce_scatter_unused_params(True)`` keeps zero gradients and skips it): a rank cannot know that no other rank used a parameter without hearing from each of
-    them, and the reduce-scatter delivers a parameter's sum only to the ranks holding part of
-    it (ragged shards leave others with none)."""
+    end, whose result the host reads (on GPUs: a device sync there). A rank cannot know that
+    no other rank used a parameter without hearing from each of them, and the reduce-scatter
+    delivers a parameter's sum only to the ranks holding part of it (ragged shards leave
+    others with none). ``FSDPModule.set_reduce_scatter_unused_params(True)`` keeps the zero
+    gradients, as FSDP2 does with it, and skips the all-reduce."""
     by_group: dict[tuple, list[FSDPState]] = {}
     for s in states:
+        if s.had_grad is not None and not s.unit.requires_all_reduce and s.unit.dp.hsdp:
+            continue  # nothing landed: decided at the backward whose all-reduce lands it
         if s.had_grad is not None and s.keep_unused_grads:
             s.got_grad, s.had_grad = set(), None
         elif s.had_grad is not None:

@@ -121,6 +121,10 @@ class FSDPUnit:
     # FSDPModule.set_custom_all_gather / set_custom_reduce_scatter: run in place of c10d's
     custom_all_gather: Callable | None
     custom_reduce_scatter: Callable | None
+    # FSDPModule.set_requires_all_reduce(False) (HSDP): the reduce-scatter outputs summed per
+    # buffer without the all-reduce over the replicas, added before the next one that runs
+    requires_all_reduce: bool
+    unreplicated_grads: list[torch.Tensor | None]
     _where: list[tuple[int, int]]  # slot index -> (buffer, index in the buffer)
     _empty_device: torch.device  # the device of a unit without buffers
     _post_forward: PostForwardMesh | None  # set in SHARDED_POST_FORWARD
@@ -144,6 +148,7 @@ class FSDPUnit:
         self.gradient_divide_factor = None
         self.all_reduce_hook = None
         self.custom_all_gather = self.custom_reduce_scatter = None
+        self.requires_all_reduce = True
         self._empty_device = torch.device(mesh.device_type)
         self._post_forward = None
         self._ag_work = None
@@ -157,6 +162,7 @@ class FSDPUnit:
             )
             for idx in groups
         ]
+        self.unreplicated_grads = [None] * len(self.buffers)
         self._where = [(0, 0)] * len(slots)
         for k, idx in enumerate(groups):
             for j, i in enumerate(idx):
@@ -315,9 +321,15 @@ class FSDPUnit:
         self._rs_work.wait()
         self._rs_work = None
         divisor = self.gradient_divide_factor or self.world_size * self.dp.replicate_size
-        for b in self.buffers:
+        for k, b in enumerate(self.buffers):
             out = b.take_reduced()
             if out is None:
+                continue
+            if self.dp.hsdp and self.unreplicated_grads[k] is not None:
+                out += self.unreplicated_grads[k]
+                self.unreplicated_grads[k] = None
+            if self.dp.hsdp and not self.requires_all_reduce:
+                self.unreplicated_grads[k] = out  # lands after a later all-reduce
                 continue
             if self.dp.hsdp:  # HSDP: sum the replicas' reduced shards
                 dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dp.replicate_group)
