@@ -20,11 +20,17 @@ from ragged_placement.planner.state_sharding import (
     plan_state_sharding,
     profile_mesh,
 )
-from ragged_placement.planner.uneven import UnevenPlan, layers_per_unit, plan_uneven, shard0_padding
+from ragged_placement.planner.uneven import (
+    UnevenPlan,
+    gather_starts,
+    layers_per_unit,
+    plan_uneven,
+    shard0_padding,
+)
 
 __all__ = [
     "plan", "plan_units", "plan_segmented", "Plan", "SegmentedPlan", "Segment", "Granularity",
     "GranularityPolicy", "CutSpec", "chunk_lower_bound", "UnevenPlan", "plan_uneven",
     "shard0_padding", "layers_per_unit", "plan_state_sharding", "StateShardingPlan",
-    "ShardingCandidate", "profile_mesh",
+    "ShardingCandidate", "profile_mesh", "gather_starts",
 ]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -44,7 +45,7 @@ from ragged_placement.planner.plan import (
 
 __all__ = [
     "UnevenPlan", "plan_uneven", "uneven_cuts", "cached_uneven_cuts", "shard0_padding",
-    "widest_band", "layers_per_unit",
+    "widest_band", "layers_per_unit", "gather_starts",
 ]
 
 
@@ -287,6 +288,31 @@ def shard0_padding(specs: Sequence[CutSpec], world_size: int) -> int:
         step = quantum * world_size
         pad += (-(-s.rows // step) * step - s.rows) * s.row_numel
     return pad
+
+
+def gather_starts(rank_nbytes: Sequence[int], max_padding: float = 0.01) -> tuple[int, ...] | None:
+    """Where each rank's send lands in an all-gather of per-rank sizes ``rank_nbytes``:
+    ``None`` for an equal all-gather (every rank padded to the largest; one ring collective),
+    else the ``W + 1`` byte offsets of an uneven one (``W`` grouped broadcasts on NCCL, ``W``
+    broadcasts on gloo; no padding).
+
+    The rule (``docs/fp8.md``, "Equal or uneven on the wire"): equal wins while its padding
+    ``W * max - sum`` is at most ``max_padding`` of the payload ``sum``: a few bytes of padding
+    cost less than ``W`` broadcasts, whose group NCCL runs as ``W`` separate pipelines (no
+    all-gather-v; older releases cap a group at 2,048 operations) and which miss the ring and
+    symmetric-memory all-gather kernels. Above it the padding grows with ``W`` (up to one band
+    per rank, ``W`` bands in all) and uneven wins.
+    """
+    if isinstance(max_padding, bool) or not isinstance(max_padding, (int, float)) \
+            or not 0 <= max_padding:
+        raise ValueError(f"max_padding must be a non-negative float, got {max_padding!r}")
+    sizes = [int(n) for n in rank_nbytes]
+    if not sizes or min(sizes) < 0:
+        raise ValueError(f"rank_nbytes must be non-empty and non-negative, got {rank_nbytes!r}")
+    total = sum(sizes)
+    if len(sizes) * max(sizes) - total <= max_padding * total:
+        return None
+    return tuple(itertools.accumulate(sizes, initial=0))
 
 
 def widest_band(specs: Sequence[CutSpec], band_rows: int = 128) -> int:

@@ -171,3 +171,30 @@ def test_parameters_too_small_to_cut_can_be_their_own_segments():
     assert p.padding_numel == block_shard0_padding(shapes, grans, 3) == 4
     check_segmented(p, shapes, grans)
     gather_round_trip(p, shapes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 10_000), min_size=1, max_size=64),
+       max_padding=st.sampled_from([0.0, 0.01, 0.1]))
+def test_gather_starts_pads_to_the_largest_only_within_max_padding(sizes, max_padding):
+    """Equal (``None``) exactly when padding every send to the largest adds at most
+    ``max_padding`` of the payload; else the prefix sums of the sizes (no padding)."""
+    from ragged_placement.planner import gather_starts
+
+    got = gather_starts(sizes, max_padding)
+    padding = len(sizes) * max(sizes) - sum(sizes)
+    if padding <= max_padding * sum(sizes):
+        assert got is None
+    else:
+        assert got == tuple(sum(sizes[:r]) for r in range(len(sizes) + 1))
+
+
+def test_gather_starts_bad_arguments_raise_naming_them():
+    from ragged_placement.planner import gather_starts
+
+    for bad in (-0.1, True, "1%"):
+        with pytest.raises(ValueError, match="max_padding"):
+            gather_starts([1, 2], bad)
+    for bad in ([], [3, -1]):
+        with pytest.raises(ValueError, match="rank_nbytes"):
+            gather_starts(bad)

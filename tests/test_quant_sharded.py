@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from dist_utils import run_gloo, run_threaded
@@ -241,3 +243,33 @@ def test_empty_parameters_round_trip():
     q_ref, s_ref = quantize_blockwise(w)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
     assert eq.shape == (0, 16) and es.shape == (0, 1) and eb.shape == (0,)
+
+
+def test_uneven_rank_starts_layout_and_bad_rank_starts():
+    """Uneven chunks (what an UnevenPlan cuts): rank 0 holds w1's first 2 bands, rank 1 its last
+    band and w2's first, ranks 2 and 3 the rest; unpadded sends land back to back, and the
+    unpacked weights are bitwise single-device quantization."""
+    params = PARAMS[:3]
+    starts = [0, 65536, 98304 + 32768, 149504, 149760]
+    layout = FP8GatherLayout(params, 65536, WORLD, rank_starts=starts, equal=False)
+    assert layout.uneven and layout.padding_nbytes < 16 * WORLD
+    assert list(layout.send_starts[1:]) == list(itertools.accumulate(layout.send_sizes))
+    full = full_params()[:3]
+    flat = torch.zeros(starts[-1])
+    for spec, t in zip(params, full):
+        flat[spec.offset:spec.offset + spec.numel] = t.reshape(-1)
+    gathered = torch.empty(layout.gathered_nbytes, dtype=torch.uint8)
+    for r in range(WORLD):
+        chunk = torch.zeros(65536)
+        chunk[:starts[r + 1] - starts[r]] = flat[starts[r]:starts[r + 1]]
+        gathered[layout.send_starts[r]:layout.send_starts[r + 1]] = layout.pack(r, chunk)
+    for spec, t, got in zip(params, full, layout.unpack(gathered)):
+        if spec.quantize:
+            q_ref, s_ref = quantize_blockwise(t)
+            assert torch.equal(got[0].view(torch.uint8), q_ref.view(torch.uint8)), spec.name
+            assert torch.equal(got[1], s_ref), spec.name
+        else:
+            assert torch.equal(got, t.to(torch.bfloat16)), spec.name
+    for bad in ([0, 1, 2], [0, 70000, 70001, 70002, 149760], [1, 2, 3, 4, 149760]):
+        with pytest.raises(ValueError, match="rank_starts"):
+            FP8GatherLayout(params, 65536, WORLD, rank_starts=bad)

@@ -50,7 +50,7 @@ segments coarsened, :meth:`PostForwardMesh.coarsen`), copied out once before
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -107,8 +107,7 @@ def plan_buffer(
     arrive a whole backward apart, and each segment's gradient buffer is allocated when
     backward reaches it. Inside a leaf unit they arrive within one unit's backward, where extra
     segments would only cost collective parts. ``uneven``: uneven per-rank chunks where equal
-    ones would pad (:class:`~ragged_placement.planner.UnevenPlan`); off for FP8 units, whose
-    gather packs equal chunks."""
+    ones would pad (:class:`~ragged_placement.planner.UnevenPlan`), FP8 units included."""
     from ragged_placement.planner import plan_segmented
 
     fqns = [s.fqn for s in slots]
@@ -298,7 +297,7 @@ class FlatBuffer:
         self.spmd_mesh = spmd_mesh(dp, self.tp_mesh)  # the mesh of the sharded parameters
         self.plan = plan_buffer(
             slots, self.world_size, policy, dtype, dp.shard_group,
-            split_by_submodule=options.split_by_submodule, uneven=not any(self.quantized),
+            split_by_submodule=options.split_by_submodule,
         )
         self.chunk_numel = self.plan.chunk_numel
         self.layouts = _param_layouts(
@@ -554,12 +553,8 @@ class FlatBuffer:
         send = self._send_buffer(pf)
         self._ag_send = send
         world_size = self.world_size if pf is None else pf.size
-        if self.fp8 is not None:  # the send buffers, gathered whole in rank order
-            segments = [Segment(0, 0, send.numel())]
-        elif pf is None:
-            segments = self.plan.segments
-        else:
-            segments = pf.coarsen(self.plan.segments)
+        gather = self._gather_segments
+        segments = gather if pf is None else pf.coarsen(gather)
         group = self.dp.shard_group if pf is None else pf.group
         return Gather(self.gather.gathered, send, segments, world_size, group, pf is not None)
 
@@ -600,17 +595,18 @@ class FlatBuffer:
             self.offload.wait()
 
     # -- reshard after forward to a smaller group (an int reshard_after_forward) ---------------
+    @property
+    def _gather_segments(self) -> Sequence[Segment]:
+        """The segments of the all-gather: the plan's, or for an FP8 buffer the one segment of
+        its send buffers (bytes, in rank order; uneven where they are)."""
+        return [self.fp8.segment] if self.fp8 is not None else self.plan.segments
+
     def post_forward_copy(self, pf: PostForwardMesh) -> torch.Tensor:
         """This rank's place of the gathered buffer (``1/N`` of it, one copy), to keep in
         :attr:`post_forward_shard` once the buffer is freed (FSDP2's
         ``to_sharded_post_forward``)."""
-        if self.fp8 is not None:  # the gathered send buffers, rank-major: places are contiguous
-            n = self.fp8.send_nbytes * pf.factor
-            return self.unsharded[pf.rank * n : (pf.rank + 1) * n].clone()
-        segments = pf.coarsen(self.plan.segments)
-        kept = torch.empty(
-            sum(s.chunk_numel for s in segments), dtype=self.param_dtype, device=self.device
-        )
+        segments = pf.coarsen(self._gather_segments)
+        kept = self.unsharded.new_empty(sum(s.chunk_numel for s in segments))
         for seg in segments:
             lo, hi = seg.rank_range(pf.rank)
             kept[seg.chunk_offset : seg.chunk_offset + hi - lo].copy_(

@@ -11,9 +11,13 @@ Per unshard (:class:`FP8UnitGather`), with ``W`` ranks and one
 :class:`~ragged_placement.quant.FP8GatherLayout` per segment of the unit's plan:
 
 1. ``pack``: each rank quantizes its blocks and copies its other parameters (in
-   ``param_dtype``) into a ``send_nbytes`` uint8 send buffer (per segment: fp32 scales, raw
-   parameters, FP8 bytes, padding; segments back to back).
-2. one all-gather of the send buffers into ``gathered`` (``W * send_nbytes`` bytes).
+   ``param_dtype``) into a uint8 send buffer (per segment: fp32 scales, raw parameters, FP8
+   bytes, padding; segments back to back).
+2. one all-gather of the send buffers into ``gathered`` (rank ``r``'s at ``send_starts[r]``).
+   A unit of one segment (equal or uneven per-rank chunks) gathers its ranks' sends unpadded
+   where padding them to the largest would add more than 1% of the payload (:attr:`segment`
+   is then uneven: ``W`` broadcasts, see :func:`~ragged_placement.planner.gather_starts`); a
+   unit of several (equal) segments pads every rank's send to the largest.
 3. the unsharded values are fixed aliases created once: a parameter held by one rank aliases
    ``gathered`` (zero-copy); one split over ranks aliases a small ``assembled`` buffer that its
    pieces are copied into (one byte copy per piece; scales and FP8 bytes of a split weight are
@@ -40,7 +44,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from ragged_placement.planner import Granularity
+from ragged_placement.planner import Granularity, Segment
 from ragged_placement.planner.granularity import resolve, resolve_policy
 from ragged_placement.quant import (
     BlockFP8Config,
@@ -170,8 +174,11 @@ class FP8UnitGather:
 
     Attributes:
         layouts: one :class:`FP8GatherLayout` per plan segment.
-        send_nbytes: bytes each rank sends (the sum over segments).
-        gathered: the uint8 all-gather output, ``world_size * send_nbytes`` bytes.
+        send_starts: ``W + 1`` byte offsets of the ranks' sends in ``gathered``.
+        send_nbytes: the largest send (every rank's, when the gather is equal).
+        segment: the all-gather of the sends as a plan
+            :class:`~ragged_placement.planner.Segment` of bytes (uneven: ``rank_starts``).
+        gathered: the uint8 all-gather output, ``send_starts[-1]`` bytes.
         params: the unsharded ``nn.Parameter`` per parameter (gradient sinks for FP8 weights).
         weights: ``(q, s)`` per FP8 weight (``None`` for the others), for ``FP8Linear.weight_fp8``.
     """
@@ -194,13 +201,19 @@ class FP8UnitGather:
         self._send_offsets = list(
             itertools.accumulate([lay.send_nbytes for lay in self.layouts], initial=0)
         )
-        self.send_nbytes = self._send_offsets[-1]
+        if len(self.layouts) == 1:
+            self.send_starts = self.layouts[0].send_starts
+        else:  # equal segments, each padded to its largest rank: sends back to back
+            self.send_starts = tuple(r * self._send_offsets[-1] for r in range(self.world_size + 1))
+        self.send_nbytes = max(b - a for a, b in itertools.pairwise(self.send_starts))
+        uneven = len(self.layouts) == 1 and self.layouts[0].uneven
+        self.segment = Segment(0, 0, self.send_nbytes, self.send_starts if uneven else None)
         index = {n: i for i, n in enumerate(names)}
         # per parameter: (byte offset of the holding rank's segment send buffer, its piece)
         parts: list[list[tuple[int, object]]] = [[] for _ in names]
         for k, layout in enumerate(self.layouts):
             for rank, pieces in enumerate(layout.pieces):
-                base = rank * self.send_nbytes + self._send_offsets[k]
+                base = self.send_starts[rank] + self._send_offsets[k]
                 for pc in pieces:
                     parts[index[layout.params[pc.param].name]].append((base, pc))
         # byte regions of the split parameters in ``assembled`` and the copies that fill them
@@ -274,7 +287,7 @@ class FP8UnitGather:
     @property
     def gathered_nbytes(self) -> int:
         """Bytes of the unit's all-gather (what every rank receives)."""
-        return self.world_size * self.send_nbytes
+        return self.send_starts[-1]
 
     @property
     def padding_nbytes(self) -> int:
@@ -300,13 +313,14 @@ class FP8UnitGather:
 
     def pack(self, rank: int, sharded: torch.Tensor) -> torch.Tensor:
         """Quantize ``rank``'s blocks of its flat master chunk (all segments) into a new send
-        buffer of ``send_nbytes``."""
-        send = torch.empty(self.send_nbytes, dtype=torch.uint8, device=sharded.device)
+        buffer of ``send_starts[rank + 1] - send_starts[rank]`` bytes."""
+        nbytes = self.send_starts[rank + 1] - self.send_starts[rank]
+        send = torch.empty(nbytes, dtype=torch.uint8, device=sharded.device)
         for seg, layout, lo, hi in zip(
             self.segments, self.layouts, self._send_offsets, self._send_offsets[1:]
         ):
             chunk = sharded[seg.chunk_offset : seg.chunk_offset + seg.chunk_numel]
-            layout.pack(rank, chunk, send[lo:hi], kernel=self.quant.kernel)
+            layout.pack(rank, chunk, send[lo : min(hi, nbytes)], kernel=self.quant.kernel)
         return send
 
     def assemble(self) -> None:
@@ -318,8 +332,10 @@ class FP8UnitGather:
 def segment_layouts(
     plan, quantized: Mapping[str, bool], block: tuple[int, int], raw_dtype: torch.dtype
 ) -> list[FP8GatherLayout]:
-    """One :class:`FP8GatherLayout` per segment of ``plan`` (a ``Plan`` is one segment), with
-    ``quantized[name]`` telling which parameters train in FP8."""
+    """One :class:`FP8GatherLayout` per segment of ``plan`` (a ``Plan`` or an ``UnevenPlan`` is
+    one segment), with ``quantized[name]`` telling which parameters train in FP8. A plan of one
+    segment gathers equal or uneven sends (:func:`~ragged_placement.planner.gather_starts`
+    decides); the segments of a ``SegmentedPlan`` are each padded to their largest rank."""
     parts = getattr(plan, "parts", (plan,))
     return [
         FP8GatherLayout(
@@ -328,6 +344,8 @@ def segment_layouts(
             part.world_size,
             block=block,
             raw_dtype=raw_dtype,
+            rank_starts=part.segments[0].rank_starts,
+            equal=None if len(parts) == 1 else True,
         )
         for part in parts
     ]

@@ -66,8 +66,10 @@ class CollectiveMeter:
                 self.counts[kind] += 1
             else:  # part of one coalesced collective, counted once when the group is issued
                 self._coalesced_kinds.add(kind)
-            big = output if kind == "all_gather" else input
-            self.counts[f"{kind}_bytes"] += big.numel() * big.element_size()
+            big = output if kind == "all_gather" else input  # a list for an uneven reduce-scatter
+            self.counts[f"{kind}_bytes"] += sum(
+                t.numel() * t.element_size() for t in (big if isinstance(big, list) else [big])
+            )
             return fn(output, input, *args, **kwargs)
 
         return counted
@@ -96,6 +98,8 @@ class CollectiveMeter:
             (dist, "reduce_scatter_single", "reduce_scatter"),
             (dist, "reduce_scatter_tensor", "reduce_scatter"),
             (compat, "_all_gather", "all_gather"),
+            (collectives, "_all_gather_uneven", "all_gather"),  # W broadcasts: one collective
+            (dist, "reduce_scatter", "reduce_scatter"),  # uneven segments' list reduce-scatter
             (compat, "_reduce_scatter", "reduce_scatter"),
         ]
         for obj, name, kind in targets:

@@ -1,21 +1,25 @@
 """FP8 all-gather of a sharded FSDP unit: quantize own blocks locally, gather FP8 + scales once.
 
 An FSDP unit keeps its parameters in one flat fp32 buffer; rank ``r`` holds elements
-``[r * S, (r + 1) * S)`` (``S`` = ``chunk_numel``). When every cut ``r * S`` falls on a
-``block[0]``-row boundary of each 2-D weight it crosses (what the planner guarantees with a
-128-row granularity, i.e. ``RaggedShard`` runs of whole 128-row bands), each rank owns whole
-quantization blocks: it quantizes them with no communication (no cross-rank amax), and one
-all-gather per unit moves
+``[r * S, (r + 1) * S)`` (``S`` = ``chunk_numel``), or ``[rank_starts[r], rank_starts[r + 1])``
+with uneven per-rank chunks (:class:`~ragged_placement.planner.UnevenPlan`). When every cut
+falls on a ``block[0]``-row boundary of each 2-D weight it crosses (what the planner guarantees
+with a 128-row granularity, i.e. ``RaggedShard`` runs of whole 128-row bands), each rank owns
+whole quantization blocks: it quantizes them with no communication (no cross-rank amax), and
+one all-gather per unit moves
 
 * 1 byte per element of every quantized weight (e4m3),
 * one fp32 scale per ``block`` (each block is owned by exactly one rank),
 * the non-quantized parameters (norms, biases, ...) in ``raw_dtype``,
-* and padding up to the largest rank's send size (all ranks send equal sizes).
+* and, in an equal all-gather, padding up to the largest rank's send size. Where that padding
+  exceeds 1% of the payload (:func:`~ragged_placement.planner.gather_starts`) the gather is
+  uneven instead: rank ``r``'s bytes land at ``send_starts[r]``, with no padding but 16-byte
+  alignment.
 
 :class:`FP8GatherLayout` computes, from shapes and offsets only (identical on every rank), the
 byte layout of each rank's send buffer::
 
-    [ scales (fp32) | raw params (raw_dtype) | fp8 weights | padding ]   -> send_nbytes
+    [ scales (fp32) | raw params (raw_dtype) | fp8 weights | padding ]   -> send_sizes[r]
 
 with every region aligned to 16 bytes, and offers :meth:`~FP8GatherLayout.pack` (rank side)
 and :meth:`~FP8GatherLayout.unpack` (gathered side). A weight whose cut does not fall on a block
@@ -35,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ragged_placement.planner.uneven import gather_starts
 
 from .blockwise import Kernel, quantize_blockwise_into
 from .reference import FP8_DTYPE, check_block, scale_shape
@@ -156,13 +162,26 @@ class FP8GatherLayout:
 
     Args:
         params: the unit's parameters with their flat offsets (non-overlapping).
-        chunk_numel: ``S``, the per-rank element count of the flat buffer.
-        world_size: ranks in the gather; the flat buffer has ``world_size * S`` elements.
+        chunk_numel: ``S``, the per-rank element count of the flat buffer (with
+            ``rank_starts``: the largest chunk, the size of every rank's sharded buffer).
+        world_size: ranks in the gather; the flat buffer has ``world_size * S`` elements
+            (``rank_starts[-1]`` with ``rank_starts``).
         block: weight quantization block.
         raw_dtype: dtype non-quantized parameters are gathered in (e.g. bf16 for mixed precision).
+        rank_starts: uneven per-rank chunks: rank ``r`` holds ``[rank_starts[r],
+            rank_starts[r + 1])`` of the flat buffer (the first elements of its chunk).
+        equal: whether every rank sends ``send_nbytes`` (``True``, the default: one equal
+            all-gather), its own aligned size (``False``: an uneven one), or as
+            :func:`~ragged_placement.planner.gather_starts` decides (``None``).
+
+    Attributes:
+        send_sizes: bytes rank ``r`` sends.
+        send_starts: ``W + 1`` byte offsets of the ranks' sends in the gathered buffer.
+        send_nbytes: the largest send.
+        uneven: whether the send sizes differ (the all-gather is uneven).
 
     Raises ``ValueError`` if a parameter does not fit in the flat buffer, parameters overlap, or
-    a cut ``r * S`` splits a quantization block of a weight.
+    a cut splits a quantization block of a weight.
     """
 
     def __init__(
@@ -173,6 +192,8 @@ class FP8GatherLayout:
         *,
         block: tuple[int, int] = (128, 128),
         raw_dtype: torch.dtype = torch.bfloat16,
+        rank_starts: Sequence[int] | None = None,
+        equal: bool | None = True,
     ) -> None:
         if chunk_numel <= 0 or world_size <= 0:
             raise ValueError(
@@ -185,15 +206,39 @@ class FP8GatherLayout:
         self.world_size = world_size
         self.block = check_block(block)
         self.raw_dtype = raw_dtype
+        self.rank_starts = self._check_starts(rank_starts)
         self._by_offset = sorted(range(len(self.params)), key=lambda i: self.params[i].offset)
         self._check_params()
         self.pieces: list[list[FP8Piece]] = [self._rank_pieces(r) for r in range(world_size)]
         self.rank_nbytes = [self._rank_nbytes(ps) for ps in self.pieces]
-        self.send_nbytes = _align(max(self.rank_nbytes))
+        aligned = [_align(n) for n in self.rank_nbytes]
+        self.send_nbytes = max(aligned)
+        if equal is None:
+            starts = gather_starts(aligned)
+        else:
+            starts = None if equal else tuple(itertools.accumulate(aligned, initial=0))
+        self.uneven = starts is not None
+        self.send_starts: tuple[int, ...] = starts or tuple(
+            r * self.send_nbytes for r in range(world_size + 1)
+        )
+        self.send_sizes = [b - a for a, b in itertools.pairwise(self.send_starts)]
 
     # -- construction ------------------------------------------------------------------------
+    def _check_starts(self, rank_starts: Sequence[int] | None) -> tuple[int, ...]:
+        if rank_starts is None:
+            return tuple(r * self.chunk_numel for r in range(self.world_size + 1))
+        starts = tuple(int(x) for x in rank_starts)
+        sizes = [b - a for a, b in itertools.pairwise(starts)]
+        if len(starts) != self.world_size + 1 or starts[0] != 0 or min(sizes) < 0 \
+                or max(sizes) > self.chunk_numel:
+            raise ValueError(
+                f"rank_starts must be {self.world_size + 1} non-decreasing offsets from 0 with "
+                f"chunks of at most chunk_numel={self.chunk_numel} elements, got {rank_starts!r}"
+            )
+        return starts
+
     def _check_params(self) -> None:
-        total = self.chunk_numel * self.world_size
+        total = self.rank_starts[-1]
         spans = [
             (p.offset, p.offset + p.numel, p.name)
             for p in (self.params[i] for i in self._by_offset)
@@ -210,7 +255,7 @@ class FP8GatherLayout:
                 )
 
     def _rank_pieces(self, rank: int) -> list[FP8Piece]:
-        lo, hi = rank * self.chunk_numel, (rank + 1) * self.chunk_numel
+        lo, hi = self.rank_starts[rank], self.rank_starts[rank + 1]
         # params in offset order: the ones overlapping [lo, hi) start at most one before the
         # first whose offset is >= lo (parameters do not overlap)
         first = bisect.bisect_left(self._by_offset, lo, key=lambda i: self.params[i].offset)
@@ -277,8 +322,9 @@ class FP8GatherLayout:
     # -- byte accounting ---------------------------------------------------------------------
     @property
     def gathered_nbytes(self) -> int:
-        """Bytes of the gathered buffer (what every rank receives): ``world_size * send_nbytes``."""
-        return self.world_size * self.send_nbytes
+        """Bytes of the gathered buffer (what every rank receives): ``send_starts[-1]``
+        (``world_size * send_nbytes`` when the gather is equal)."""
+        return self.send_starts[-1]
 
     @property
     def fp8_nbytes(self) -> int:
@@ -314,7 +360,7 @@ class FP8GatherLayout:
         """Quantize ``rank``'s blocks of ``local_chunk`` (its ``S`` flat fp32/bf16 elements) into
         ``send``.
 
-        ``send`` is a ``uint8`` tensor of ``send_nbytes`` (allocated when omitted) and is what
+        ``send`` is a ``uint8`` tensor of ``send_sizes[rank]`` bytes (allocated when omitted) and is what
         the rank passes to the all-gather. Padding bytes are zeroed (deterministic buffers).
         An inf/NaN in a quantized weight is not raised here (one rank raising before the
         collective would leave the others waiting in it): it makes that block's scale
@@ -327,15 +373,12 @@ class FP8GatherLayout:
                 f"local_chunk must be 1-D with {self.chunk_numel} elements, got "
                 f"{tuple(local_chunk.shape)}"
             )
+        nbytes = self.send_sizes[rank]
         if send is None:
-            send = torch.empty(self.send_nbytes, dtype=torch.uint8, device=local_chunk.device)
-        elif (
-            send.dtype != torch.uint8
-            or send.shape != (self.send_nbytes,)
-            or not send.is_contiguous()
-        ):
+            send = torch.empty(nbytes, dtype=torch.uint8, device=local_chunk.device)
+        elif send.dtype != torch.uint8 or send.shape != (nbytes,) or not send.is_contiguous():
             raise ValueError(
-                f"send must be a contiguous uint8 tensor of {self.send_nbytes} bytes, got "
+                f"send must be a contiguous uint8 tensor of {nbytes} bytes, got "
                 f"{send.dtype} {tuple(send.shape)}"
             )
         for pc in self.pieces[rank]:
@@ -433,8 +476,9 @@ class FP8GatherLayout:
         most = max(counts)
         if most == 0:
             return
-        scales = gathered.view(self.world_size, self.send_nbytes)[:, : 4 * most]
-        scales = scales.view(torch.float32)
+        starts = torch.tensor(self.send_starts[:-1], device=gathered.device)
+        index = starts.unsqueeze(1) + torch.arange(4 * most, device=gathered.device)
+        scales = gathered[index.clamp_(max=gathered.numel() - 1)].view(torch.float32)
         valid = torch.arange(most, device=gathered.device) < torch.tensor(
             counts, device=gathered.device
         ).unsqueeze(1)
@@ -449,7 +493,7 @@ class FP8GatherLayout:
         raise ValueError(f"inf or NaN in the FP8 weights {', '.join(bad)}; cannot quantize")
 
     def _view_quantized(self, gathered: torch.Tensor, rank: int, pc: FP8Piece, p: FlatParam):
-        base = rank * self.send_nbytes
+        base = self.send_starts[rank]
         n = p.shape[1]
         rows = (pc.end - pc.start) // n
         nb = scale_shape(p.shape, self.block)[1]
@@ -459,7 +503,7 @@ class FP8GatherLayout:
 
     def _view_raw(self, gathered: torch.Tensor, rank: int, pc: FP8Piece) -> torch.Tensor:
         return _alias(
-            gathered, rank * self.send_nbytes + pc.data_offset, self.raw_dtype, (pc.end - pc.start,)
+            gathered, self.send_starts[rank] + pc.data_offset, self.raw_dtype, (pc.end - pc.start,)
         )
 
 

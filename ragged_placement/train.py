@@ -1,0 +1,325 @@
+"""``python -m ragged_placement.train``: a torchtitan-shaped trainer, started by ``torchrun``.
+
+::
+
+    torchrun --standalone --nproc-per-node 4 -m ragged_placement.train --steps 200 \\
+        --runtime ours --checkpoint-dir ckpt --checkpoint-every 50 --output model.pt
+
+The same code runs on CPU (gloo) and CUDA (NCCL): the backend follows the device. Options come
+from ``--config FILE`` (TOML) and/or flags (:mod:`ragged_placement.trainer.config`); a bad one
+is an error naming the flag before any process-group work. With ``--checkpoint-dir`` the run
+saves every ``--checkpoint-every`` steps and, when started again (by hand or by
+``torchrun --max-restarts``), resumes from the newest complete checkpoint by itself, to the
+same weights as an uninterrupted run (:mod:`ragged_placement.trainer.checkpoint`). A rank that
+dies or freezes makes the others fail within ``--collective-timeout`` seconds with an error
+naming the collective and the ranks behind (:mod:`ragged_placement.trainer.distributed`).
+See ``docs/train.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import DTensor
+from typing_extensions import Self  # a dependency of torch
+
+from ragged_placement.fsdp.profiling import (
+    CollectiveMeter,
+    HeapPeakMeter,
+    LayoutCopyMeter,
+    heap_in_use,
+)
+from ragged_placement.trainer.build import (
+    TokenData,
+    build_mesh,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    loss_fn,
+)
+from ragged_placement.trainer.checkpoint import Checkpointer, latest_checkpoint, read_manifest
+from ragged_placement.trainer.config import TrainConfig, check_world, parse_config
+from ragged_placement.trainer.distributed import (
+    CollectiveWatch,
+    DistributedEnv,
+    init_distributed,
+    torchrun_env,
+)
+
+__all__ = ["main"]
+
+# Test hook: "kill:<rank>:<step>" or "hang:<rank>:<step>" makes that rank die (SIGKILL) or
+# freeze when it starts that step, in torchrun's first attempt only.
+FAULT_ENV = "RAGGED_PLACEMENT_TRAIN_FAULT"
+MiB = 2.0**20
+
+
+def find_resume(cfg: TrainConfig, rank: int) -> Path | None:
+    """The newest complete checkpoint of ``--checkpoint-dir``, verified (checksums, options,
+    this rank's file), or ``None``. Runs before any process-group work."""
+    if not cfg.checkpoint_dir:
+        return None
+    path = latest_checkpoint(cfg.checkpoint_dir)
+    if path is None:
+        return None
+    saved = read_manifest(path)["fingerprint"]
+    for key, value in json.loads(json.dumps(cfg.fingerprint())).items():
+        if saved.get(key) != value:
+            raise ValueError(
+                f"--{key.replace('_', '-')} {value!r} differs from {saved.get(key)!r} in the "
+                f"checkpoint {path}: resume with the same value or use another --checkpoint-dir"
+            )
+    if not (path / f"trainer_rank{rank}.pt").is_file():
+        raise ValueError(f"--checkpoint-dir: {path} was saved by fewer ranks (no trainer_rank{rank}.pt)")
+    return path
+
+
+def _inject_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    kind, fault_rank, fault_step = spec.split(":")
+    if (rank, step) != (int(fault_rank), int(fault_step)):
+        return
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(3600)  # "hang": frozen until torchrun's agent ends it
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state."""
+    params = list(model.parameters())
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": _local_bytes(params),
+            "grads": _local_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": _local_bytes(states)}
+
+
+def _net_bytes() -> dict[str, int]:
+    """Bytes sent by each network interface of this machine (or network namespace)."""
+    root = Path("/sys/class/net")
+    if not root.is_dir():
+        return {}
+    return {p.name: int((p / "statistics" / "tx_bytes").read_text()) for p in root.iterdir()}
+
+
+class _CudaPeakMeter:
+    """:class:`HeapPeakMeter`'s interface on a GPU: the caching allocator's peak during the
+    :meth:`measure` windows, above the memory allocated when the meter was entered."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peak, self._base = device, 0, 0
+
+    def __enter__(self) -> Self:
+        self._base = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device) - self._base)
+
+
+class _Progress:
+    """One line per ``--log-every`` steps (loss, tokens/s, memory, bytes sent); a bar rewritten
+    in place when stdout is a terminal."""
+
+    def __init__(self, cfg: TrainConfig, env: DistributedEnv, start: int) -> None:
+        self.cfg, self.env, self.tty = cfg, env, sys.stdout.isatty()
+        self.tokens = cfg.batch * cfg.seq * env.world_size
+        self.t0, self.step0, self.sent0 = time.perf_counter(), start, 0
+
+    def _memory(self) -> float:
+        if self.env.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.env.device) / MiB
+        return heap_in_use() / MiB
+
+    def update(self, step: int, loss: float, lr: float, sent: int) -> None:
+        done, total = step + 1, self.cfg.steps
+        logged = done % self.cfg.log_every == 0 or done == total
+        if self.env.rank != 0 or not (logged or self.tty):
+            return
+        steps = done - self.step0
+        line = (f"step {done:5d}/{total}  loss {loss:.4f}  lr {lr:.2e}  "
+                f"{self.tokens * steps / (time.perf_counter() - self.t0):9,.0f} tok/s  "
+                f"mem {self._memory():8.1f} MiB  "
+                f"sent {(sent - self.sent0) / max(1, steps) / MiB:.3f} MiB/step")
+        if self.tty:
+            bar = "#" * (30 * done // total)
+            print(f"\r[{bar:30s}] {line}", end="\n" if logged else "", flush=True)
+        else:
+            print(line, flush=True)
+        if logged:
+            self.t0, self.step0, self.sent0 = time.perf_counter(), done, sent
+
+
+def _train_step(model, opt, sched, data: TokenData, cfg: TrainConfig, env: DistributedEnv,
+                step: int) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)  # at the start: the gradients stay for measurement
+    x, y = data.batch(step, env.rank, env.world_size)
+    loss = loss_fn(model, x.to(env.device), y.to(env.device))
+    loss.backward()
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    sched.step()
+    loss = loss.detach().float()
+    dist.all_reduce(loss)
+    return loss / env.world_size
+
+
+def _validate(model, data: TokenData, cfg: TrainConfig, env: DistributedEnv) -> float | None:
+    if not cfg.val_batches:
+        return None
+    with torch.no_grad():
+        losses = [loss_fn(model, *(t.to(env.device) for t in data.batch(i, env.rank, env.world_size, "val")))
+                  for i in range(cfg.val_batches)]
+        val = torch.stack(losses).mean()
+        dist.all_reduce(val)
+    return val.item() / env.world_size
+
+
+def _unit_plans(model) -> list[str]:
+    units = getattr(model, "fsdp_units", None)
+    if units is None:
+        return []
+    return [f"plan of unit {name or '<root>'!r}:\n{unit.buffers[0].plan.summary()}" for name, unit in list(units())[:2]]
+
+
+def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[str, Any]:
+    """Build, resume, train, save; the run's measurements (rank 0's are written by ``--metrics``)."""
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    mesh = build_mesh(cfg, env.device, env.world_size)
+    data = TokenData(cfg)
+    meter = _CudaPeakMeter(env.device) if env.device.type == "cuda" else HeapPeakMeter()
+    with meter as mem:
+        model = build_model(cfg, mesh, env.device)
+        opt, ckpt = build_optimizer(cfg, model), None
+        sched = build_scheduler(cfg, opt)
+        start = 0
+        if cfg.checkpoint_dir:
+            ckpt = Checkpointer(cfg.checkpoint_dir, json.loads(json.dumps(cfg.fingerprint())))
+        if resume is not None:
+            state = ckpt.load(resume, model, opt)
+            sched.load_state_dict(state["scheduler"])
+            start = state["step"]
+            _set_rng_state(state["rng"], env.device)
+            if env.rank == 0:
+                print(f"resumed from {resume} at step {start}", flush=True)
+        out = _loop(cfg, env, model, opt, sched, data, ckpt, start, mem)
+    out.update(val_loss=_validate(model, data, cfg, env), plans=_unit_plans(model))
+    if cfg.output:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if env.rank == 0:
+            torch.save(full, cfg.output)
+    return out
+
+
+def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]:
+    progress, losses, last = _Progress(cfg, env, start), [], cfg.steps - 1
+    copies, net0, timed = LayoutCopyMeter(), _net_bytes(), (0.0, 0)
+    with CollectiveWatch(env) as watch, CollectiveMeter() as meter:
+        for step in range(start, cfg.steps):
+            watch.step = step
+            _inject_fault(env.rank, step)
+            measured = step == last and step > start  # memory and copies; not timed
+            t0 = time.perf_counter()
+            try:
+                idle = contextlib.nullcontext()
+                with mem.measure() if measured else idle, copies if measured else idle:
+                    losses.append(_train_step(model, opt, sched, data, cfg, env, step).item())
+            except (RuntimeError, dist.DistBackendError) as e:
+                raise watch.failure(e) from e
+            if start < step and not measured:  # the first step warms up
+                timed = (timed[0] + time.perf_counter() - t0, timed[1] + 1)
+            sent = meter.all_gather_bytes + meter.reduce_scatter_bytes
+            progress.update(step, losses[-1], sched.get_last_lr()[0], sent)
+            if ckpt is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                ckpt.save(step + 1, model, opt, {"step": step + 1, "scheduler": sched.state_dict(),
+                                                 "data": {"next_step": step + 1, "seed": cfg.seed},
+                                                 "rng": _rng_state(env.device)})
+    n = max(1, cfg.steps - start)
+    net1 = _net_bytes()
+    return {
+        "losses": losses, "start": start,
+        "tokens_per_s": cfg.batch * cfg.seq * env.world_size * timed[1] / timed[0] if timed[1] else None,
+        "comm_bytes": (meter.all_gather_bytes + meter.reduce_scatter_bytes) / n,
+        "collectives": (meter.counts["all_gather"] + meter.counts["reduce_scatter"]) / n,
+        "copy_bytes": copies.total, "peak": mem.peak, "state_bytes": _state_bytes(model, opt),
+        "net_bytes": {k: net1[k] - net0.get(k, 0) for k in net1} if env.local_rank == 0 else {},
+    }
+
+
+def _header(cfg: TrainConfig, env: DistributedEnv) -> None:
+    if env.rank == 0:
+        mesh = "x".join(map(str, cfg.mesh or (env.world_size,)))
+        print(f"{cfg.model}: {cfg.layers} layers x {cfg.width}, seq {cfg.seq}; {env.world_size} "
+              f"ranks ({dist.get_backend()}, {env.device.type}), mesh {mesh}, --runtime {cfg.runtime}"
+              f", --state-sharding {cfg.state_sharding}, {cfg.optimizer}, {cfg.precision}, "
+              f"batch {cfg.batch} per rank", flush=True)
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    """Parse, check, resume, train; exit status 2 with ``error: ...`` for bad options."""
+    try:
+        cfg = parse_config(argv)
+        resume = find_resume(cfg, int(os.environ.get("RANK", "0")))
+        check_world(cfg, torchrun_env()[1])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    env = init_distributed(cfg.device, cfg.collective_timeout)
+    _header(cfg, env)
+    out = _train(cfg, env, resume)
+    per_rank = [None] * env.world_size
+    dist.all_gather_object(per_rank, {k: out[k] for k in ("peak", "state_bytes", "net_bytes")})
+    if env.rank == 0 and cfg.metrics:
+        out.update(per_rank=per_rank, world_size=env.world_size, config=vars(cfg))
+        Path(cfg.metrics).write_text(json.dumps(out, indent=1))
+    dist.barrier()  # no rank tears its connections down while another still uses them
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""What the trainer trains: the model (torchtitan's recipe), the data, the optimizer and schedule.
+
+The model is built on the meta device; each transformer block is (optionally) activation
+checkpointed, ``fully_shard``-ed (ours or torch's) and (optionally) compiled, then the root;
+``to_empty`` materializes each rank's shards and the initial weights, drawn on CPU from
+``--seed`` the same way on every rank, are loaded from a full state dict. The parameters'
+values therefore do not depend on the runtime, the mesh or the world size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
+from ragged_placement.models.llama import Llama, LlamaConfig
+from ragged_placement.trainer.config import TrainConfig
+
+__all__ = ["TokenData", "build_mesh", "build_model", "build_optimizer", "build_scheduler",
+           "loss_fn"]
+
+VOCAB = 256  # byte-level data
+
+
+def new_model(cfg: TrainConfig) -> nn.Module:
+    """The unsharded model of ``--model`` (``gpt``, ``llama`` or a Hugging Face ``config.json``)."""
+    if cfg.model == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=cfg.seq, n_layer=cfg.layers,
+                             n_head=cfg.heads, n_embd=cfg.width))
+    if cfg.model == "llama":
+        return Llama(LlamaConfig(vocab_size=VOCAB, dim=cfg.width, n_layers=cfg.layers,
+                                 n_heads=cfg.heads, hidden_dim=4 * cfg.width))
+    return _hf_model(cfg.model)
+
+
+def _hf_model(path: str) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            f"--model {path!r}: a Hugging Face config needs the transformers package; "
+            "otherwise use gpt or llama"
+        ) from None
+    with open(path) as f:
+        config = transformers.AutoConfig.for_model(**json.load(f))
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _blocks(model: nn.Module) -> nn.Module:
+    """The container of the transformer blocks: ``model.layers`` (GPT, Llama) or
+    ``model.model.layers`` (Hugging Face decoder models)."""
+    for owner in (model, getattr(model, "model", None)):
+        if owner is not None and isinstance(getattr(owner, "layers", None), (nn.ModuleList, nn.ModuleDict)):
+            return owner.layers
+    raise ValueError(f"--model: cannot find the transformer blocks of {type(model).__name__}")
+
+
+def build_mesh(cfg: TrainConfig, device: torch.device, world_size: int) -> DeviceMesh:
+    """The data-parallel mesh: ``--mesh`` (default: all ranks in one dim); ``zero3`` shards over
+    every rank (a 2-D mesh is flattened), ``hsdp`` replicates over the first dim."""
+    shape = cfg.mesh or (world_size,)
+    names = cfg.mesh_dim_names or (("replicate", "shard") if len(shape) == 2 else ("dp",))
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    if cfg.state_sharding == "zero3" and len(shape) == 2:
+        return mesh._flatten("_".join(names))
+    return mesh
+
+
+def _shard_fn(cfg: TrainConfig) -> tuple[Callable, dict]:
+    """``fully_shard`` of ``--runtime`` and its keyword arguments from the options."""
+    param_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
+    if cfg.runtime == "ours":
+        from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
+        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype, torch.float32)}
+        if cfg.fp8:
+            from ragged_placement.quant import BlockFP8Config
+            kwargs["quant"] = BlockFP8Config()
+        return fully_shard, kwargs
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, {"mp_policy": MixedPrecisionPolicy(param_dtype, torch.float32)}
+
+
+def build_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """The sharded model with the initial weights of ``--seed`` (torchtitan's recipe)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    shard, kwargs = _shard_fn(cfg)
+    with torch.device("meta"):
+        model = new_model(cfg)
+    blocks = _blocks(model)
+    for name, block in list(blocks.named_children()):
+        if cfg.activation_checkpointing:
+            block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            blocks.register_module(name, block)
+        shard(block, mesh=mesh, **kwargs)
+        if cfg.compile:
+            block.compile()
+    shard(model, mesh=mesh, **kwargs)
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        init = new_model(cfg).state_dict()
+    set_model_state_dict(model, init, options=StateDictOptions(full_state_dict=True))
+    return model
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """``--optimizer``: AdamW; Muon on the blocks' matrices (AdamW for the rest); Shampoo."""
+    params = list(model.parameters())
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+    if cfg.optimizer == "shampoo":
+        from ragged_placement.optim import Shampoo
+        return Shampoo(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    from ragged_placement.optim import Muon
+    in_blocks = {id(p) for p in _blocks(model).parameters()}
+    matrices = [p for p in params if p.ndim == 2 and id(p) in in_blocks]
+    others = [p for p in params if not (p.ndim == 2 and id(p) in in_blocks)]
+    return Muon([{"params": matrices},
+                 {"params": others, "algorithm": "adamw", "lr": cfg.lr}],
+                lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr="match_rms_adamw")
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ``--warmup`` steps, then cosine decay to ``--min-lr-ratio`` of the
+    learning rate at ``--steps``."""
+    def factor(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class TokenData:
+    """Batches of ``--data``: the stdlib corpus (bytes) or a token file (a ``torch.save``-d 1-D
+    integer tensor, or raw ``uint16`` tokens in a ``.bin`` file as nanoGPT writes them). The
+    global batch of a step is drawn from ``(seed, step)``, so the data position is the step."""
+
+    corpus: StdlibCorpus
+    cfg: TrainConfig
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        stdlib = cfg.data == "stdlib"
+        self.corpus = StdlibCorpus(max_bytes=cfg.data_bytes if stdlib else 1)
+        if not stdlib:
+            tokens = _read_tokens(cfg.data)
+            n_val = max(1, len(tokens) // 10)
+            self.corpus.train, self.corpus.val = tokens[:-n_val], tokens[-n_val:]
+        self.cfg = cfg
+
+    def batch(self, step: int, rank: int, world: int, split: str = "train"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the global batch of ``step``."""
+        per = self.cfg.batch
+        x, y = self.corpus.batch(step, per * world, self.cfg.seq, split=split, seed=self.cfg.seed)
+        return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def _read_tokens(path: str) -> torch.Tensor:
+    if path.endswith(".bin"):
+        with open(path, "rb") as f:
+            tokens = torch.frombuffer(bytearray(f.read()), dtype=torch.uint16)
+    else:
+        tokens = torch.load(path, weights_only=True)
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 1 or tokens.is_floating_point():
+        raise ValueError(f"--data {path}: expected a 1-D integer tensor of token ids")
+    if tokens.numel() and int(tokens.max()) >= VOCAB:
+        raise ValueError(f"--data {path}: token id {int(tokens.max())} >= vocabulary {VOCAB}")
+    return tokens.long()
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (fp32 logits)."""
+    out = model(x)
+    logits = getattr(out, "logits", out)  # Hugging Face models return an output object
+    return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))

@@ -1,0 +1,245 @@
+"""The trainer's options: one dataclass, filled from a TOML file and/or command-line flags.
+
+Every option has a flag (``--checkpoint-every``) and a TOML key (``checkpoint_every``, at the top
+level or in any table: ``[training]``, ``[model]``... are only grouping). Flags override the file.
+Every value is checked here, before any process-group work, and a bad one raises ``ValueError``
+naming the flag and the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["RUNTIMES", "STATE_SHARDINGS", "TrainConfig", "check_world", "parse_config"]
+
+RUNTIMES = ("ours", "fsdp2")
+STATE_SHARDINGS = ("zero3", "hsdp", "zero1", "zero2", "amsp", "auto")
+# Per-state sharding (one placement per state: parameters, gradients, optimizer state) is the
+# StateSharding runtime of issue 25, which does not exist yet.
+_NEEDS_STATE_SHARDING = ("zero1", "zero2", "amsp", "auto")
+OPTIMIZERS = ("adamw", "muon", "shampoo")
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    """Every option of ``python -m ragged_placement.train`` (flag ``--x-y`` is field ``x_y``)."""
+
+    # run
+    steps: int = 100
+    seed: int = 0
+    log_every: int = 10
+    output: str | None = None
+    metrics: str | None = None
+    val_batches: int = 0
+    device: str = "auto"
+    collective_timeout: float = 60.0
+    # checkpoints
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    # parallelism
+    runtime: str = "ours"
+    state_sharding: str = "zero3"
+    mesh: tuple[int, ...] | None = None
+    mesh_dim_names: tuple[str, ...] | None = None
+    # model
+    model: str = "gpt"
+    layers: int = 2
+    width: int = 64
+    heads: int = 2
+    seq: int = 64
+    # data
+    data: str = "stdlib"
+    data_bytes: int = 1 << 20
+    batch: int = 4
+    # optimization
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 0
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    fp8: bool = False
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The options a checkpoint must agree with to be resumed (the model, the data, the
+        optimizer and the schedule); the others (logging, outputs, runtime) may change."""
+        keys = ("seed", "model", "layers", "width", "heads", "seq", "data", "data_bytes", "batch",
+                "optimizer", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip",
+                "precision", "steps")
+        return {k: getattr(self, k) for k in keys}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mesh must look like 4 or 2x2, got {text!r}") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise ValueError(f"--mesh sizes must be positive, got {text!r}")
+    return dims
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(","))
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m ragged_placement.train",
+        description="Train a model under torchrun with ragged_placement's FSDP or torch FSDP2.",
+        argument_default=argparse.SUPPRESS,
+    )
+    ap.add_argument("--config", help="a TOML file of options (keys: the flags' names with _)")
+    bools = {"activation_checkpointing", "compile", "fp8"}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in bools:
+            ap.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction)
+        elif f.name == "mesh":
+            ap.add_argument("--mesh", type=str, help="mesh shape, e.g. 4 or 2x2")
+        elif f.name == "mesh_dim_names":
+            ap.add_argument("--mesh-dim-names", type=str, help="comma separated, e.g. inter,intra")
+        else:
+            ap.add_argument(_flag(f.name), type=str)
+    return ap
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    if sys.version_info < (3, 11):
+        raise ValueError(f"--config {path}: TOML files need Python 3.11 (tomllib); pass flags instead")
+    import tomllib
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--config {path}: no such file")
+    with open(path, "rb") as f:
+        try:
+            doc = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"--config {path}: not valid TOML: {e}") from None
+    flat: dict[str, Any] = {}
+    for key, value in doc.items():
+        items = value.items() if isinstance(value, dict) else [(key, value)]
+        for k, v in items:
+            if k in flat:
+                raise ValueError(f"--config {path}: option {k!r} is given twice")
+            flat[k] = v
+    return flat
+
+
+def _convert(name: str, value: Any, kind: type) -> Any:
+    """``value`` (a TOML value or a flag's string) as the field's type, or a ValueError."""
+    if name == "mesh":
+        return _mesh(str(value))
+    if name == "mesh_dim_names":
+        return tuple(value) if isinstance(value, list) else _names(str(value))
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            raise TypeError
+        if kind is int and isinstance(value, float) or isinstance(value, bool):
+            raise TypeError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{_flag(name)} must be {kind.__name__}, got {value!r}") from None
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "str | None": str}
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """The options of ``argv`` (and of its ``--config`` file), checked."""
+    args = vars(_parser().parse_args(argv))
+    values: dict[str, Any] = _load_toml(args.pop("config")) if "config" in args else {}
+    values.update(args)
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    kwargs = {}
+    for name, value in values.items():
+        if name not in fields:
+            raise ValueError(f"--config: unknown option {name!r} (flag {_flag(name)} does not exist)")
+        kwargs[name] = _convert(name, value, _TYPES.get(str(fields[name].type), str))
+    cfg = TrainConfig(**kwargs)
+    check_config(cfg)
+    return cfg
+
+
+def _choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _positive(cfg: TrainConfig, name: str, *, zero_ok: bool = False) -> None:
+    value = getattr(cfg, name)
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"{_flag(name)} must be {bound}, got {value!r}")
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Raise ``ValueError`` naming the flag of the first bad option of ``cfg``."""
+    for name, choices in (("runtime", RUNTIMES), ("state_sharding", STATE_SHARDINGS),
+                          ("optimizer", OPTIMIZERS), ("precision", PRECISIONS),
+                          ("device", DEVICES)):
+        _choice(cfg, name, choices)
+    for name in ("steps", "log_every", "layers", "width", "heads", "seq", "batch", "lr",
+                 "collective_timeout", "data_bytes"):
+        _positive(cfg, name)
+    for name in ("checkpoint_every", "warmup", "val_batches", "weight_decay", "grad_clip",
+                 "min_lr_ratio"):
+        _positive(cfg, name, zero_ok=True)
+    if cfg.min_lr_ratio > 1:
+        raise ValueError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    if cfg.state_sharding in _NEEDS_STATE_SHARDING:
+        raise ValueError(
+            f"--state-sharding {cfg.state_sharding}: per-state sharding (separate placements for "
+            "parameters, gradients and optimizer state) needs the StateSharding runtime of "
+            "issue 25, which is not available yet; use zero3 or hsdp"
+        )
+    _check_mesh(cfg)
+    if cfg.fp8 and cfg.runtime != "ours":
+        raise ValueError("--fp8 needs --runtime ours (torch FSDP2 has no block-wise FP8 gather)")
+    if cfg.data != "stdlib" and not os.path.isfile(cfg.data):
+        raise ValueError(f"--data must be 'stdlib' or a token file, got {cfg.data!r} (no such file)")
+
+
+def check_world(cfg: TrainConfig, world_size: int) -> None:
+    """Raise ``ValueError`` if ``--mesh`` does not cover the job's ``world_size`` ranks."""
+    if cfg.mesh is not None and math.prod(cfg.mesh) != world_size:
+        raise ValueError(f"--mesh {'x'.join(map(str, cfg.mesh))} needs {math.prod(cfg.mesh)} "
+                         f"ranks, the job has {world_size}")
+
+
+def _check_mesh(cfg: TrainConfig) -> None:
+    if cfg.mesh_dim_names is not None:
+        if cfg.mesh is None:
+            raise ValueError("--mesh-dim-names needs --mesh")
+        if len(cfg.mesh_dim_names) != len(cfg.mesh) or len(set(cfg.mesh_dim_names)) != len(cfg.mesh):
+            raise ValueError(
+                f"--mesh-dim-names must give {len(cfg.mesh)} distinct names for --mesh "
+                f"{'x'.join(map(str, cfg.mesh))}, got {','.join(cfg.mesh_dim_names)!r}"
+            )
+    ndim = 1 if cfg.mesh is None else len(cfg.mesh)
+    if cfg.state_sharding == "hsdp" and ndim != 2:
+        raise ValueError(
+            "--state-sharding hsdp needs a 2-D --mesh (replicate over the first dim, shard over "
+            f"the second), got {'none' if cfg.mesh is None else 'x'.join(map(str, cfg.mesh))}"
+        )
+    if ndim > 2:
+        raise ValueError(f"--mesh must have 1 or 2 dims, got {'x'.join(map(str, cfg.mesh))}")
