@@ -75,6 +75,7 @@ from ragged_placement.fsdp.param import (
     tp_spec_of,
     unit_tp_mesh,
 )
+from ragged_placement.planner.layout import FlatLayout
 from ragged_placement.planner.plan import Segment
 
 __all__ = ["FlatBuffer", "check_move_target", "plan_buffer"]
@@ -97,7 +98,7 @@ def plan_buffer(
     *,
     split_by_submodule: bool,
     uneven: bool = True,
-):
+) -> FlatLayout:
     """The buffer's flat layout, checked equal on every rank of ``group``.
 
     Segments (several flat layouts, one coalesced collective) when they pad less; the FP8
@@ -158,7 +159,7 @@ def _checked_result(out: object, before: DTensor, fqn: str, what: str) -> DTenso
 
 
 def _param_layouts(
-    plan,
+    plan: FlatLayout,
     slots: list[ParamSlot],
     tp_specs: list[DTensorSpec | None],
     rank: int,
@@ -248,7 +249,7 @@ class FlatBuffer:
     quantized: list[bool]
     tp_mesh: object
     spmd_mesh: object
-    plan: object
+    plan: FlatLayout
     chunk_numel: int
     layouts: list[ParamLayout]
     specs: list[DTensorSpec]

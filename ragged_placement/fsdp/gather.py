@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ragged_placement.fsdp.param import ParamSlot, alias
+from ragged_placement.planner.layout import FlatLayout
 
 __all__ = ["PlainGather"]
 
@@ -22,7 +23,7 @@ class PlainGather:
     counter, see :func:`~ragged_placement.fsdp.param.alias`).
 
     Args:
-        plan: the buffer's ``Plan``, ``SegmentedPlan`` or ``UnevenPlan``.
+        plan: the buffer's layout.
         slots: the buffer's parameters.
         dtype: ``param_dtype``, the dtype of the all-gather.
         device: where the buffer lives (the compute device).
@@ -35,7 +36,7 @@ class PlainGather:
     _nbytes: int
 
     def __init__(
-        self, plan, slots: Sequence[ParamSlot], dtype: torch.dtype, device: torch.device
+        self, plan: FlatLayout, slots: Sequence[ParamSlot], dtype: torch.dtype, device: torch.device
     ) -> None:
         self.gathered = torch.empty(plan.buffer_numel, dtype=dtype, device=device)
         self._storage = self.gathered.untyped_storage()
