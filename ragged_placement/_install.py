@@ -9,7 +9,8 @@ exactly as before.
 
 :data:`PATCHES` is the whole list for DTensor: one :class:`Patch` per torch attribute we replace
 (owner, name, the torch original we expect there, the replacement). :data:`FSDP2_PATCHES` holds
-the one row for torch's FSDP2 (a clear error when its ``fully_shard`` meets a RaggedShard
+the rows for torch's FSDP2 (its ``register_fsdp_forward_method`` reaches ours for our modules;
+a clear error when its ``fully_shard`` meets a RaggedShard
 parameter), applied when :mod:`ragged_placement.fsdp` is imported. :func:`install` checks every row's
 current value against its expected original before patching anything (``ImportError`` naming the
 row if torch changed, so a torch upgrade fails loudly at import instead of misbehaving), and
@@ -21,6 +22,7 @@ Upstream, each row becomes a method on ``Placement`` consulted by the same call 
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -201,7 +203,7 @@ def _build_from_local(original_fn):
     def from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
                    stride=None, grad_placements=None):
         if _ragged(placements):
-            from ragged_placement.distribute import global_shape_and_stride
+            from ragged_placement.distribute import check_local_shape, global_shape_and_stride
             from ragged_placement.redistribute import validate_placements
 
             mesh = _current_mesh(device_mesh)
@@ -209,10 +211,56 @@ def _build_from_local(original_fn):
             validate_placements(mesh, list(placements), ndim)
             if shape is None and stride is None:
                 global_shape_and_stride(local_tensor, mesh, placements)  # raises if not inferable
+            elif shape is not None and mesh.get_coordinate() is not None:
+                check_local_shape(local_tensor, mesh, placements, shape, run_check)
         return original_fn(local_tensor, device_mesh, placements, run_check=run_check,
                            shape=shape, stride=stride, grad_placements=grad_placements)
 
     return staticmethod(from_local)
+
+
+# -- pickling -------------------------------------------------------------------------------------
+# torch's DTensor wrapper takes its local tensor's storage offset, so a RaggedShard DTensor whose
+# local tensor starts inside its storage (a view of a ``fully_shard`` unit's flat buffer) has a
+# nonzero ``data_ptr()`` while it has no storage: ``Tensor.__reduce_ex__`` and ``__deepcopy__``
+# then take it for a dense tensor and fail on its storage. Such a DTensor is reduced and
+# deep-copied as torch does any wrapper subclass (its local tensor, a view, is copied with its
+# own storage), with the wrapper's offset 0, which means nothing for a storage-less wrapper;
+# ``torch.load(weights_only=True)`` loads the result as it loads FSDP2's DTensors.
+def _needs_wrapper_reduce(t: DTensor) -> bool:
+    return t.storage_offset() != 0 and _ragged(t.placements)
+
+
+def _wrapper_reduce(t: DTensor):
+    state = torch._utils._get_obj_state(t)
+    wrapper = (type(t), t.dtype, tuple(t.size()), t.stride(), 0, t.layout, t.device, t.requires_grad)
+    return (torch._tensor._rebuild_from_type_v2,
+            (torch._utils._rebuild_wrapper_subclass, type(t), wrapper, state))
+
+
+def _build_reduce_ex(original):
+    @functools.wraps(original)
+    def __reduce_ex__(self, proto):
+        return _wrapper_reduce(self) if _needs_wrapper_reduce(self) else original(self, proto)
+
+    return __reduce_ex__
+
+
+def _build_deepcopy(original):
+    @functools.wraps(original)
+    def __deepcopy__(self, memo):
+        if not _needs_wrapper_reduce(self):
+            return original(self, memo)
+        if id(self) not in memo:
+            rebuild, args = _wrapper_reduce(self)
+            with torch.no_grad():
+                new = rebuild(*copy.deepcopy(args, memo))
+                if self.grad is not None:
+                    new.grad = copy.deepcopy(self.grad, memo)
+            memo[id(self)] = new
+        return memo[id(self)]
+
+    return __deepcopy__
 
 
 # -- distributed checkpoint -----------------------------------------------------------------------
@@ -372,6 +420,8 @@ PATCHES: tuple[Patch, ...] = (
           _build_propagate_cached),
     Patch(_API, "compute_global_tensor_info", _compat.global_tensor_info_name(), _build_global_tensor_info),
     Patch(f"{_API}:DTensor", "from_local", f"{_API}.DTensor.from_local", _build_from_local),
+    Patch(f"{_API}:DTensor", "__reduce_ex__", "torch._tensor.Tensor.__reduce_ex__", _build_reduce_ex),
+    Patch(f"{_API}:DTensor", "__deepcopy__", "torch._tensor.Tensor.__deepcopy__", _build_deepcopy),
     *(
         Patch(f"{_API}:DTensor", name, f"{_API}.DTensor.{name}", _build_checkpoint_method(name))
         for name in ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
@@ -429,7 +479,40 @@ def _fsdp2_mix_message(module_info, param) -> str:
     )
 
 
+def _forward_method_trampoline(module, method_name):
+    # Runs with the globals of torch's ``_fully_shard`` (its code replaces torch's function's).
+    return _ragged_placement_register_fsdp_forward_method(  # noqa: F821 - injected there
+        module, method_name
+    )
+
+
+def _build_forward_method_dispatch(_absent):
+    """torch's ``register_fsdp_forward_method`` is a silent no-op on a module that is not its
+    ``FSDPModule``: for ours it runs :func:`ragged_placement.fsdp.register_fsdp_forward_method`,
+    for every other module a copy of torch's function."""
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    fn = _fully_shard.register_fsdp_forward_method
+    original = type(fn)(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+    def dispatch(module, method_name):
+        from ragged_placement.fsdp import api
+
+        if isinstance(module, api.FSDPModule):
+            return api.register_fsdp_forward_method(module, method_name)
+        return original(module, method_name)
+
+    return dispatch
+
+
+def _build_forward_method_trampoline(_code):
+    # The code of the function object itself: reaches ``torch.distributed.fsdp``'s re-export
+    # and names users bound before importing this package.
+    return _forward_method_trampoline.__code__
+
+
 _FSDP_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam"
+_FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard"
 
 #: The rows for torch's FSDP2, applied when :mod:`ragged_placement.fsdp` is imported (importing
 #: torch's FSDP2 costs about 0.2 s, which the placement alone does not pay) and restored by
@@ -438,6 +521,10 @@ FSDP2_PATCHES: tuple[Patch, ...] = (
     Patch(_FSDP_PARAM, "_init_sharded_param",
           "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._init_sharded_param",
           _build_fsdp2_param_guard),
+    Patch(_FULLY_SHARD, "_ragged_placement_register_fsdp_forward_method", None,
+          _build_forward_method_dispatch),
+    Patch(f"{_FULLY_SHARD}:register_fsdp_forward_method", "__code__",
+          "_fully_shard.py:register_fsdp_forward_method", _build_forward_method_trampoline),
 )
 
 # (patch, owner, original raw value) of every applied row, in install order

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -23,6 +24,7 @@ from ragged_placement.redistribute import validate_placements
 from ragged_placement.regions import cut_shape, flat_range_boxes, shard_size_and_offset
 
 __all__ = [
+    "check_local_shape",
     "distribute_tensor",
     "global_shape_and_stride",
     "local_boxes",
@@ -276,3 +278,30 @@ def global_shape_and_stride(
 def local_shape(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
     """Shape of this rank's local tensor."""
     return local_shape_from_plain(global_shape, tuple(mesh.shape), mesh.get_coordinate(), placements)
+
+
+def check_local_shape(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int], run_check: bool
+) -> None:
+    """``DTensor.from_local(..., shape=shape)``: raise if ``local``'s shape is not the one
+    ``placements`` give this rank's part of ``shape``, naming the rank and both shapes. With
+    ``run_check`` every rank raises (the mesh's ranks exchange their verdicts, as ``run_check``
+    permits a collective); without it only the rank whose local shape is wrong."""
+    expected = local_shape(shape, mesh, placements)
+    ok = tuple(local.shape) == tuple(expected)
+    bad = [(dist.get_rank(), tuple(local.shape), expected)] if not ok else []
+    if run_check:
+        gathered: list[list] = [[] for _ in range(mesh.size())]
+        dist.all_gather_object(gathered, bad, group=_flat_group(mesh))
+        bad = [b for rank_bad in gathered for b in rank_bad]
+    if bad:
+        rank, got, want = bad[0]
+        raise ValueError(
+            f"DTensor.from_local: rank {rank}'s local tensor has shape {got}, but {tuple(placements)} "
+            f"gives it shape {want} of the global shape {tuple(shape)}"
+        )
+
+
+def _flat_group(mesh: DeviceMesh):
+    """The process group of all of ``mesh``'s ranks."""
+    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()

@@ -309,6 +309,11 @@ def _rebuild(dims, local_units, split_factor=1) -> RaggedShard:
     return RaggedShard(dims, local_units, split_factor=split_factor)
 
 
+# ``torch.load`` (``weights_only=True``, its default) of what holds RaggedShard DTensors (a
+# state dict, an optimizer's) may call the function that rebuilds the placement.
+torch.serialization.add_safe_globals([_rebuild])
+
+
 def ragged_placements(placements: Sequence[Placement]) -> list[tuple[int, RaggedShard]]:
     """``(mesh_dim, placement)`` for every RaggedShard in ``placements``."""
     return [(i, p) for i, p in enumerate(placements) if isinstance(p, RaggedShard)]

@@ -260,25 +260,32 @@ def _reshard_values(rank: int, ws: int):
             fully_shard(_net().blocks[0], mesh=mesh, reshard_after_forward=bad)
     m = _net()
     fully_shard(m.blocks[0], mesh=mesh, reshard_after_forward=None)
+    fully_shard(m.blocks[1], mesh=mesh, reshard_after_forward=2)
+    fully_shard(m.blocks[2], mesh=mesh, reshard_after_forward=2)
     fully_shard(m, mesh=mesh, reshard_after_forward=4)
-    state = m.blocks[0]._fsdp_state
-    assert state.reshard_after_forward is True
-    m.set_reshard_after_forward(1)
-    assert state.reshard_after_forward is False
-    m.set_reshard_after_forward(2)  # groups of 2 consecutive ranks: (0, 1), (2, 3)
-    pf = state.reshard_after_forward
+    assert m.blocks[0]._fsdp_state.reshard_after_forward is True
+    pf = m.blocks[1]._fsdp_state.reshard_after_forward  # groups of 2 consecutive ranks
     assert (pf.size, pf.rank, pf.factor) == (2, rank % 2, 2)
     assert torch.distributed.get_process_group_ranks(pf.group) == [rank // 2 * 2, rank // 2 * 2 + 1]
-    m.set_reshard_after_forward(2)
-    assert state.reshard_after_forward.group is pf.group  # created once per mesh and size
-    for bad in (3, "yes"):
-        with pytest.raises(ValueError, match=f"reshard_after_forward.*{bad}"):
+    # created once per mesh and size
+    assert m.blocks[2]._fsdp_state.reshard_after_forward.group is pf.group
+    # as FSDP2's: a bool, recurse may be positional
+    m.set_reshard_after_forward(False, False)
+    assert m._fsdp_state.reshard_after_forward is False
+    assert m.blocks[1]._fsdp_state.reshard_after_forward is pf
+    m.set_reshard_after_forward(False)
+    assert all(b._fsdp_state.reshard_after_forward is False for b in m.blocks)
+    for bad in (2, None, 1, "yes"):
+        with pytest.raises(ValueError, match="reshard_after_forward should be a bool"):
             m.set_reshard_after_forward(bad)
+    with pytest.raises(ValueError, match="recurse must be a bool"):
+        m.set_reshard_after_forward(True, 1)
     return True
 
 
 def test_reshard_after_forward_values_and_bad_values():
-    """A divisor of the shard world size (4) or a bool; others raise naming the argument."""
+    """fully_shard: a divisor of the shard world size (4), a bool or None; others raise naming
+    the argument. set_reshard_after_forward: a bool, as FSDP2's."""
     assert all(run_threaded(_reshard_values, 4))
 
 
@@ -719,10 +726,8 @@ def _fsdp_module_methods(rank: int, ws: int):
     m.set_force_sum_reduction_for_comms(True)
     m.set_reshard_after_backward(True)
     m.set_requires_all_reduce(True)
-    with pytest.raises(NotImplementedError, match=r"set_reshard_after_backward\(False\)"):
-        m.set_reshard_after_backward(False)
-    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_modules_to_forward_prefetch"):
-        m.set_modules_to_forward_prefetch([m.blocks[0]])
+    with pytest.raises(NotImplementedError, match=r"FSDPModule.set_custom_all_gather"):
+        m.set_custom_all_gather(None)
     with pytest.raises(ValueError, match="factor must be a positive number"):
         m.set_gradient_divide_factor(0)
     with pytest.raises(ValueError, match="is_last_backward must be a bool"):

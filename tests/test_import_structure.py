@@ -9,6 +9,17 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ragged_placement"
 
 
+def _module_path(name: str) -> pathlib.Path | None:
+    """The source of package module ``name`` (``None`` if it is not one)."""
+    if not name.startswith("ragged_placement."):
+        return None
+    base = ROOT.joinpath(*name.split(".")[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
 def _module_name(path: pathlib.Path) -> str:
     parts = ["ragged_placement", *path.relative_to(ROOT).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -27,8 +38,10 @@ def _runtime_imports(tree: ast.Module) -> list[str]:
         if isinstance(node, ast.Import):
             names.extend(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
-            names.extend(f"{node.module}.{a.name}" for a in node.names)
+            # ``from pkg import sub`` reads the submodule; ``from pkg import name`` the package
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                names.append(sub if _module_path(sub) is not None else node.module)
         for child in ast.iter_child_nodes(node):
             visit(child)
 

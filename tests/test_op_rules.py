@@ -237,7 +237,6 @@ def _check_unsupported(rank, world):
     cases = [
         (r"aten._softmax.*dim 0", lambda: torch.softmax(x, 0)),
         (r"aten.transpose.int", lambda: x.transpose(0, 1)),
-        (r"aten.cat.default", lambda: torch.cat([x, x], 0)),
         (r"aten.unsqueeze.default", lambda: x.unsqueeze(0)),
         (r"aten.mm.default.*replicated left operand", lambda: rep @ m),
         (r"aten.var.correction.*part of the dims", lambda: flat2.var(1)),
@@ -256,6 +255,10 @@ def _check_unsupported(rank, world):
     for pattern, fn in cases:
         with pytest.raises(NotImplementedError, match=pattern):
             fn()
+    # cat along the ragged prefix (parameters_to_vector) has a rule now: it gathers, exactly
+    joined = torch.cat([x, x], 0)
+    assert joined.placements == (Replicate(),)
+    assert torch.equal(joined.to_local(), torch.cat([x.full_tensor()] * 2, 0))
     with pytest.raises(RuntimeError, match="not supported"):  # the transposed layout does not redistribute
         m.t().full_tensor()
 

@@ -8,7 +8,16 @@ work on them.
 """
 
 from ragged_placement._install import install_fsdp2
-from ragged_placement.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard
+from ragged_placement.fsdp.api import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from ragged_placement.fsdp.common import CommStats
 from ragged_placement.fsdp.state_sharding import StateSharding
 from ragged_placement.fsdp.unit import FSDPUnit
@@ -16,5 +25,15 @@ from ragged_placement.fsdp.unit import FSDPUnit
 install_fsdp2()  # torch's fully_shard over these modules: a ValueError naming the module
 
 __all__ = [
-    "CommStats", "FSDPModule", "FSDPUnit", "MixedPrecisionPolicy", "StateSharding", "fully_shard",
+    "CPUOffloadPolicy",
+    "CommStats",
+    "FSDPModule",
+    "FSDPUnit",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "StateSharding",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -12,11 +13,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 
+from ragged_placement.fsdp._validation import (
+    check_granularity,
+    check_not_managed,
+    record_managed,
+    unmatched_patterns,
+)
 from ragged_placement.fsdp.common import UnitOptions
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
-from ragged_placement.fsdp.hooks import FSDPState
+from ragged_placement.fsdp.hooks import FSDPState, drop_unused_grads
 from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot, mesh_device
 from ragged_placement.fsdp.unit import FSDPUnit
@@ -30,6 +38,8 @@ __all__ = [
     "OffloadPolicy",
     "UnshardHandle",
     "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]
 
 
@@ -64,7 +74,8 @@ class FSDPModule:
 
     @property
     def fsdp_unit(self) -> FSDPUnit:
-        """This module's unit: its plan (``.plan``), buffers and communication counters (``.stats``)."""
+        """This module's unit: its flat buffers (``.buffers``, each with its ``.plan``) and
+        communication counters (``.stats``)."""
         return self._fsdp_state.unit
 
     def fsdp_units(self) -> Iterator[tuple[str, FSDPUnit]]:
@@ -79,6 +90,7 @@ class FSDPModule:
         """All-gather this unit's parameters and register the unsharded ones; with
         ``async_op=True`` only issue the all-gather and return a handle whose ``wait()``
         finishes it (the next forward waits for it too), as FSDP2."""
+        _check_bool("async_op", async_op)
         unit = self._fsdp_state.unit
         unit.unshard(async_op=async_op)
         if async_op:
@@ -112,6 +124,7 @@ class FSDPModule:
             raise ValueError(
                 f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}"
             )
+        _check_bool("recurse", recurse)
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
                 m._fsdp_state.requires_gradient_sync = requires_gradient_sync
@@ -129,24 +142,31 @@ class FSDPModule:
         the same units."""
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise ValueError(f"scale must be a number, got {scale!r}")
+        reduced = []
         for m in reversed(list(self.modules())):
             if isinstance(m, FSDPModule):
-                unit = m._fsdp_state.unit
-                if unit.has_unsharded_grads:
-                    unit.reduce_grads()
-                    unit.finish_reduce(scale=float(scale))
-                    unit.wait_offload_copies()
+                state = m._fsdp_state
+                if state.unit.has_unsharded_grads:
+                    state.note_reduce()
+                    state.unit.reduce_grads()
+                    state.unit.finish_reduce(scale=float(scale))
+                    state.unit.wait_offload_copies()
+                    reduced.append(state)
+        drop_unused_grads(reduced)
 
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool | int | None, *, recurse: bool = True
-    ) -> None:
-        """Whether units free their unsharded parameters after forward (root units never do);
-        the values :func:`fully_shard` takes, checked against each unit's shard world size (an
-        ``int`` creates its groups the first time for a mesh: call it on every rank)."""
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether units free their unsharded parameters after forward (root units never do).
+        As FSDP2's, a bool only (``recurse`` may be positional): an ``int`` ``N`` (the groups
+        to reshard to) and ``None`` are :func:`fully_shard`'s, not this method's."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)} "
+                f"({reshard_after_forward!r}; an int N or None is fully_shard's argument)"
+            )
+        _check_bool("recurse", recurse)
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
-                state = m._fsdp_state
-                state.reshard_after_forward = _reshard_setting(reshard_after_forward, state.unit)
+                m._fsdp_state.reshard_after_forward = reshard_after_forward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted as FSDP2 (pipeline schedules call it): every backward here finishes its
@@ -156,23 +176,102 @@ class FSDPModule:
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        """Only ``True`` (what the units always do): keeping the unsharded parameters across
-        backwards is not implemented."""
+        """As FSDP2's: with ``False``, units keep their gathered parameters after backward and
+        the next forward uses them without an all-gather (gradient accumulation: set it back to
+        ``True`` for the last micro-batch, before the optimizer steps, which the kept values
+        would not see). The sharded parameters stay registered."""
         _check_bool("reshard_after_backward", reshard_after_backward)
-        if not reshard_after_backward:
-            raise NotImplementedError(
-                "set_reshard_after_backward(False) is not implemented: units always reshard "
-                "after backward (for gradient accumulation use set_requires_gradient_sync(False))"
-            )
+        _check_bool("recurse", recurse)
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp_state.reshard_after_backward = reshard_after_backward
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Only ``True`` (HSDP's all-reduce always follows the reduce-scatter)."""
         _check_bool("requires_all_reduce", requires_all_reduce)
+        _check_bool("recurse", recurse)
         if not requires_all_reduce:
             raise NotImplementedError(
                 "set_requires_all_reduce(False) is not implemented: use "
                 "set_requires_gradient_sync(False), which skips reduce-scatter and all-reduce"
             )
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """As FSDP2's: after this unit's forward all-gather, issue those of ``modules`` (in
+        order) instead of the next unit of the recorded forward order."""
+        self._fsdp_state.forward_prefetch = _prefetch_states(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """As FSDP2's: after this unit's backward all-gather, issue those of ``modules`` (in
+        order) instead of the previous unit of the recorded forward order (also on CPU, where
+        the implicit backward prefetch is off)."""
+        self._fsdp_state.backward_prefetch = _prefetch_states(modules)
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: object = None
+    ) -> None:
+        """As FSDP2's: ``hook(reduce_output)`` runs on the unit's reduce-scatter output (after
+        HSDP's all-reduce), the summed flat gradient shard of each of its buffers (one per
+        dtype), in place, before the division and the landing in ``.grad``. It runs on the
+        current stream, where that output is ready: ``stream`` must be ``None``."""
+        if not callable(hook):
+            raise ValueError(f"hook must be callable, got {hook!r}")
+        if stream is not None:
+            raise ValueError(
+                "stream must be None: the hook runs on the current stream, after the "
+                "reduce-scatter it reads"
+            )
+        self._fsdp_state.unit.all_reduce_hook = hook
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """As FSDP2's (not recursive): with ``False`` this unit's backward does not all-gather
+        its parameters, for units whose backward does not read them (an embedding). Autograd
+        raises if one it saved is read after all (its storage is freed)."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        self._fsdp_state.unshard_in_backward = unshard_in_backward
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Every parameter is in the reduce-scatter here, whichever ranks used it (so ranks that
+        use different parameters, a mixture of experts, never mismatch). ``False`` (default):
+        a parameter no rank used gets ``.grad`` ``None`` (see ``hooks.drop_unused_grads``: one
+        small all-reduce per backward); ``True``: it keeps its zero gradient, as FSDP2 gives it
+        with ``True``, and no all-reduce runs for these units."""
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        _check_bool("recurse", recurse)
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp_state.keep_unused_grads = reduce_scatter_unused_params
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """As FSDP2's: the root's next all-gather waits for ``event`` (recorded after the
+        optimizer step), then forgets it. This runtime's all-gathers run on the current stream,
+        which waits for the event; call it on the root with a new event each iteration."""
+        if not isinstance(event, torch.Event) and not hasattr(event, "wait"):
+            raise ValueError(f"event must be a torch.Event, got {type(event).__name__}")
+        state = self._fsdp_state
+        if state.root is None:
+            state._lazy_init()
+        state.root.post_optim_event = event
+
+    def reset_iter_state(self) -> None:
+        """As FSDP2's, after an exception cut a forward or backward short, on the root: the
+        reduce-scatter in flight finishes, gradients not reduced yet are dropped, every unit is
+        resharded and the iteration's state cleared (restart a gradient accumulation; call
+        ``zero_grad()`` before the next step).
+
+        Raises:
+            RuntimeError: called on a module that is not a root.
+        """
+        state = self._fsdp_state
+        if state.root is not None and not state.is_root:
+            raise RuntimeError(
+                "reset_iter_state must be called on the root fully_shard module (the one "
+                f"forwarded first), not on {type(self).__name__}"
+            )
+        if state.root is not None:
+            state.root.reset()
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's summed gradients by ``factor`` instead of the data-parallel world
@@ -196,6 +295,9 @@ class FSDPModule:
         """Load into the sharded parameters in place. Values may be DTensors with this module's
         placements, DTensors with other placements (redistributed), or full tensors (this rank's
         RaggedShard run is taken from them). Other entries go through ``nn.Module``'s loader."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        _check_bool("strict", strict)
         if assign:
             raise ValueError(
                 "assign=True is not supported by fully_shard modules (loading is in place)"
@@ -235,17 +337,10 @@ def _not_implemented(name: str):
 
 # torch FSDP2's FSDPModule methods (2.11 - 2.13) without a counterpart here: they say so.
 for _name in (
-    "reset_iter_state",
-    "set_modules_to_forward_prefetch",
-    "set_modules_to_backward_prefetch",
     "set_custom_all_gather",
     "set_custom_reduce_scatter",
-    "set_all_reduce_hook",
-    "set_post_optim_event",
-    "set_reduce_scatter_unused_params",
     "set_reduce_scatter_max_input_buffers",
     "set_separate_reduce_scatter_group",
-    "set_unshard_in_backward",
     "set_allocate_memory_from_process_group_for_comm",
     "set_symm_mem_for_comm",
 ):
@@ -253,8 +348,9 @@ for _name in (
 del _name
 
 
-class UnshardHandle:
-    """What :meth:`FSDPModule.unshard` returns with ``async_op=True`` (as FSDP2's)."""
+class UnshardHandle(TorchUnshardHandle):
+    """What :meth:`FSDPModule.unshard` returns with ``async_op=True``: an instance of FSDP2's
+    ``UnshardHandle``."""
 
     def __init__(self, unit: FSDPUnit) -> None:
         self._unit: FSDPUnit | None = unit
@@ -265,6 +361,59 @@ class UnshardHandle:
             self._unit.wait_unshard()
             self._unit.register(sharded=False)
             self._unit = None
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """FSDP2's ``share_comm_ctx`` (pipeline stages, each a root, sharing CUDA streams): these
+    units have no streams of their own (collectives run on the process group's, copies on the
+    current stream), so there is nothing to share; the modules are checked as FSDP2 does.
+
+    Raises:
+        ValueError: ``modules`` is not a list of modules sharded by :func:`fully_shard`.
+    """
+    if not isinstance(modules, (list, tuple)):
+        raise ValueError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {m!r}")
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module``'s ``method_name`` (e.g. ``generate``) between the unit's pre- and
+    post-forward hooks, as its ``forward`` (torch FSDP2's function; torch's own, imported from
+    ``torch.distributed.fsdp``, reaches this one for these modules). A module sharded by
+    neither runtime is left as it is (FSDP2's no-op); one sharded by torch's goes to torch's.
+
+    Raises:
+        ValueError: ``method_name`` is not a method name of ``module``.
+    """
+    if isinstance(module, TorchFSDPModule) or not isinstance(module, FSDPModule):
+        from torch.distributed.fsdp import register_fsdp_forward_method as torchs
+
+        torchs(module, method_name)
+        return
+    if not isinstance(method_name, str):
+        raise TypeError(f"method_name must be a str, got {method_name!r}")
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"{type(module).__name__} does not have a method {method_name!r}")
+    method = getattr(module, method_name)
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        return state._post_forward(self, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def _prefetch_states(modules: object) -> list[FSDPState]:
+    if not isinstance(modules, (list, tuple)):
+        raise ValueError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"modules must be FSDPModules (fully_shard's), got {m!r}")
+    return [m._fsdp_state for m in modules]
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -634,12 +783,16 @@ def fully_shard(
     _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # checked before building
     offload = _check_offload_policy(offload_policy)
     device = mesh_device(mesh)
+    check_granularity(granularity)
     slots, params, owned_modules = _collect_params(modules, ignored)
+    where = type(modules[0]).__name__
+    check_not_managed([s.fqn for s in slots], params, where)
     _check_shard_placements(shard_placement_fn, slots, params, granularity)
     if check_quant(quant) is not None:
         for m in modules:
             convert_unit_linears(m, slots, params, quant)
         slots, params, owned_modules = _collect_params(modules, ignored)  # owners: FP8Linears
+    originals = list(params)  # the parameter objects this unit takes over (before any move)
     # Tensors on the meta device stay there until ``to_empty`` (FSDP2's meta-device init).
     for m in owned_modules:
         for k, b in m._buffers.items():
@@ -657,6 +810,8 @@ def fully_shard(
     )
     unit = FSDPUnit(slots, params, mesh, options)
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
+    state.unmatched_granularity = unmatched_patterns(granularity, modules)
+    record_managed([s.fqn for s in slots], originals, where)
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))

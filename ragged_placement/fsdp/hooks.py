@@ -28,9 +28,11 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
   first); with a :class:`~ragged_placement.fsdp.mesh.PostForwardMesh` (an ``int``
   ``reshard_after_forward``) keep this rank's ``1/N`` of the gathered buffer first, which
-  backward all-gathers over the ``N``-rank group. A unit that keeps its buffer still registers
-  its *sharded* parameters, so that ``model.parameters()`` outside forward and backward are
-  always the sharded ones (autograd holds the unsharded tensors it saved). Hook the outputs.
+  backward all-gathers over the ``N``-rank group. A unit that keeps its buffer still
+  registers its *sharded* parameters, so that ``model.parameters()`` outside forward and
+  backward are always the sharded ones (autograd holds the unsharded tensors it saved); the
+  root's unsharded ones stay reachable as attributes until its post-backward, as in FSDP2, for
+  a loss computed after forward (see ``FSDPState._show_unsharded``). Hook the outputs.
 * pre-backward (a hook on ``u``'s outputs; -> PRE_BACKWARD, once per backward of ``u``):
   re-gather, register the unsharded parameters (a recomputed forward reads them from the module)
   and prefetch the all-gather of the unit whose backward runs next (on GPUs). The first gradient
@@ -67,6 +69,7 @@ gathers there, the recomputation does not.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,11 +80,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_placement._compat import outside_selective_checkpoint
 from ragged_placement.fsdp._dynamo import dynamo_disable
+from ragged_placement.fsdp._validation import unmatched_patterns
 from ragged_placement.fsdp.common import TrainingState
 from ragged_placement.fsdp.mesh import PostForwardMesh
 from ragged_placement.fsdp.unit import FSDPUnit
 
-__all__ = ["FSDPState", "RootContext"]
+__all__ = ["FSDPState", "RootContext", "drop_unused_grads"]
 
 
 def _in_backward() -> bool:
@@ -98,6 +102,20 @@ class RootContext:
         self._recording: list[FSDPState] = []
         self.pending_reduce: FSDPUnit | None = None
         self.callback_queued = False
+        self.post_optim_event: torch.Event | None = None  # FSDPModule.set_post_optim_event
+
+    def prefetch_after(self, state: FSDPState, *, backward: bool) -> None:
+        """Prefetch what follows ``state``'s unshard: the units its
+        ``set_modules_to_{forward,backward}_prefetch`` named, in that order (on every device,
+        as FSDP2), else the next unit of the recorded order."""
+        explicit = state.backward_prefetch if backward else state.forward_prefetch
+        if explicit is not None:
+            for target in explicit:
+                target.unit.unshard(async_op=True)
+        elif backward:
+            self.prefetch(self.next_in_backward(state), backward=True)
+        else:
+            self.prefetch(self.next_in_forward(state))
 
     @staticmethod
     def prefetch(state: FSDPState | None, *, backward: bool = False) -> None:
@@ -129,6 +147,22 @@ class RootContext:
         """The root's forward ended: its recording is the order used to prefetch."""
         self.forward_order = self._recording
         self._recording = []  # a unit run on its own later must not extend forward_order
+
+    def reset(self) -> None:
+        """After an exception cut a forward or backward short: finish the reduce-scatter in
+        flight (its gradients land), drop the gradients not reduced yet, reshard every unit and
+        clear the per-iteration state, so the next iteration runs as the first."""
+        self.finish_pending_reduce()
+        for s in self.states:
+            for buffer in s.unit.buffers:
+                buffer.grads.unsharded = [None] * len(buffer.grads.unsharded)
+            s.unit.reshard()
+            s._show_unsharded(False)
+            s.training_state = TrainingState.IDLE
+            s._to_run.clear()
+            s.got_grad, s.had_grad = set(), None
+        self._recording = []
+        self.callback_queued = False
 
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is not None:
@@ -168,6 +202,23 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def _grad_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors that require grad in a module's output: in lists, tuples (named too), dicts
+    and dataclasses (a block returning a dataclass, which ``tree_flatten`` leaves whole), as
+    FSDP2 finds them."""
+    if torch.is_tensor(output):
+        return [output] if output.requires_grad else []
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        items = [getattr(output, f.name) for f in dataclasses.fields(output)]
+    elif isinstance(output, dict):
+        items = list(output.values())
+    elif isinstance(output, (list, tuple)):
+        items = list(output)
+    else:
+        return []
+    return [t for item in items for t in _grad_tensors(item)]
+
+
 def _map_float_tensors(fn, tree: Any) -> Any:
     leaves, spec = tree_flatten(tree)
     return tree_unflatten(
@@ -197,6 +248,21 @@ class FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.requires_gradient_sync = True
+        # patterns of the ``granularity`` mapping that matched no parameter of this unit's tree
+        # (checked against the root's tree at its lazy init)
+        self.unmatched_granularity: set[str] = set()
+        # slots that got a gradient since the last reduce-scatter, and whether each sharded
+        # parameter had a ``.grad`` before it (see :func:`drop_unused_grads`)
+        self.got_grad: set[int] = set()
+        self.had_grad: list[bool] | None = None
+        # FSDPModule.set_reduce_scatter_unused_params(True): unused parameters keep their zero
+        # reduced gradients, as FSDP2's (no agreement needed)
+        self.keep_unused_grads = False
+        # FSDPModule.set_modules_to_{forward,backward}_prefetch; None: the recorded order
+        self.reshard_after_backward = True  # FSDPModule.set_reshard_after_backward
+        self.unshard_in_backward = True  # FSDPModule.set_unshard_in_backward
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
         self.root: RootContext | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
@@ -216,6 +282,13 @@ class FSDPState:
                 s = getattr(m, "_fsdp_state", None)
                 if s is not None and all(s is not t for t in states):
                     states.append(s)
+        pending = set().union(*(s.unmatched_granularity for s in states))
+        typos = unmatched_patterns(dict.fromkeys(pending), self.modules)
+        if typos:
+            raise ValueError(
+                f"granularity: the pattern(s) {sorted(typos)} match no parameter of "
+                f"{type(self.module).__name__} (names relative to any of its modules)"
+            )
         ctx = RootContext(states)
         for s in states:
             s.root = ctx
@@ -232,6 +305,9 @@ class FSDPState:
         first = self._first_in_pass(module)
         with outside_selective_checkpoint():
             if self.is_root and first:
+                if ctx.post_optim_event is not None:  # the gathers below run on this stream
+                    ctx.post_optim_event.wait()
+                    ctx.post_optim_event = None
                 ctx.start_forward()
                 for s in ctx.states:
                     s.drop_stale_gather()
@@ -240,10 +316,11 @@ class FSDPState:
                         s._to_run.clear()  # a pass an exception cut short must not gate this one
             elif first:
                 ctx.record_forward(self)
+            # after the root dropped stale gathers (its own POST_FORWARD included)
             self.training_state = TrainingState.FORWARD
             self._unshard_and_register()
             if first:
-                ctx.prefetch(ctx.next_in_forward(self))
+                ctx.prefetch_after(self, backward=False)
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled() and first:
             args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
@@ -285,6 +362,22 @@ class FSDPState:
         if self.training_state is TrainingState.POST_FORWARD:
             self.unit.reshard()
             self.training_state = TrainingState.IDLE
+            self._show_unsharded(False)
+
+    def _show_unsharded(self, show: bool) -> None:
+        """Between the root's forward and its backward, attribute access to a root parameter
+        (``model.head.weight``) gives the unsharded parameter, as FSDP2's root: a loss computed
+        after forward from it (a fused linear-cross-entropy) works and reaches its gradient.
+        ``model.parameters()`` (the modules' ``_parameters``) still gives the sharded ones, so
+        an optimizer built after a forward steps them. The unsharded parameter sits in the
+        module's instance ``__dict__``, found before ``nn.Module.__getattr__`` looks at
+        ``_parameters``; post-backward (or the next forward) removes it."""
+        for slot, p in zip(self.unit.slots, self.unit.unsharded_params):
+            for module, attr in slot.owners:
+                if show:
+                    module.__dict__[attr] = p
+                else:
+                    module.__dict__.pop(attr, None)
 
     def _unshard_and_register(self) -> None:
         self.unit.unshard(async_op=False)
@@ -342,16 +435,16 @@ class FSDPState:
                 # autograd already holds the unsharded tensors it saved, and pre-backward
                 # registers them again for a recomputation.
                 self.unit.expose_sharded()
+                if self.is_root:
+                    self._show_unsharded(True)
         if grad:
             self._register_pre_backward(output)
         self.training_state = state
         return self._cast_output(output)
 
     def _register_pre_backward(self, output: Any) -> None:
-        leaves, _ = tree_flatten(output)
-        for t in leaves:
-            if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(self._pre_backward)
+        for t in _grad_tensors(output):
+            t.register_hook(self._pre_backward)
 
     # -- backward ------------------------------------------------------------------------------
     @dynamo_disable
@@ -363,15 +456,22 @@ class FSDPState:
         if not ctx.callback_queued:
             ctx.callback_queued = True
             Variable._execution_engine.queue_callback(self._root_final_callback)
-        self._unshard_and_register()
-        ctx.prefetch(ctx.next_in_backward(self), backward=True)
+        if self.unshard_in_backward:
+            self._unshard_and_register()
+        ctx.prefetch_after(self, backward=True)
 
     @dynamo_disable
     def _on_grad(self, index: int) -> None:
         # Runs before AccumulateGrad of unsharded parameter ``index``. A segment's gradient
         # buffer is allocated at its first gradient, not at pre-backward, where it would sit on
         # the activation peak.
+        self.got_grad.add(index)
         self.unit.prepare_grads(index)
+
+    def note_reduce(self) -> None:
+        """Called before the unit's reduce-scatter: which sharded parameters had a ``.grad``."""
+        if self.had_grad is None:
+            self.had_grad = [p.grad is not None for p in self.unit.sharded_params]
 
     @dynamo_disable
     def post_backward(self) -> None:
@@ -383,6 +483,7 @@ class FSDPState:
         unit = self.unit
         if unit.has_unsharded_grads and self.requires_gradient_sync:
             self.root.finish_pending_reduce()
+            self.note_reduce()
             unit.reduce_grads()
             if unit.device.type == "cpu":
                 # gloo stages the reduce-scatter in buffers of its own, alive with the input
@@ -391,7 +492,11 @@ class FSDPState:
                 unit.finish_reduce()
             else:
                 self.root.pending_reduce = unit
-        unit.reshard()
+        if self.reshard_after_backward:
+            unit.reshard()
+        else:  # FSDPModule.set_reshard_after_backward(False): the next forward reuses it
+            unit.expose_sharded()
+        self._show_unsharded(False)
         self.training_state = TrainingState.POST_BACKWARD
 
     @dynamo_disable
@@ -403,4 +508,43 @@ class FSDPState:
         ctx.finish_pending_reduce()
         for s in ctx.states:  # CPU offload: the optimizer reads the host gradients next
             s.unit.wait_offload_copies()
+        drop_unused_grads(ctx.states)
         ctx.callback_queued = False
+
+
+def drop_unused_grads(states: Sequence[FSDPState]) -> None:
+    """After the reduce-scatters: ``.grad = None`` for the parameters that no rank's backward
+    reached since the previous reduce-scatter and that had no ``.grad`` before it, as FSDP2
+    (and one process) leave them, so that the optimizer skips them (AdamW's weight decay does
+    not move them). A parameter some rank used (rank-dependent routing) keeps its reduced
+    gradient on every rank.
+
+    Ranks agree by one all-reduce (max) of one byte per parameter of the reduced units, per
+    distinct data-parallel group (one in the common case), per synchronizing backward, at its
+    end, whose result the host reads (on GPUs: a device sync there; ``FSDPModule.
+    set_reduce_scatter_unused_params(True)`` keeps zero gradients and skips it): a rank cannot know that no other rank used a parameter without hearing from each of
+    them, and the reduce-scatter delivers a parameter's sum only to the ranks holding part of
+    it (ragged shards leave others with none)."""
+    by_group: dict[tuple, list[FSDPState]] = {}
+    for s in states:
+        if s.had_grad is not None and s.keep_unused_grads:
+            s.got_grad, s.had_grad = set(), None
+        elif s.had_grad is not None:
+            dp = s.unit.dp
+            by_group.setdefault((dp.shard_group, dp.replicate_group), []).append(s)
+    for (shard_group, replicate_group), group_states in by_group.items():
+        used = torch.tensor(
+            [i in s.got_grad for s in group_states for i in range(len(s.unit.slots))],
+            dtype=torch.uint8, device=group_states[0].unit.device,
+        )
+        for g in (shard_group, replicate_group):
+            if g is not None:
+                torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.MAX, group=g)
+        flags = iter(used.tolist())
+        for s in group_states:
+            unit = s.unit
+            for slot, p, had, anywhere in zip(unit.slots, unit.sharded_params, s.had_grad, flags):
+                if slot.requires_grad and not had and not anywhere:
+                    p.grad = None
+            s.unit.release_dropped_grads()
+            s.got_grad, s.had_grad = set(), None

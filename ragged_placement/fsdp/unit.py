@@ -116,6 +116,8 @@ class FSDPUnit:
     state: UnitState
     # FSDPModule.set_gradient_divide_factor; None: the data-parallel world size
     gradient_divide_factor: float | None
+    # FSDPModule.set_all_reduce_hook: called on each buffer's reduced (summed) gradient shard
+    all_reduce_hook: Callable[[torch.Tensor], None] | None
     _where: list[tuple[int, int]]  # slot index -> (buffer, index in the buffer)
     _empty_device: torch.device  # the device of a unit without buffers
     _post_forward: PostForwardMesh | None  # set in SHARDED_POST_FORWARD
@@ -137,6 +139,7 @@ class FSDPUnit:
         self.stats = CommStats()
         self.state = UnitState.SHARDED
         self.gradient_divide_factor = None
+        self.all_reduce_hook = None
         self._empty_device = torch.device(mesh.device_type)
         self._post_forward = None
         self._ag_work = None
@@ -316,6 +319,8 @@ class FSDPUnit:
                 dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dp.replicate_group)
                 self.stats.all_reduces += 1
                 self.stats.all_reduce_bytes += out.numel() * out.element_size()
+            if self.all_reduce_hook is not None:
+                self.all_reduce_hook(out)
             b.grads.land(out, scale, divisor)
 
     def wait_offload_copies(self) -> None:

@@ -10,16 +10,18 @@ differs from the global one (a flattened prefix is one local dim), the local dim
 Rules here, by tag or name:
 
 * pointwise ops (``torch.Tag.pointwise``, ``masked_fill``), the ``_foreach_*`` family torch's
-  optimizers call, ``*_like`` factories, casts, ``clone``/``copy_``/``fill_``/``zero_``: run
-  locally. Operands with the lead's shape and other placements are redistributed to its
-  placements; an operand constant along the ragged rows (a scalar, or size 1 / absent on the
+  optimizers call and their fused kernels (``_fused_adamw_``, ...), ``*_like`` factories,
+  casts, ``clone``/``copy_``/``fill_``/``zero_``: run locally. Operands with the lead's shape
+  and other placements are redistributed to its placements; an operand constant along the ragged rows (a scalar, or size 1 / absent on the
   prefix dims) is replicated; a row-sharded operand with the same rows broadcasts within rows; a
   pending sum stays pending only through ops linear in it (``add``/``sub`` of equal partials,
   ``mul``/``div`` by a replica, scalings) and is reduced first otherwise; anything else raises.
 * reductions ``sum``, ``mean``, ``linalg_vector_norm``, ``_foreach_norm``: reduce locally; every
   sharded mesh dim whose cut dims are all reduced becomes ``Partial`` (sum), a
   :class:`RaggedMeanPartial` (mean: each rank weighted by its share, exact for uneven and empty
-  shards) or torch's ``_NormPartial``; dims that are not reduced keep their placement.
+  shards) or, for a norm, ``Partial("max")`` / ``Partial("min")`` (``ord=inf`` / ``-inf``),
+  ``Partial("sum")`` (``ord=0``, a count) or torch's ``_NormPartial`` (other orders); an empty
+  shard's norm is the reduction's identity. Dims that are not reduced keep their placement.
 * ``x.new_empty_strided(size, ...)`` and the other ``new_*`` factories (autograd calls them to
   accumulate gradients) keep ``x``'s placements when ``size`` has ``x``'s sizes on the cut dims.
 * random ops (:data:`ragged_placement.rng.RANDOM_OPS`) keep the input's placements;
@@ -60,6 +62,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ragged_placement._compat import NormPartial
+from ragged_placement.ops import _local_ops  # noqa: F401 - registers torch.ops.ragged_placement
 from ragged_placement.ops._common import output_specs as _output_specs
 from ragged_placement.ops._common import ragged_of, respec, rewrite
 from ragged_placement.ops._common import unsupported as _unsupported
@@ -75,6 +78,7 @@ from ragged_placement.regions import shard_size_and_offset
 from ragged_placement.rng import RANDOM_OPS
 
 aten = torch.ops.aten
+ours = torch.ops.ragged_placement
 
 __all__ = ["propagate", "RaggedMeanPartial", "spec_has_ragged"]
 
@@ -145,8 +149,20 @@ _UNTAGGED_POINTWISE = {
 }
 
 
+# The fused optimizer kernels (``AdamW(fused=True)``): element-wise over lists, as ``_foreach_*``.
+_FUSED_OPTIMIZER_OPS = ("aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_",
+                        "aten::_fused_adagrad_")
+
+
+def _is_list_op(op) -> bool:
+    """Whether ``op`` takes lists of tensors and works element ``i`` of each list together."""
+    return op.name().startswith("aten::_foreach_") or op.name() in _FUSED_OPTIMIZER_OPS
+
+
 def _is_pointwise(op) -> bool:
     name = op.name()
+    if name in _FUSED_OPTIMIZER_OPS:
+        return True
     if name.startswith("aten::_foreach_"):
         return name[len("aten::"):].split(".")[0].rstrip("_") not in _NON_POINTWISE_FOREACH
     return torch.Tag.pointwise in op.tags or op in _LIKE_OPS or op in _UNTAGGED_POINTWISE
@@ -235,7 +251,7 @@ def _partial_dims_to_replicate(op, specs: list[DTensorSpec], lead_index: int) ->
 def _pointwise(op_schema: OpSchema, meta) -> OutputSharding:
     args = op_schema.args_schema
     op = op_schema.op
-    is_foreach = op.name().startswith("aten::_foreach_")
+    is_foreach = _is_list_op(op)
     inplace = op_schema.is_inplace_op() or op_schema.is_out_variant_op()
 
     def operands(i: int) -> list[DTensorSpec]:
@@ -335,7 +351,7 @@ def _reduce_placements(op_schema, spec: DTensorSpec, reduced: set[int], keepdim:
         if kind == "sum":
             out.append(Partial("sum"))
         elif kind == "norm":
-            out.append(NormPartial(ord_))
+            out.append(_norm_partial(ord_))
         else:  # mean: each rank's share of the reduced elements
             n = mesh.size(m)
             level = _level_shape(spec, m, coord)
@@ -345,6 +361,35 @@ def _reduce_placements(op_schema, spec: DTensorSpec, reduced: set[int], keepdim:
                 weights = [shard_size_and_offset(level[p.dim], n, c)[0] / level[p.dim] for c in range(n)]
             out.append(RaggedMeanPartial(weights))
     return out
+
+
+def _norm_partial(ord_: float) -> Partial:
+    """The pending reduction of per-rank ``ord``-norms: the max / min of the shards' norms for
+    ``inf`` / ``-inf``, the sum of their nonzero counts for ``0``, else torch's ``_NormPartial``
+    (``(sum_c value_c ** ord) ** (1 / ord)``, which excludes those three)."""
+    if ord_ == math.inf:
+        return Partial("max")
+    if ord_ == -math.inf:
+        return Partial("min")
+    if ord_ == 0:
+        return Partial("sum")
+    return NormPartial(ord_)
+
+
+def _may_be_empty(spec: DTensorSpec) -> bool:
+    """Whether some rank's local tensor of ``spec`` may be empty (an empty RaggedShard run)."""
+    return any(isinstance(p, RaggedShard) and 0 in p.local_units for p in spec.placements)
+
+
+def _empty_shard_raises(ord_: float) -> bool:
+    """Whether torch's norm kernel raises on an empty tensor for ``ord`` (no identity)."""
+    return ord_ < 0 or ord_ == math.inf
+
+
+def _check_inf_norm(op_schema: OpSchema, spec: DTensorSpec, ord_: float, reduced: set[int]) -> None:
+    """As torch: a norm without identity over no elements raises (in the rule, on every rank)."""
+    if _empty_shard_raises(ord_) and any(spec.shape[d] == 0 for d in reduced):
+        raise RuntimeError(f"{op_schema.op}: the {ord_} norm of an empty tensor has no identity")
 
 
 def _level_shape(spec: DTensorSpec, mesh_dim: int, coord) -> list[int]:
@@ -358,10 +403,16 @@ def _reduction(op_schema: OpSchema, meta) -> OutputSharding:
     op = op_schema.op
     if op is aten._foreach_norm.Scalar:
         specs, ord_ = op_schema.args_schema[0], (op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 2)
+        for s in specs:
+            _check_inf_norm(op_schema, s, ord_, set(range(s.ndim)))
         outs = [_reduce_placements(op_schema, s, set(range(s.ndim)), False, "norm", ord_) for s in specs]
-        return OutputSharding([_with_meta(s, pl, m) for s, pl, m in zip(specs, outs, meta)])
+        out = [_with_meta(s, pl, m) for s, pl, m in zip(specs, outs, meta)]
+        if _empty_shard_raises(ord_) and any(_may_be_empty(s) for s in specs):
+            return rewrite(op_schema, out, op_schema.args_schema, op=ours.foreach_norm.default)
+        return OutputSharding(out)
     spec = op_schema.args_schema[0]
     reduced, keepdim = _reduced_dims(op_schema, spec.ndim)
+    local_op = None
     if op in _SUM_OPS:
         placements = _reduce_placements(op_schema, spec, reduced, keepdim, "sum")
     elif op in _MEAN_OPS:
@@ -369,12 +420,15 @@ def _reduction(op_schema: OpSchema, meta) -> OutputSharding:
     else:
         args = op_schema.args_schema
         ord_ = args[1] if len(args) > 1 else op_schema.kwargs_schema.get("ord", 2)
-        if math.isinf(ord_) and any(isinstance(p, RaggedShard) and 0 in p.local_units for p in spec.placements):
-            raise _unsupported(op_schema, "an inf-norm over shards that may be empty (it has no identity)")
+        _check_inf_norm(op_schema, spec, ord_, reduced)
         placements = _reduce_placements(op_schema, spec, reduced, keepdim, "norm", ord_)
+        if _empty_shard_raises(ord_) and _may_be_empty(spec):
+            local_op = ours.vector_norm.default  # an empty shard's norm is the identity
     out = _with_meta(spec, placements, meta)
     ragged = ragged_of(spec)
     if ragged is None or len(ragged[1].dims) == 1 or op in (aten.sum.default, aten.mean.default):
+        if local_op is not None:
+            return rewrite(op_schema, out, op_schema.args_schema, op=local_op)
         return OutputSharding(out)
     # The local tensor flattens the k > 1 prefix dims into one: pass it the local dims.
     k = len(ragged[1].dims)
@@ -385,7 +439,7 @@ def _reduction(op_schema: OpSchema, meta) -> OutputSharding:
     defaults = [None, 2, None] if op in _NORM_OPS else [None, None]  # (self, ord, dim) / (self, dim)
     args = list(op_schema.args_schema) + defaults[len(op_schema.args_schema):]
     args[at] = local
-    return rewrite(op_schema, out, args)
+    return rewrite(op_schema, out, args, op=local_op)
 
 
 def _same_cut_dims(spec: DTensorSpec, size: tuple[int, ...]) -> bool:

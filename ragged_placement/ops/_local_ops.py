@@ -8,6 +8,10 @@ needs more than the aten op gives, the rule names one of these instead:
   (not a mean of variances) for uneven and empty shards;
 * ``extreme``: ``amax`` / ``amin`` whose empty local shard gives the reduction's identity (an
   empty ``amax`` is an error in torch), for a ``Partial("max" / "min")`` output;
+* ``vector_norm`` / ``foreach_norm``: ``linalg_vector_norm`` / ``_foreach_norm`` whose empty local
+  shard gives, where torch's kernel raises (``ord=inf`` and ``ord < 0``), the identity of the
+  pending reduction: ``0`` (a norm's lower bound) for ``Partial("max")``, ``inf`` for
+  ``Partial("min")`` and for a negative ``_NormPartial`` (``inf ** p == 0``);
 * ``embedding_rows``: a lookup in the rank's run of vocabulary rows, zero where the id is outside
   it, for a ``Partial(sum)`` output;
 * ``nll_loss_mean``: ``nll_loss`` with ``reduction="mean"`` over row-sharded logits: the local sum
@@ -34,6 +38,11 @@ LIB.define(
     "Scalar? correction=None, bool keepdim=False) -> Tensor"
 )
 LIB.define("extreme(Tensor self, int[] dim, bool keepdim, bool is_max) -> Tensor")
+LIB.define(
+    "vector_norm(Tensor self, Scalar ord=2, int[1]? dim=None, bool keepdim=False, *, ScalarType? dtype=None) "
+    "-> Tensor"
+)
+LIB.define("foreach_norm(Tensor[] self, Scalar ord=2, ScalarType? dtype=None) -> Tensor[]")
 LIB.define(
     "embedding_rows(Tensor weight, Tensor indices, SymInt padding_idx, bool scale_grad_by_freq, bool sparse, "
     "int start, int num_embeddings) -> Tensor"
@@ -83,6 +92,17 @@ def _extreme(x, dim, keepdim, is_max):
     return x.new_full(shape, identity)
 
 
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    if x.numel() or not (ord < 0 or ord == math.inf):
+        return torch.linalg.vector_norm(x, ord, dim, keepdim, dtype=dtype)
+    out = torch.linalg.vector_norm(x, 2, dim, keepdim, dtype=dtype)  # zeros of the output's shape
+    return out if ord > 0 else out.fill_(math.inf)  # inf: what a negative p-norm of none is
+
+
+def _foreach_norm(xs, ord=2, dtype=None):
+    return [_vector_norm(x, ord, dtype=dtype) for x in xs]
+
+
 def _embedding_rows(weight, indices, padding_idx, scale_grad_by_freq, sparse, start, num_embeddings):
     # torch's embedding raises on an id out of range (a device-side assert on GPU): so do we
     torch._assert_async(((indices >= 0) & (indices < num_embeddings)).all(),
@@ -101,6 +121,7 @@ def _nll_loss_mean(x, target, weight, reduction, ignore_index, group):
     return loss_sum / total_weight, total_weight
 
 
-for _name, _fn in [("global_var", _global_var), ("extreme", _extreme), ("embedding_rows", _embedding_rows),
+for _name, _fn in [("global_var", _global_var), ("extreme", _extreme), ("vector_norm", _vector_norm),
+                   ("foreach_norm", _foreach_norm), ("embedding_rows", _embedding_rows),
                    ("nll_loss_mean", _nll_loss_mean)]:
     LIB.impl(_name, _fn, "CompositeExplicitAutograd")

@@ -4,6 +4,7 @@ A rank holds whole rows of the flattened prefix, so any op that leaves the prefi
 within rows runs on the local tensor with the dims (and sizes) translated to local ones:
 ``transpose`` / ``permute`` / ``unsqueeze`` / ``squeeze`` / ``expand`` / slicing / ``select`` /
 ``index_select`` / ``cat`` / ``stack`` / ``split`` on dims after the prefix, and their backward ops.
+``cat`` along the prefix (``parameters_to_vector``) gathers its operands: the result is replicated.
 
 ``view`` / ``reshape`` keep row-major element order, and a rank's share of a RaggedShard tensor
 is one contiguous range of that order (``split_factor == 1``): its ``[c_i, c_i + u_i) * numel /
@@ -25,7 +26,7 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Placement, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 
@@ -223,7 +224,8 @@ def _slice_select_backward(op_schema: OpSchema, meta) -> OutputSharding:
 
 # -- joins and splits -------------------------------------------------------------------------------
 def _join(op_schema: OpSchema, meta) -> OutputSharding:
-    """``cat`` / ``stack`` along a dim after the prefix: every operand row-sharded alike."""
+    """``cat`` / ``stack`` along a dim after the prefix: every operand row-sharded alike; ``cat``
+    along the prefix: replicated."""
     tensors = list(op_schema.args_schema[0])
     dim = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 0
     lead = next((t for t in tensors if ragged_of(t) is not None), None)
@@ -232,6 +234,12 @@ def _join(op_schema: OpSchema, meta) -> OutputSharding:
     m, p = ragged_of(lead)
     ndim = len(meta.shape)
     d = norm_dim(dim, ndim)
+    if op_schema.op is aten.cat.default and d < len(p.dims):
+        # along the ragged rows (``parameters_to_vector``): no rank's rows of the result are one
+        # run, so the operands are gathered and the result replicated, as torch's cat of Shard(0)
+        targets = [replicated(t) for t in tensors]
+        out = with_meta(lead, [Replicate()] * lead.mesh.ndim, meta)
+        return rewrite(op_schema, out, [targets, *op_schema.args_schema[1:]])
     _check_after_prefix(op_schema, p, [d])
     if any(t.ndim != lead.ndim for t in tensors):
         raise unsupported(op_schema, "operands of different ranks")

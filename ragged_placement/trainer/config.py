@@ -20,8 +20,8 @@ __all__ = ["RUNTIMES", "STATE_SHARDINGS", "TrainConfig", "check_world", "parse_c
 
 RUNTIMES = ("ours", "fsdp2")
 STATE_SHARDINGS = ("zero3", "hsdp", "zero1", "zero2", "amsp", "auto")
-# Per-state sharding (one placement per state: parameters, gradients, optimizer state) is the
-# StateSharding runtime of issue 25, which does not exist yet.
+# Per-state sharding (one placement per state: parameters, gradients, optimizer state): issue
+# 25's StateSharding, which no fully_shard honours yet.
 _NEEDS_STATE_SHARDING = ("zero1", "zero2", "amsp", "auto")
 OPTIMIZERS = ("adamw", "muon", "shampoo")
 PRECISIONS = ("fp32", "bf16")
@@ -209,8 +209,8 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.state_sharding in _NEEDS_STATE_SHARDING:
         raise ValueError(
             f"--state-sharding {cfg.state_sharding}: per-state sharding (separate placements for "
-            "parameters, gradients and optimizer state) needs the StateSharding runtime of "
-            "issue 25, which is not available yet; use zero3 or hsdp"
+            "parameters, gradients and optimizer state, issue 25's StateSharding) needs a "
+            "runtime that honours it, which fully_shard does not yet; use zero3 or hsdp"
         )
     _check_mesh(cfg)
     if cfg.fp8 and cfg.runtime != "ours":

@@ -1,0 +1,81 @@
+"""Checks of :func:`~ragged_placement.fsdp.fully_shard`'s input that span several calls.
+
+* A parameter tied across units (an embedding and an output head each under its own
+  ``fully_shard``) would become two parameters, silently untied: each parameter object a unit
+  takes over is remembered, and a later ``fully_shard`` that meets it raises, as FSDP2 does (at
+  its lazy init; here at the call, before any collective).
+* A ``granularity`` mapping whose pattern matches no parameter (a typo) would change the layout
+  without a word. Per-unit calls share one mapping (the FSDP2 recipe), so a pattern need not
+  match in every call: each call keeps the patterns that matched nothing in its module tree, and
+  the root raises at its lazy init (before the first all-gather, on every rank alike) for those
+  that match no parameter of the whole model.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ragged_placement.planner.granularity import Granularity
+
+__all__ = ["check_granularity", "check_not_managed", "record_managed", "unmatched_patterns"]
+
+# Every parameter object a fully_shard unit took over -> "Module.param" (where it went).
+_MANAGED = WeakIdKeyDictionary()
+
+
+def check_not_managed(names: Sequence[str], params: Sequence[nn.Parameter], where: str) -> None:
+    """Raise if one of ``params`` (named ``names`` in ``where``) belongs to another unit."""
+    for name, p in zip(names, params):
+        owner = _MANAGED.get(p)
+        if owner is not None:
+            raise ValueError(
+                f"fully_shard({where}): parameter {name!r} is shared with {owner}, already "
+                f"managed by another fully_shard unit (a tied weight would be silently untied). "
+                f"For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
+                f"them in the same unit."
+            )
+
+
+def record_managed(names: Sequence[str], params: Sequence[nn.Parameter], where: str) -> None:
+    """Remember that ``params`` (named ``names`` in ``where``) now belong to a unit."""
+    for name, p in zip(names, params):
+        _MANAGED[p] = f"{where}'s parameter {name!r}"
+
+
+def check_granularity(granularity: object) -> None:
+    """A ``{pattern: Granularity}`` mapping's keys must be strings and its values
+    ``Granularity``; other policies are checked by the planner."""
+    if not isinstance(granularity, Mapping):
+        return
+    for pattern, gran in granularity.items():
+        if not isinstance(pattern, str):
+            raise TypeError(
+                f"granularity's keys must be fnmatch patterns (str), got {pattern!r} "
+                f"({type(pattern).__name__})"
+            )
+        if not isinstance(gran, Granularity):
+            raise TypeError(
+                f"granularity maps {pattern!r} to {gran!r} ({type(gran).__name__}), "
+                f"not a Granularity"
+            )
+
+
+def unmatched_patterns(granularity: object, modules: Sequence[nn.Module]) -> set[str]:
+    """The patterns of a ``granularity`` mapping that match no parameter name of ``modules``'
+    trees, relative to any module in them (``"fc1.weight"`` matches ``blocks.0.fc1.weight``)."""
+    if not isinstance(granularity, Mapping) or not granularity:
+        return set()
+    names = {
+        ".".join(parts[i:])
+        for m in modules
+        for fqn, _ in m.named_parameters(remove_duplicate=False)
+        for parts in [fqn.split(".")]
+        for i in range(len(parts))
+    }
+    if len(modules) > 1:  # a list's names, as the planner sees them, start with the index
+        names |= {f"{i}.{fqn}" for i, m in enumerate(modules) for fqn, _ in m.named_parameters()}
+    return {p for p in granularity if not any(fnmatch.fnmatchcase(n, p) for n in names)}
