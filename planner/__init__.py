@@ -11,6 +11,7 @@ and communication model (:mod:`.state_sharding`).
 """
 
 from ragged_placement.planner.granularity import CutSpec, Granularity, GranularityPolicy
+from ragged_placement.planner.layout import FlatLayout
 from ragged_placement.planner.packing import chunk_lower_bound
 from ragged_placement.planner.plan import Plan, Segment, plan, plan_units
 from ragged_placement.planner.segments import SegmentedPlan, plan_segmented
@@ -32,5 +33,5 @@ __all__ = [
     "plan", "plan_units", "plan_segmented", "Plan", "SegmentedPlan", "Segment", "Granularity",
     "GranularityPolicy", "CutSpec", "chunk_lower_bound", "UnevenPlan", "plan_uneven",
     "shard0_padding", "layers_per_unit", "plan_state_sharding", "StateShardingPlan",
-    "ShardingCandidate", "profile_mesh", "gather_starts",
+    "ShardingCandidate", "profile_mesh", "gather_starts", "FlatLayout",
 ]

@@ -25,8 +25,8 @@ Replicate              Partial                the placement's own partition (loc
 =====================  =====================  ==========================================
 
 No step materializes a full replica unless the target is ``Replicate``. This module plans the
-steps and dispatches each to the RaggedShard side's transform method
-(:meth:`RaggedShard._transform_to` / ``_transform_from``); the data movement is in
+steps and runs each through :func:`ragged_placement.transforms.transform` (as
+:meth:`RaggedShard._transform_to` / ``_transform_from`` do); the data movement is in
 :mod:`ragged_placement.transforms`, which packs and unpacks through ``as_strided`` views of the
 regions (:mod:`ragged_placement.regions`), so the only copies are into the send buffer and out of
 the receive buffer.
@@ -98,13 +98,10 @@ def _level_shape(global_shape, placements, mesh: DeviceMesh, coord, i: int) -> l
 
 
 def _step(x, p: Placement, q: Placement, mesh: DeviceMesh, i: int, logical_shape) -> torch.Tensor:
-    """One step on mesh dim ``i``: the RaggedShard side owns the transform; steps between
-    torch's placements (on a mesh dim of a spec with a RaggedShard elsewhere) use the same
-    region-based data movement."""
-    if isinstance(p, RaggedShard):
-        return p._transform_to(q, x, mesh, i, logical_shape)
-    if isinstance(q, RaggedShard):
-        return q._transform_from(p, x, mesh, i, logical_shape)
+    """One step on mesh dim ``i``, a RaggedShard on either side or neither (a step between
+    torch's placements on a mesh dim of a spec with a RaggedShard elsewhere): the same
+    region-based data movement (:func:`ragged_placement.transforms.transform`, which
+    ``RaggedShard._transform_to`` / ``_transform_from`` also run)."""
     return transforms.transform(x, p, q, mesh, i, logical_shape)
 
 

@@ -100,7 +100,7 @@ def _tp(rank: int, state, ckpt: str) -> dict:
     out["grad_placements"] = tuple(wq.grad.placements)
     out["grad_view"] = (
         wq.grad._local_tensor.untyped_storage().data_ptr()
-        == flat.sharded_grad.untyped_storage().data_ptr()
+        == flat.grads.sharded.untyped_storage().data_ptr()
     )
     model.zero_grad()
     out["full"] = _full(model)

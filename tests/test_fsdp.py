@@ -191,7 +191,9 @@ def _count_step(rank: int, ws: int, runtime: str, reshard: bool):
         else None
     )
     # the threaded PG runs a coalesced collective as one call per segment (gloo and NCCL as one op)
-    segments = {name: len(u.buffers[0].plan.segments) for name, u in m.fsdp_units()} if runtime == "ours" else None
+    segments = None
+    if runtime == "ours":
+        segments = {name: len(u.buffers[0].plan.segments) for name, u in m.fsdp_units()}
     return dict(_COUNTS.get(threading.get_ident(), {})), per_unit, segments
 
 
@@ -237,7 +239,7 @@ def _zero_copy(rank: int, ws: int):
             zip(unit.slots, unit.unsharded_params, unit.sharded_params)
         ):
             name = f"{prefix}.{slot.fqn}" if prefix else slot.fqn
-            buf, o = flat.grad_buffer_of(i)
+            buf, o = flat.grads.buffer_of(i)
             checks.append(up.grad.data_ptr() == buf.data_ptr() + o * buf.element_size())
             checks.append(torch.allclose(up.grad, ref_grads[name].grad, atol=1e-6))
             local = sp._local_tensor
@@ -259,11 +261,13 @@ def _zero_copy(rank: int, ws: int):
             if g._local_tensor.numel():
                 begin, _ = flat.plan.local_slice(slot.fqn, rank)
                 checks.append(
-                    g._local_tensor.data_ptr() == flat.sharded_grad.data_ptr() + begin * 4
+                    g._local_tensor.data_ptr() == flat.grads.sharded.data_ptr() + begin * 4
                 )
             expect = sp.placements[0].shard_local(2 * ref_grads[name].grad, rank)
             checks.append(torch.allclose(g._local_tensor, expect, atol=1e-6))
-    unit_storage = [b._storage.nbytes() for _, u in m.fsdp_units() for b in u.buffers]
+    unit_storage = [
+        b.unsharded.untyped_storage().nbytes() for _, u in m.fsdp_units() for b in u.buffers
+    ]
     return all(checks), len(checks), unit_storage
 
 
@@ -416,8 +420,8 @@ def _first_gradients(rank: int, ws: int):
         if any(name == prefix for name, *_ in seen):
             return
         (flat,) = unit.buffers
-        allocated = [k for k, g in enumerate(flat.unsharded_grads) if g is not None]
-        seen.append((prefix, len(flat.plan.segments), flat._segment_of[index], allocated))
+        allocated = [k for k, g in enumerate(flat.grads.unsharded) if g is not None]
+        seen.append((prefix, len(flat.plan.segments), flat.grads.segment_of[index], allocated))
 
     for prefix, unit in m.fsdp_units():
         for i, p in enumerate(unit.unsharded_params):

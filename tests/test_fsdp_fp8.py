@@ -213,7 +213,8 @@ def _gather_rank(rank: int, ws: int):
             _expected_gather_nbytes(u, ws),
             u.buffers[0].fp8.padding_nbytes,
             u.buffers[0].fp8.assembled_nbytes,
-            u.buffers[0]._storage.nbytes() + u.buffers[0].fp8.assembled.untyped_storage().nbytes(),
+            u.buffers[0].unsharded.untyped_storage().nbytes()
+            + u.buffers[0].fp8.assembled.untyped_storage().nbytes(),
         )
         for name, u in units.items()
     }
@@ -312,7 +313,7 @@ def _fp8_train_rank(rank: int, ws: int, steps: int, batch: int):
 
     def landed(p: torch.Tensor, unit, index: int) -> None:
         # right after AccumulateGrad: the gradient is the parameter's view of the flat buffer
-        buf, offset = unit.buffers[0].grad_buffer_of(index)
+        buf, offset = unit.buffers[0].grads.buffer_of(index)
         zero_copy.append(p.grad.data_ptr() == buf.data_ptr() + offset * buf.element_size())
 
     handles = [

@@ -110,7 +110,7 @@ def _meta_init_and_train(rank: int, ws: int, runtime: str):
                 for u in units
                 for sp in u.sharded_params
             ),
-            "unsharded_freed": all(u._storage.nbytes() == 0 for u in units),
+            "unsharded_freed": all(u.unsharded.untyped_storage().nbytes() == 0 for u in units),
             "device": all(u.device == torch.device("cpu") for u in units),
         }
     full = {n: p.full_tensor() for n, p in m.named_parameters()}

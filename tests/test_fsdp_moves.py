@@ -70,13 +70,13 @@ def _views_of_units(m: nn.Module, dtype: torch.dtype) -> bool:
         u.sharded.untyped_storage().data_ptr() for u in units
     }
     for u in units:
-        ok &= u.sharded.dtype == dtype and u._storage.nbytes() == 0
+        ok &= u.sharded.dtype == dtype and u.unsharded.untyped_storage().nbytes() == 0
         for p in u.sharded_params:
             ok &= p.dtype == dtype
             ok &= p._local_tensor.untyped_storage().data_ptr() == u.sharded.untyped_storage().data_ptr()
             if p.grad is not None:
                 g = p.grad._local_tensor
-                ok &= g.untyped_storage().data_ptr() == u.sharded_grad.untyped_storage().data_ptr()
+                ok &= g.untyped_storage().data_ptr() == u.grads.sharded.untyped_storage().data_ptr()
                 ok &= g.dtype == dtype
     return bool(ok)
 

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp import fully_shard
+from ragged_placement.fsdp.buffer import check_move_target
 from ragged_placement.quant import BlockFP8Config
 
 WORLD = 4
@@ -67,7 +68,7 @@ def _check_step(m: Net) -> None:
         assert s.all_gathers >= 1 and s.reduce_scatters == 1, name
         assert (s.h2d_copies, s.d2h_copies) == (s.all_gathers, s.reduce_scatters), name
         assert s.h2d_bytes == s.all_gathers * chunk_bytes, name
-        assert s.d2h_bytes == flat.sharded_grad.numel() * flat.sharded_grad.element_size(), name
+        assert s.d2h_bytes == flat.grads.sharded.numel() * flat.grads.sharded.element_size(), name
         assert flat.sharded_device == flat.offload_device == torch.device("cpu"), name
         for p in unit.sharded_params:
             assert isinstance(p, DTensor) and p._local_tensor.device.type == "cpu", name
@@ -166,7 +167,7 @@ def _bad_input(rank: int, ws: int):
     # a move to another device than CPU is refused (a CPU-only torch cannot make a CUDA
     # tensor, so the unit's check is called as apply_ calls it)
     with pytest.raises(ValueError, match=r"offloads its sharded parameters \(offload_policy="):
-        flat._check_target(torch.device("cuda", 0), torch.float32, "inp.weight")
+        check_move_target(flat, torch.device("cuda", 0), torch.float32, "inp.weight")
     plain = fully_shard(_net(), mesh=mesh).fsdp_unit.buffers[0]
     assert plain.offload_device is None and plain.sharded_device == plain.device
     return True

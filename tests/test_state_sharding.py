@@ -301,7 +301,7 @@ def test_module_input_groups_units_as_fully_shard():
     nested = [[("router.weight", (4, 16))] if k == 0 else [("weight", (16, 16))]
               for _ in range(2) for k in range(5)]
     _same_candidates(_plan(moe), _plan(nested + [[("emb.weight", (8, 16))]]))
-    # a unit of two dtypes is planned per dtype, as the runtime's MultiDtypeUnit
+    # a unit of two dtypes is planned per dtype, as the runtime's FSDPUnit (a FlatBuffer per dtype)
     mixed = _plan([[("w", (16, 8)), ("n", (8,), torch.bfloat16)]])
     z3 = mixed.find(StateSharding.zero3(MESH)).memory_per_rank
     assert z3["params"] == 32 * 4 + 2 * 2  # 32 fp32 and 2 bf16 elements per rank

@@ -20,21 +20,19 @@ Buffers (``W`` = world size, ``P`` = ``param_dtype``, ``R`` = ``reduce_dtype``):
 * ``unsharded``: ``[S*W]`` in ``P``, the all-gather output. Its storage is allocated on unshard
   and resized to 0 on reshard. The unsharded parameters are views of that storage at their plan
   offsets, so the all-gather is the only data movement: no copy-in, no copy-out.
-* ``unsharded_grads``: one ``[S_k*W]`` buffer in ``P`` per plan segment ``k``, zero-filled when
-  backward reaches the segment's first parameter. Each unsharded parameter's ``.grad`` is preset
-  to a view of its segment's buffer, so autograd's ``AccumulateGrad`` adds the parameter
-  gradient into it in place; the buffers are then the reduce-scatter inputs. For a unit that wraps
-  other units the runtime asks the planner for segments that follow the unit's submodules where
-  they pad no more, so that the embedding's gradient buffer, say, is not allocated at the output
-  projection's gradient, a whole backward before it is needed.
-* ``sharded_grad``: ``[S]`` in the parameters' dtype: the reduce-scatter output (averaged over
-  the world). Each sharded parameter's ``.grad`` is a RaggedShard DTensor view of it.
+* the gradient buffers (:class:`~ragged_placement.fsdp.grads.FlatGrads`): one ``[S_k*W]``
+  buffer in ``P`` per plan segment ``k`` that ``AccumulateGrad`` adds into in place, allocated
+  when backward reaches the segment (for a unit that wraps other units the planner's segments
+  follow the unit's submodules where they pad no more, so that the embedding's gradient buffer,
+  say, is not allocated at the output projection's gradient, a whole backward before it is
+  needed), and the ``[S]`` sharded gradient in the parameters' dtype, the averaged
+  reduce-scatter output that the sharded parameters' ``.grad`` DTensors view.
 
 With mixed precision the sharded chunk is cast into a ``[S]`` send buffer in ``P`` before the
 all-gather and the gradient buffer is cast to ``R`` before the reduce-scatter: those casts are the
 only element-wise passes besides the collectives.
 
-With CPU offload ``sharded`` and ``sharded_grad`` live on the host and the rest on the mesh's
+With CPU offload ``sharded`` and the sharded gradient live on the host and the rest on the mesh's
 device ``device``, staged by :class:`~ragged_placement.fsdp.offload.OffloadStaging`.
 
 With ``quant`` (block-wise FP8, :mod:`ragged_placement.fsdp.fp8`) a buffer holding FP8 weights
@@ -45,7 +43,7 @@ gradient buffers are unchanged.
 With an ``int`` ``reshard_after_forward`` ``N``
 (:class:`~ragged_placement.fsdp.mesh.PostForwardMesh`) post-forward keeps ``post_forward_shard``: this rank's ``1/N`` of the gathered buffer (the
 chunks of ``W // N`` consecutive shard ranks, contiguous in every plan segment: the plan's
-segments coarsened, :meth:`FlatBuffer.post_forward_segments`), copied out once before
+segments coarsened, :meth:`PostForwardMesh.coarsen`), copied out once before
 ``unsharded`` is freed; backward's all-gather runs over the ``N``-rank group from it, into
 ``unsharded`` as before, and frees it.
 """
@@ -53,22 +51,23 @@ segments coarsened, :meth:`FlatBuffer.post_forward_segments`), copied out once b
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from ragged_placement.fsdp.collectives import Gather, Reduction
+from ragged_placement.fsdp.collectives import Gather
 from ragged_placement.fsdp.common import CommStats, UnitOptions
 from ragged_placement.fsdp.fp8 import FP8UnitGather, is_fp8_weight
+from ragged_placement.fsdp.gather import PlainGather
+from ragged_placement.fsdp.grads import FlatGrads
 from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
 from ragged_placement.fsdp.offload import OffloadStaging
 from ragged_placement.fsdp.param import (
     ParamLayout,
     ParamSlot,
-    alias,
     mesh_device,
     rebind,
     resolve_granularity,
@@ -76,9 +75,10 @@ from ragged_placement.fsdp.param import (
     tp_spec_of,
     unit_tp_mesh,
 )
+from ragged_placement.planner.layout import FlatLayout
 from ragged_placement.planner.plan import Segment
 
-__all__ = ["FlatBuffer", "plan_buffer"]
+__all__ = ["FlatBuffer", "check_move_target", "plan_buffer"]
 
 
 def _submodule_groups(fqns: list[str]) -> list[list[str]]:
@@ -98,7 +98,7 @@ def plan_buffer(
     *,
     split_by_submodule: bool,
     uneven: bool = True,
-):
+) -> FlatLayout:
     """The buffer's flat layout, checked equal on every rank of ``group``.
 
     Segments (several flat layouts, one coalesced collective) when they pad less; the FP8
@@ -158,6 +158,64 @@ def _checked_result(out: object, before: DTensor, fqn: str, what: str) -> DTenso
     return out
 
 
+def _param_layouts(
+    plan: FlatLayout,
+    slots: list[ParamSlot],
+    tp_specs: list[DTensorSpec | None],
+    rank: int,
+    world_size: int,
+    tp_mesh: DeviceMesh | None,
+    mesh: DeviceMesh,
+) -> list[ParamLayout]:
+    """Each parameter's :class:`ParamLayout` in ``plan``, checked against its cut."""
+    layouts: list[ParamLayout] = []
+    views = plan.local_views(torch.empty(plan.chunk_numel, device="meta"), rank)
+    for slot, tp_spec in zip(slots, tp_specs):
+        placement = plan.placements[slot.fqn]
+        placement.check_mesh_size(world_size)
+        layout = ParamLayout(slot.fqn, placement, slot.shape, tp_spec, tp_mesh, mesh)
+        layout.check(plan.granularities[slot.fqn])
+        local = views[slot.fqn]
+        if tuple(local.shape) != placement.local_shape(slot.shape, rank):
+            raise ValueError(
+                f"plan gives {slot.fqn} a local view of shape {tuple(local.shape)}, but "
+                f"{placement!r} needs {placement.local_shape(slot.shape, rank)}"
+            )
+        layouts.append(layout)
+    return layouts
+
+
+def check_move_target(
+    buffer: FlatBuffer, device: torch.device, dtype: torch.dtype, fqn: str
+) -> None:
+    """``ValueError`` unless ``buffer`` can live on ``device`` in ``dtype`` (a move or cast of
+    its module, :meth:`FlatBuffer.apply_`; ``fqn`` names the parameter moved first)."""
+    fp8 = [s.fqn for s, q in zip(buffer.slots, buffer.quantized) if q]
+    allowed = (torch.float32, torch.bfloat16, torch.float16)
+    if fp8 and buffer.mp_dtypes[0] is None and dtype not in allowed:
+        raise ValueError(
+            f"cannot cast the FP8 unit holding {fp8[0]} to {dtype}: the parameters it "
+            f"all-gathers next to the FP8 weights must be float32, bfloat16 or float16"
+        )
+    mesh_type = buffer.dp.mesh.device_type
+    if buffer.offload is not None:
+        if device.type not in (buffer.offload.host.type, "meta"):
+            raise ValueError(
+                f"cannot move parameter {fqn} of a fully_shard unit to {device}: the unit "
+                f"offloads its sharded parameters (offload_policy=CPUOffloadPolicy()), so "
+                f"they stay on {buffer.offload.host} and are copied to the mesh's "
+                f"{mesh_type} device for each all-gather; materialize a "
+                f"meta-device model with to_empty(device='cpu') (as FSDP2 requires)"
+            )
+        return
+    if device.type not in (mesh_type, "meta"):
+        raise ValueError(
+            f"cannot move parameter {fqn} of a fully_shard unit to {device}: its mesh is on "
+            f"{mesh_type} (move the model before fully_shard, or build the mesh "
+            f"on {device.type})"
+        )
+
+
 class FlatBuffer:
     """The flat buffers and parameter views of one dtype's parameters in a ``fully_shard`` unit.
 
@@ -191,31 +249,26 @@ class FlatBuffer:
     quantized: list[bool]
     tp_mesh: object
     spmd_mesh: object
-    plan: object
+    plan: FlatLayout
     chunk_numel: int
     layouts: list[ParamLayout]
     specs: list[DTensorSpec]
     unsharded_specs: list[DTensorSpec | None]
     sharded_params: list[nn.Parameter]
     unsharded_params: list[nn.Parameter]
-    fp8: FP8UnitGather | None
+    # the all-gather output and the unsharded tensors (None on the meta device)
+    gather: PlainGather | FP8UnitGather | None
     offload: OffloadStaging | None
     device: torch.device  # the compute device (the mesh's under CPU offload)
     orig_dtype: torch.dtype
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     sharded: torch.Tensor
-    unsharded: torch.Tensor | None
-    sharded_grad: torch.Tensor | None
-    unsharded_grads: list[torch.Tensor | None]
+    grads: FlatGrads
     post_forward_shard: torch.Tensor | None  # see the module docstring
-    _mp_dtypes: tuple[torch.dtype | None, torch.dtype | None]
-    _segment_of: list[int]
-    _storage: torch.UntypedStorage | None
-    _storage_nbytes: int
-    _gathered_dtype: torch.dtype | None
+    mp_dtypes: tuple[torch.dtype | None, torch.dtype | None]  # (param, reduce); None: own dtype
+    _gathered_dtype: torch.dtype | None  # the param_dtype the gather was built for
     _ag_send: torch.Tensor | None  # the all-gather's input, alive until it is waited on
-    _rs_output: torch.Tensor | None  # the reduce-scatter's output, until it lands
 
     def __init__(
         self,
@@ -230,7 +283,7 @@ class FlatBuffer:
         self.rank = dp.shard_rank
         self.world_size = dp.shard_size
         self.quant = options.quant
-        self._mp_dtypes = (options.param_dtype, options.reduce_dtype)
+        self.mp_dtypes = (options.param_dtype, options.reduce_dtype)
         policy = options.offload_policy
         self.offload = OffloadStaging(policy, stats) if policy is not None else None
         dtype = params[0].dtype
@@ -248,12 +301,13 @@ class FlatBuffer:
             split_by_submodule=options.split_by_submodule,
         )
         self.chunk_numel = self.plan.chunk_numel
-        self.layouts = self._layouts(tp_specs)
-        self._segment_of = [self.plan.segment_index(slot.fqn) for slot in slots]
+        self.layouts = _param_layouts(
+            self.plan, slots, tp_specs, self.rank, self.world_size, self.tp_mesh, self.spmd_mesh
+        )
+        self.grads = FlatGrads(self)
         self.sharded_params = []
         self.unsharded_params = []
-        self.fp8 = None
-        self.unsharded = None
+        self.gather = None
         self._gathered_dtype = None
         locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
         device = _buffer_device(slots, locals_)
@@ -263,26 +317,6 @@ class FlatBuffer:
         self.bind()
 
     # -- layout ---------------------------------------------------------------------------------
-    def _layouts(self, tp_specs: list[DTensorSpec | None]) -> list[ParamLayout]:
-        """Each parameter's :class:`ParamLayout`, checked against its plan cut."""
-        layouts: list[ParamLayout] = []
-        views = self.plan.local_views(torch.empty(self.chunk_numel, device="meta"), self.rank)
-        for slot, tp_spec in zip(self.slots, tp_specs):
-            placement = self.plan.placements[slot.fqn]
-            placement.check_mesh_size(self.world_size)
-            layout = ParamLayout(
-                slot.fqn, placement, slot.shape, tp_spec, self.tp_mesh, self.spmd_mesh
-            )
-            layout.check(self.plan.granularities[slot.fqn])
-            local = views[slot.fqn]
-            if tuple(local.shape) != placement.local_shape(slot.shape, self.rank):
-                raise ValueError(
-                    f"plan gives {slot.fqn} a local view of shape {tuple(local.shape)}, but "
-                    f"{placement!r} needs {placement.local_shape(slot.shape, self.rank)}"
-                )
-            layouts.append(layout)
-        return layouts
-
     # -- buffers --------------------------------------------------------------------------------
     def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the flat buffers for parameters in ``dtype`` on ``device``: the zeroed
@@ -295,35 +329,31 @@ class FlatBuffer:
         offloaded = self.offload is not None and device.type != "meta"
         self.device = mesh_device(self.dp.mesh) if offloaded else device
         self.orig_dtype = dtype
-        param_dtype, reduce_dtype = self._mp_dtypes
+        param_dtype, reduce_dtype = self.mp_dtypes
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         # The unsharded parameters never live on the meta device: they keep their hooks only
         # through moves between devices of one tensor type (see rebind).
-        self.sharded = self._new_sharded(dtype)
+        self.sharded = self.new_sharded(dtype)
         self._allocate_unsharded(self.device)
         self._ag_send = None
         self.post_forward_shard = None
-        # Gradient buffers, one per plan segment, each allocated at the first gradient that
-        # reaches one of its parameters (see prepare_grads).
-        self.unsharded_grads = [None] * len(self.plan.segments)
-        self.sharded_grad = None
-        self._rs_output = None
+        self.grads.reset()
 
     @property
     def offload_device(self) -> torch.device | None:
-        """Where ``sharded`` and ``sharded_grad`` live under CPU offload (``None``: no offload)."""
+        """Where ``sharded`` and the sharded gradient live under CPU offload (``None``: none)."""
         return self.offload.host if self.offload is not None else None
 
     @property
     def sharded_device(self) -> torch.device:
-        """Where ``sharded`` and ``sharded_grad`` live: the host under CPU offload (unless on
+        """Where ``sharded`` and the sharded gradient live: the host under CPU offload (unless on
         the meta device), else the compute device :attr:`device`."""
         if self.offload is None or self.device.type == "meta":
             return self.device
         return self.offload.host
 
-    def _new_sharded(self, dtype: torch.dtype, *, zero: bool = True) -> torch.Tensor:
+    def new_sharded(self, dtype: torch.dtype, *, zero: bool = True) -> torch.Tensor:
         """A new ``[S]`` buffer for the sharded chunk or gradient on :attr:`sharded_device`,
         in pinned memory under ``CPUOffloadPolicy(pin_memory=True)``."""
         if self.sharded_device.type == "cpu" and self.offload is not None:
@@ -331,37 +361,44 @@ class FlatBuffer:
         new = torch.zeros if zero else torch.empty
         return new(self.chunk_numel, dtype=dtype, device=self.sharded_device)
 
+    @property
+    def fp8(self) -> FP8UnitGather | None:
+        """The FP8 gather of a buffer holding FP8 weights (``None`` otherwise)."""
+        return self.gather if isinstance(self.gather, FP8UnitGather) else None
+
+    @property
+    def unsharded(self) -> torch.Tensor | None:
+        """The all-gather output (``None`` on the meta device)."""
+        return self.gather.gathered if self.gather is not None else None
+
     def _allocate_unsharded(self, device: torch.device) -> None:
-        """The all-gather output on ``device`` in ``param_dtype``, its storage freed; kept as
-        it is if it already is there (a move of the sharded chunk alone). A buffer on the meta
-        device has none (``None``) until ``to_empty``: :meth:`bind` gives it placeholders."""
+        """The gather (all-gather output and unsharded tensors) on ``device`` in
+        ``param_dtype``, its storage freed; kept as it is if it already is there (a move of the
+        sharded chunk alone). A buffer on the meta device has none until ``to_empty``:
+        :meth:`bind` gives it placeholders."""
         if self.device.type == "meta":
-            self.unsharded = self._storage = self.fp8 = None
+            self.gather = None
             return
-        old = self.unsharded
-        if old is not None and (old.device, self._gathered_dtype) == (device, self.param_dtype):
+        old = self.gather
+        if old is not None and (old.gathered.device, self._gathered_dtype) == (
+            device,
+            self.param_dtype,
+        ):
             return
         self._gathered_dtype = self.param_dtype
-        if any(self.quantized):
-            self.fp8 = FP8UnitGather(
-                self.plan,
-                [s.fqn for s in self.slots],
-                [s.shape for s in self.slots],
-                self.quantized,
-                [s.requires_grad for s in self.slots],
-                self.quant,
-                self.param_dtype,
-                device,
-            )
-            self.unsharded = self.fp8.gathered  # its storage is the FP8 gather's
-            self._storage = self.unsharded.untyped_storage()
-        else:
-            self.unsharded = torch.empty(
-                self.plan.buffer_numel, dtype=self.param_dtype, device=device
-            )
-            self._storage = self.unsharded.untyped_storage()
-            self._storage_nbytes = self._storage.nbytes()
-            self._storage.resize_(0)
+        if not any(self.quantized):
+            self.gather = PlainGather(self.plan, self.slots, self.param_dtype, device)
+            return
+        self.gather = FP8UnitGather(
+            self.plan,
+            [s.fqn for s in self.slots],
+            [s.shape for s in self.slots],
+            self.quantized,
+            [s.requires_grad for s in self.slots],
+            self.quant,
+            self.param_dtype,
+            device,
+        )
 
     def _copy_in(self, params: list[torch.Tensor]) -> None:
         """Copy this rank's run of each (TP-local) parameter into the sharded chunk."""
@@ -405,38 +442,27 @@ class FlatBuffer:
         self.register(sharded=True)
 
     def _unsharded_views(self) -> list[torch.Tensor]:
-        """The unsharded parameters' tensors (and :attr:`unsharded_specs`): aliases of the
-        all-gather output, the FP8 gather's parameters, or placeholders on the meta device."""
-        if self.unsharded is None:
-            # On the meta device: one-element placeholders of each parameter's shape on the
-            # mesh's device, re-pointed (hooks kept) at the all-gather output by to_empty.
-            self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
-            compute = mesh_device(self.dp.mesh)
-            unsharded = [
-                torch.zeros((), dtype=self.param_dtype, device=compute).expand(slot.shape)
-                for slot in self.slots
-            ]
-            return [
-                t if tp is None else DTensor(t, tp, requires_grad=False)
-                for t, tp in zip(unsharded, self.unsharded_specs)
-            ]
+        """The unsharded parameters' tensors (and :attr:`unsharded_specs`): the gather's
+        (tensor-parallel ones wrapped as DTensors on the TP mesh, TP-local views), or
+        placeholders on the meta device."""
         if self.fp8 is not None:
             self.unsharded_specs = [None] * len(self.slots)
             return self.fp8.params
-        # Tensor-parallel parameters are unsharded as DTensors on the TP mesh (TP-local views).
         self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
-        unsharded = []
-        for slot, tp in zip(self.slots, self.unsharded_specs):
-            t = alias(
-                self._storage,
-                self.param_dtype,
-                self.unsharded.device,
-                self.plan.offsets[slot.fqn],
-                slot.shape,
-            )
-            unsharded.append(t if tp is None else DTensor(t, tp, requires_grad=False))
-        self._storage.resize_(0)  # set_ grew it to hold the aliases
-        return unsharded
+        if self.gather is None:
+            # On the meta device: one-element placeholders of each parameter's shape on the
+            # mesh's device, re-pointed (hooks kept) at the all-gather output by to_empty.
+            compute = mesh_device(self.dp.mesh)
+            tensors = [
+                torch.zeros((), dtype=self.param_dtype, device=compute).expand(slot.shape)
+                for slot in self.slots
+            ]
+        else:
+            tensors = self.gather.params
+        return [
+            t if tp is None else DTensor(t, tp, requires_grad=False)
+            for t, tp in zip(tensors, self.unsharded_specs)
+        ]
 
     # -- parameters ----------------------------------------------------------------------------
     def register(self, *, sharded: bool) -> None:
@@ -483,7 +509,7 @@ class FlatBuffer:
                     if out is p:
                         continue
                     target = (out._local_tensor.device, out.dtype)
-                    self._check_target(*target, slot.fqn)
+                    check_move_target(self, *target, slot.fqn)
                     self.allocate(*target)
                     for j in range(i):  # the parameters fn left unchanged
                         self._store(j, old[j][0], target, self.slots[j].fqn)
@@ -496,34 +522,7 @@ class FlatBuffer:
         for p, _ in old:
             p.grad = None  # a gradient of the old dtype would block the rebind
         self.bind()
-        self._land_moved_grads(grads)
-
-    def _check_target(self, device: torch.device, dtype: torch.dtype, fqn: str) -> None:
-        """``ValueError`` unless the buffer can live on ``device`` in ``dtype``."""
-        fp8 = [s.fqn for s, q in zip(self.slots, self.quantized) if q]
-        allowed = (torch.float32, torch.bfloat16, torch.float16)
-        if fp8 and self._mp_dtypes[0] is None and dtype not in allowed:
-            raise ValueError(
-                f"cannot cast the FP8 unit holding {fp8[0]} to {dtype}: the parameters it "
-                f"all-gathers next to the FP8 weights must be float32, bfloat16 or float16"
-            )
-        mesh_type = self.dp.mesh.device_type
-        if self.offload is not None:
-            if device.type not in (self.offload.host.type, "meta"):
-                raise ValueError(
-                    f"cannot move parameter {fqn} of a fully_shard unit to {device}: the unit "
-                    f"offloads its sharded parameters (offload_policy=CPUOffloadPolicy()), so "
-                    f"they stay on {self.offload.host} and are copied to the mesh's "
-                    f"{mesh_type} device for each all-gather; materialize a "
-                    f"meta-device model with to_empty(device='cpu') (as FSDP2 requires)"
-                )
-            return
-        if device.type not in (mesh_type, "meta"):
-            raise ValueError(
-                f"cannot move parameter {fqn} of a fully_shard unit to {device}: its mesh is on "
-                f"{mesh_type} (move the model before fully_shard, or build the mesh "
-                f"on {device.type})"
-            )
+        self.grads.land_moved(grads)
 
     def _store(
         self, index: int, value: DTensor, target: tuple[torch.device, torch.dtype], fqn: str
@@ -540,20 +539,6 @@ class FlatBuffer:
         if end > begin and "meta" not in (self.device.type, value._local_tensor.device.type):
             self.sharded[begin:end].copy_(value._local_tensor.reshape(-1))
 
-    def _land_moved_grads(self, grads: list[torch.Tensor | None]) -> None:
-        """Copy gradients mapped by :meth:`apply_` into a new flat sharded gradient."""
-        if all(g is None for g in grads):
-            return
-        self.sharded_grad = self._new_sharded(self.orig_dtype)
-        views = self.plan.local_views(self.sharded_grad, self.rank)
-        for slot, spec, p, g in zip(self.slots, self.specs, self.sharded_params, grads):
-            if g is None:
-                continue
-            view = views[slot.fqn]
-            if "meta" not in (self.device.type, g._local_tensor.device.type):
-                view.copy_(g._local_tensor.to(self.orig_dtype))
-            p.grad = DTensor(view, spec, requires_grad=False)
-
     # -- all-gather ------------------------------------------------------------------------------
     def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
         """Give the unsharded buffer its storage and build the send buffer (cast, CPU-offload
@@ -565,47 +550,37 @@ class FlatBuffer:
                 f"meta device: materialize the model with model.to_empty(device=...) and "
                 f"initialize it (init_weights() / reset_parameters()) before the first forward"
             )
-        if self.fp8 is not None:
-            self.fp8.allocate()
-        else:
-            self._storage.resize_(self._storage_nbytes)
+        self.gather.allocate()
         send = self._send_buffer(pf)
         self._ag_send = send
         world_size = self.world_size if pf is None else pf.size
-        segments = self._gather_segments if pf is None else self.post_forward_segments(pf)
+        gather = self._gather_segments
+        segments = gather if pf is None else pf.coarsen(gather)
         group = self.dp.shard_group if pf is None else pf.group
-        return Gather(self.unsharded, send, segments, world_size, group, pf is not None)
+        return Gather(self.gather.gathered, send, segments, world_size, group, pf is not None)
 
     def _send_buffer(self, pf: PostForwardMesh | None) -> torch.Tensor:
-        """This rank's input of the all-gather: the post-forward shard, the packed FP8 chunk,
-        the staged (CPU offload) or cast chunk, or the sharded chunk itself."""
+        """This rank's input of the all-gather: the post-forward shard, or the gather's packing
+        (FP8 blocks and scales, or the mixed-precision cast) of the sharded chunk, staged
+        host-to-device first under CPU offload (a plain gather's cast in the same copy)."""
         if pf is not None:
             return self.post_forward_shard
-        if self.fp8 is not None:
-            own = self.sharded
-            if self.offload is not None:
-                own = self.offload.to_device(self.sharded, self.orig_dtype, self.device)
-            return self.fp8.pack(self.rank, own)  # own blocks -> FP8 + scales, no comm
-        if self.offload is not None:  # with the mixed-precision cast
-            return self.offload.to_device(self.sharded, self.param_dtype, self.device)
-        if self.param_dtype == self.orig_dtype:
-            return self.sharded
-        return self.sharded.to(self.param_dtype)  # the mixed-precision cast: the only copy
+        own = self.sharded
+        if self.offload is not None:
+            dtype = self.orig_dtype if self.fp8 is not None else self.param_dtype
+            own = self.offload.to_device(self.sharded, dtype, self.device)
+        return self.gather.pack(self.rank, own)
 
     def finish_unshard(self) -> None:
         """After the all-gather completed: free its send buffer and the post-forward shard it
         was gathered from, and assemble the FP8 weights."""
         self._ag_send = None
         self.post_forward_shard = None
-        if self.fp8 is not None:
-            self.fp8.assemble()
+        self.gather.assemble()
 
     def free_unsharded(self) -> None:
         """Free the unsharded buffer's storage (the unsharded parameters keep their views)."""
-        if self.fp8 is not None:
-            self.fp8.free()
-        else:
-            self._storage.resize_(0)
+        self.gather.free()
 
     def expose_sharded(self) -> None:
         """Register the sharded parameters once a CPU-offload staging copy still reading the
@@ -627,27 +602,11 @@ class FlatBuffer:
         its send buffers (bytes, in rank order; uneven where they are)."""
         return [self.fp8.segment] if self.fp8 is not None else self.plan.segments
 
-    def post_forward_segments(self, pf: PostForwardMesh) -> list:
-        """The all-gather's segments coarsened to ``pf``'s ``N`` places: place ``j`` owns, in
-        each segment, the chunks of shard ranks ``j * factor`` to ``(j + 1) * factor - 1``
-        (equal: ``factor * chunk_numel`` elements; uneven: ``rank_starts[::factor]``), at
-        ``chunk_offset`` in :attr:`post_forward_shard`."""
-        out, offset = [], 0
-        for seg in self._gather_segments:
-            if seg.rank_starts is None:
-                starts, numel = None, seg.chunk_numel * pf.factor
-            else:
-                starts = seg.rank_starts[:: pf.factor]
-                numel = max(b - a for a, b in zip(starts, starts[1:]))
-            out.append(replace(seg, chunk_offset=offset, chunk_numel=numel, rank_starts=starts))
-            offset += numel
-        return out
-
     def post_forward_copy(self, pf: PostForwardMesh) -> torch.Tensor:
         """This rank's place of the gathered buffer (``1/N`` of it, one copy), to keep in
         :attr:`post_forward_shard` once the buffer is freed (FSDP2's
         ``to_sharded_post_forward``)."""
-        segments = self.post_forward_segments(pf)
+        segments = pf.coarsen(self._gather_segments)
         kept = self.unsharded.new_empty(sum(s.chunk_numel for s in segments))
         for seg in segments:
             lo, hi = seg.rank_range(pf.rank)
@@ -655,107 +614,3 @@ class FlatBuffer:
                 self.unsharded[seg.buffer_offset + lo : seg.buffer_offset + hi]
             )
         return kept
-
-    # -- gradients -------------------------------------------------------------------------------
-    def release_dropped_grads(self) -> None:
-        """Free the flat sharded gradient once ``zero_grad()`` has dropped every ``.grad`` viewing
-        it, so that it does not sit through the next forward."""
-        if self.sharded_grad is not None and all(
-            p.grad is None or not p.requires_grad for p in self.sharded_params
-        ):
-            self.sharded_grad = None
-
-    @property
-    def has_unsharded_grads(self) -> bool:
-        """Whether backward has produced gradients that are not reduced yet."""
-        return any(g is not None for g in self.unsharded_grads)
-
-    @property
-    def reducing(self) -> bool:
-        """Whether a reduce-scatter of this buffer's gradients has not landed yet."""
-        return self._rs_output is not None
-
-    def grad_buffer_of(self, index: int) -> tuple[torch.Tensor | None, int]:
-        """The gradient buffer of slot ``index``'s segment and the slot's offset in it."""
-        k = self._segment_of[index]
-        seg = self.plan.segments[k]
-        return self.unsharded_grads[k], self.plan.offsets[self.slots[index].fqn] - seg.buffer_offset
-
-    def prepare_grads(self, index: int) -> None:
-        """Called before slot ``index``'s first gradient of a backward lands: allocate its
-        segment's zeroed flat buffer and preset the ``.grad`` of each parameter in the segment
-        to its view of it, so that AccumulateGrad adds into the buffer in place."""
-        k = self._segment_of[index]
-        if self.unsharded_grads[k] is not None:
-            return  # allocated by an earlier parameter, or accumulating micro-batches
-        self.release_dropped_grads()
-        seg = self.plan.segments[k]
-        buf = torch.zeros(
-            seg.buffer_numel(self.world_size), dtype=self.param_dtype, device=self.device
-        )
-        self.unsharded_grads[k] = buf
-        for i, (slot, p, tp) in enumerate(
-            zip(self.slots, self.unsharded_params, self.unsharded_specs)
-        ):
-            if slot.requires_grad and self._segment_of[i] == k:
-                o = self.plan.offsets[slot.fqn] - seg.buffer_offset
-                g = buf[o : o + slot.shape.numel()].view(slot.shape)
-                p.grad = g if tp is None else DTensor(g, tp, requires_grad=False)
-
-    def prepare_reduce(self) -> Reduction:
-        """Release the unsharded gradients into the reduce-scatter inputs (cast to
-        ``reduce_dtype``; a segment no gradient reached contributes zeros) and allocate its
-        output; returns what to reduce-scatter. The unit issues it with its other buffers'."""
-        assert self.has_unsharded_grads and self._rs_output is None
-        for p in self.unsharded_params:
-            p.grad = None
-        rs_in = [
-            g if g is not None else torch.zeros(
-                seg.buffer_numel(self.world_size), dtype=self.reduce_dtype, device=self.device
-            )
-            for g, seg in zip(self.unsharded_grads, self.plan.segments)
-        ]
-        self.unsharded_grads = [None] * len(rs_in)
-        rs_in = [g.to(self.reduce_dtype) for g in rs_in]  # the mixed-precision cast, if any
-        out = torch.empty(self.chunk_numel, dtype=self.reduce_dtype, device=self.device)
-        self._rs_output = out
-        return Reduction(out, rs_in, self.plan.segments, self.world_size, self.dp.shard_group)
-
-    def take_reduced(self) -> torch.Tensor | None:
-        """The reduce-scatter's output once the unit waited on it (``None`` if this buffer had
-        no gradients to reduce)."""
-        out, self._rs_output = self._rs_output, None
-        return out
-
-    def land_reduced(self, out: torch.Tensor, scale: float, divisor: float) -> None:
-        """Average the summed reduction ``out`` (times ``scale``, over ``divisor``) and land it
-        in the sharded gradients (through the host under CPU offload)."""
-        if scale == 1.0:  # a division: bitwise what FSDP2's averaging gives
-            out.div_(divisor)
-        else:
-            out.mul_(scale / divisor)
-        if out.dtype != self.orig_dtype:
-            out = out.to(self.orig_dtype)
-        self.release_dropped_grads()
-        if self.offload is not None:
-            out = self.offload.to_host(out, landing=self.sharded_grad is None)
-        if self.sharded_grad is None:
-            self.sharded_grad = out
-            views = self.plan.local_views(out, self.rank)
-            for slot, spec, p in zip(self.slots, self.specs, self.sharded_params):
-                if slot.requires_grad:
-                    p.grad = DTensor(views[slot.fqn], spec, requires_grad=False)
-        else:
-            self._accumulate_sharded(out)
-
-    def _accumulate_sharded(self, new: torch.Tensor) -> None:
-        views = self.plan.local_views(new, self.rank)
-        own = self.plan.local_views(self.sharded_grad, self.rank)
-        for slot, spec, p in zip(self.slots, self.specs, self.sharded_params):
-            if not slot.requires_grad:
-                continue
-            if p.grad is None:
-                own[slot.fqn].copy_(views[slot.fqn])
-                p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
-            else:
-                p.grad._local_tensor.add_(views[slot.fqn])

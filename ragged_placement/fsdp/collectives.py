@@ -297,7 +297,7 @@ class Gather:
 @dataclass(frozen=True)
 class Reduction:
     """One flat buffer's share of a unit's reduce-scatter
-    (:meth:`~ragged_placement.fsdp.buffer.FlatBuffer.prepare_reduce`): ``inputs`` (one per
+    (:meth:`~ragged_placement.fsdp.grads.FlatGrads.prepare_reduce`): ``inputs`` (one per
     segment) summed over ``group`` of ``world_size`` ranks into ``output``."""
 
     output: torch.Tensor

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-__all__ = ["CommStats", "UnitOptions", "UnitState"]
+__all__ = ["CommStats", "TrainingState", "UnitOptions", "UnitState"]
 
 
 @dataclass
@@ -56,6 +56,18 @@ class UnitState(enum.Enum):
     SHARDED_POST_FORWARD = "sharded_post_forward"
     UNSHARDING = "unsharding"  # all-gather issued, not waited on
     UNSHARDED = "unsharded"
+
+
+class TrainingState(enum.Enum):
+    """Where one unit is in the current iteration (torch FSDP2's ``TrainingState``; the state
+    diagram is in :mod:`ragged_placement.fsdp.hooks`)."""
+
+    IDLE = enum.auto()  # outside forward and backward, or between a forward and its backward
+    FORWARD = enum.auto()  # between the unit's pre-forward and post-forward
+    # after a forward that kept its all-gather (or post-forward shard) for backward
+    POST_FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()  # its backward started: unsharded and registered for it
+    POST_BACKWARD = enum.auto()  # its gradients are reduced and it is resharded
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,16 @@
 Each ``fully_shard`` call owns one :class:`FSDPState`, whose :class:`TrainingState` says where
 its unit is in the iteration (as torch FSDP2's ``TrainingState``)::
 
-    IDLE --pre-forward--> FORWARD --post-forward--> IDLE --pre-backward--> PRE_BACKWARD
-      ^                                                                        |
-      +---- root's final callback <---- POST_BACKWARD <-----post-backward------+
+    IDLE --pre-forward--> FORWARD --post-forward--> IDLE --------pre-backward--> PRE_BACKWARD
+      ^                          |                                                 ^   |
+      |                          +--post-forward--> POST_FORWARD --pre-backward----+   |
+      |                             (keeps the gather)                                 |
+      +---- root's final callback <---- POST_BACKWARD <---------post-backward----------+
+
+``POST_FORWARD``: the unit kept its forward's all-gather (or, with an ``int``
+``reshard_after_forward``, its post-forward shard) for backward. If no backward follows, the
+root's next pre-forward reshards it (POST_FORWARD -> IDLE). The unit's own
+:class:`~ragged_placement.fsdp.common.UnitState` says where its parameters are.
 
 Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs first):
 
@@ -17,7 +24,7 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   :class:`_PostBackward` so that ``u``'s post-backward runs when autograd has produced the
   gradients of ``u``'s inputs (by then its parameter gradients are accumulated: AccumulateGrad
   nodes run first).
-* post-forward (FORWARD -> IDLE): reshard (free the unsharded buffer) unless
+* post-forward (FORWARD -> IDLE, or POST_FORWARD where it keeps the gather): reshard (free the unsharded buffer) unless
   ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
   first); with a :class:`~ragged_placement.fsdp.mesh.PostForwardMesh` (an ``int``
   ``reshard_after_forward``) keep this rank's ``1/N`` of the gathered buffer first, which
@@ -63,7 +70,6 @@ gathers there, the recomputation does not.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,19 +81,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ragged_placement._compat import outside_selective_checkpoint
 from ragged_placement.fsdp._dynamo import dynamo_disable
 from ragged_placement.fsdp._validation import unmatched_patterns
+from ragged_placement.fsdp.common import TrainingState
 from ragged_placement.fsdp.mesh import PostForwardMesh
 from ragged_placement.fsdp.unit import FSDPUnit
 
-__all__ = ["FSDPState", "RootContext", "TrainingState", "drop_unused_grads"]
-
-
-class TrainingState(enum.Enum):
-    """Where one unit is in the current iteration (see the module docstring's diagram)."""
-
-    IDLE = enum.auto()  # outside forward and backward, or between a forward and its backward
-    FORWARD = enum.auto()  # between the unit's pre-forward and post-forward
-    PRE_BACKWARD = enum.auto()  # its backward started: unsharded and registered for it
-    POST_BACKWARD = enum.auto()  # its gradients are reduced and it is resharded
+__all__ = ["FSDPState", "RootContext", "drop_unused_grads"]
 
 
 def _in_backward() -> bool:
@@ -158,11 +156,10 @@ class RootContext:
         self.finish_pending_reduce()
         for s in self.states:
             for buffer in s.unit.buffers:
-                buffer.unsharded_grads = [None] * len(buffer.unsharded_grads)
+                buffer.grads.unsharded = [None] * len(buffer.grads.unsharded)
             s.unit.unreplicated_grads = [None] * len(s.unit.buffers)
             s.unit.reshard()
             s._show_unsharded(False)
-            s.holds_forward_gather = False
             s.training_state = TrainingState.IDLE
             s._to_run.clear()
             s.got_grad, s.had_grad = set(), None
@@ -271,9 +268,6 @@ class FSDPState:
         self.root: RootContext | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
-        # The unit kept a forward's all-gather for backward (root, reshard_after_forward=False),
-        # or its post-forward shard (an int reshard_after_forward)
-        self.holds_forward_gather = False
         for m in self.modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         for i, (slot, param) in enumerate(zip(unit.slots, unit.unsharded_params)):
@@ -309,7 +303,6 @@ class FSDPState:
             self._lazy_init()
         if _in_backward():
             return self._pre_forward_recompute(args, kwargs)
-        self.training_state = TrainingState.FORWARD
         ctx = self.root
         first = self._first_in_pass(module)
         with outside_selective_checkpoint():
@@ -325,6 +318,8 @@ class FSDPState:
                         s._to_run.clear()  # a pass an exception cut short must not gate this one
             elif first:
                 ctx.record_forward(self)
+            # after the root dropped stale gathers (its own POST_FORWARD included)
+            self.training_state = TrainingState.FORWARD
             self._unshard_and_register()
             if first:
                 ctx.prefetch_after(self, backward=False)
@@ -366,9 +361,9 @@ class FSDPState:
         no backward followed: an optimizer may have stepped its sharded parameters since
         (in-place updates of DTensor parameters leave no trace on the flat buffer's version
         counter)."""
-        if self.holds_forward_gather:
+        if self.training_state is TrainingState.POST_FORWARD:
             self.unit.reshard()
-            self.holds_forward_gather = False
+            self.training_state = TrainingState.IDLE
             self._show_unsharded(False)
 
     def _show_unsharded(self, show: bool) -> None:
@@ -430,12 +425,13 @@ class FSDPState:
         if self.is_root:
             self.root.end_forward()
         raf = self.reshard_after_forward
+        state = TrainingState.POST_FORWARD
         with outside_selective_checkpoint():
             if grad and isinstance(raf, PostForwardMesh) and not self.is_root:
                 self.unit.reshard_post_forward(raf)  # sharded parameters registered
-                self.holds_forward_gather = True
             elif not grad or (raf and not self.is_root):
                 self.unit.reshard()
+                state = TrainingState.IDLE
             else:
                 # Keep the gathered buffer for backward, but expose the sharded parameters:
                 # autograd already holds the unsharded tensors it saved, and pre-backward
@@ -443,10 +439,9 @@ class FSDPState:
                 self.unit.expose_sharded()
                 if self.is_root:
                     self._show_unsharded(True)
-                self.holds_forward_gather = True
         if grad:
             self._register_pre_backward(output)
-        self.training_state = TrainingState.IDLE
+        self.training_state = state
         return self._cast_output(output)
 
     def _register_pre_backward(self, output: Any) -> None:
@@ -503,7 +498,6 @@ class FSDPState:
             unit.reshard()
         else:  # FSDPModule.set_reshard_after_backward(False): the next forward reuses it
             unit.expose_sharded()
-        self.holds_forward_gather = False
         self._show_unsharded(False)
         self.training_state = TrainingState.POST_BACKWARD
 

@@ -16,13 +16,15 @@ shard of its unsharded parameters over groups of ``N`` consecutive ranks of the 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
 from ragged_placement.placement import RaggedShard
+from ragged_placement.planner.plan import Segment
 
 __all__ = ["DataParallelMesh", "PostForwardMesh"]
 
@@ -138,3 +140,19 @@ class PostForwardMesh:
             raise ValueError(f"size={size} must divide the shard world size {world}")
         group = _post_forward_group(dp.mesh, size)
         return PostForwardMesh(size, dp.shard_rank % size, world // size, group)
+
+    def coarsen(self, segments: Sequence[Segment]) -> list[Segment]:
+        """A flat buffer's plan ``segments`` coarsened to the ``N`` places: place ``j`` owns, in
+        each segment, the chunks of shard ranks ``j * factor`` to ``(j + 1) * factor - 1``
+        (equal: ``factor * chunk_numel`` elements; uneven: ``rank_starts[::factor]``), at
+        ``chunk_offset`` in the buffer's post-forward shard."""
+        out, offset = [], 0
+        for seg in segments:
+            if seg.rank_starts is None:
+                starts, numel = None, seg.chunk_numel * self.factor
+            else:
+                starts = seg.rank_starts[:: self.factor]
+                numel = max(b - a for a, b in zip(starts, starts[1:]))
+            out.append(replace(seg, chunk_offset=offset, chunk_numel=numel, rank_starts=starts))
+            offset += numel
+        return out

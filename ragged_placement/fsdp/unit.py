@@ -6,7 +6,7 @@ parameter dtype (fp32 norms next to bf16 matrices; FSDP2 refuses such a unit at 
 forward), each zero-copy in its own dtype (layout and buffers:
 :mod:`ragged_placement.fsdp.buffer`). The unit issues one all-gather per pass and one
 reduce-scatter per backward for all its buffers: each buffer prepares its share
-(:meth:`FlatBuffer.prepare_unshard`, :meth:`FlatBuffer.prepare_reduce`, in its
+(:meth:`FlatBuffer.prepare_unshard`, :meth:`FlatBuffer.grads.prepare_reduce`, in its
 ``param_dtype`` / ``reduce_dtype``, which default to the buffer's dtype) and the shares run as
 one coalesced collective (:mod:`ragged_placement.fsdp.collectives`; one NCCL group, one gloo
 coalesced op); uneven segments are separate calls. :attr:`FSDPUnit.stats` counts each
@@ -196,7 +196,7 @@ class FSDPUnit:
     @property
     def has_unsharded_grads(self) -> bool:
         """Whether backward has produced gradients that are not reduced yet."""
-        return any(b.has_unsharded_grads for b in self.buffers)
+        return any(b.grads.pending for b in self.buffers)
 
     # -- parameters ----------------------------------------------------------------------------
     def register(self, *, sharded: bool) -> None:
@@ -224,7 +224,7 @@ class FSDPUnit:
         without sync are pending."""
         self.reshard()
         for b in self.buffers:
-            if b.has_unsharded_grads or b.reducing:
+            if b.grads.pending or b.grads.reducing:
                 raise ValueError(
                     f"cannot move or cast the unit holding {b.slots[0].fqn} while gradients "
                     f"accumulated with set_requires_gradient_sync(False) are pending: call "
@@ -298,18 +298,18 @@ class FSDPUnit:
     def release_dropped_grads(self) -> None:
         """Free each flat sharded gradient once ``zero_grad()`` dropped every ``.grad`` on it."""
         for b in self.buffers:
-            b.release_dropped_grads()
+            b.grads.release_dropped()
 
     def prepare_grads(self, index: int) -> None:
         """Called before slot ``index``'s first gradient of a backward lands (see
-        :meth:`FlatBuffer.prepare_grads`)."""
+        :meth:`~ragged_placement.fsdp.grads.FlatGrads.prepare`)."""
         k, j = self._where[index]
-        self.buffers[k].prepare_grads(j)
+        self.buffers[k].grads.prepare(j)
 
     def reduce_grads(self) -> None:
         """Issue one coalesced reduce-scatter (a sum, async) of every buffer with gradients;
         :meth:`finish_reduce` completes it. The unsharded gradient buffers are released here."""
-        ready = [b.prepare_reduce() for b in self.buffers if b.has_unsharded_grads]
+        ready = [b.grads.prepare_reduce() for b in self.buffers if b.grads.pending]
         if ready:
             self._rs_work = issue_reduce_scatter(ready, self.stats, self.custom_reduce_scatter)
 
@@ -322,7 +322,7 @@ class FSDPUnit:
         self._rs_work = None
         divisor = self.gradient_divide_factor or self.world_size * self.dp.replicate_size
         for k, b in enumerate(self.buffers):
-            out = b.take_reduced()
+            out = b.grads.take_reduced()
             if out is None:
                 continue
             if self.dp.hsdp and self.unreplicated_grads[k] is not None:
@@ -337,7 +337,7 @@ class FSDPUnit:
                 self.stats.all_reduce_bytes += out.numel() * out.element_size()
             if self.all_reduce_hook is not None:
                 self.all_reduce_hook(out)
-            b.land_reduced(out, scale, divisor)
+            b.grads.land(out, scale, divisor)
 
     def wait_offload_copies(self) -> None:
         """Block the host until the CPU-offload staging copies are complete."""

@@ -1,0 +1,171 @@
+"""The gradient buffers of one flat buffer (:class:`~ragged_placement.fsdp.buffer.FlatBuffer`).
+
+* ``unsharded``: one ``[S_k*W]`` buffer in ``param_dtype`` per plan segment ``k``, zero-filled
+  when backward reaches the segment's first parameter (:meth:`FlatGrads.prepare`). Each
+  unsharded parameter's ``.grad`` is preset to a view of its segment's buffer, so autograd's
+  ``AccumulateGrad`` adds the parameter gradient into it in place; the buffers are then the
+  reduce-scatter inputs (:meth:`FlatGrads.prepare_reduce`).
+* ``sharded``: ``[S]`` in the parameters' dtype: the reduce-scatter output, averaged over the
+  world (:meth:`FlatGrads.land`). Each sharded parameter's ``.grad`` is a RaggedShard DTensor
+  view of it; a later reduction without ``zero_grad()`` adds into it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ragged_placement.fsdp.collectives import Reduction
+
+if TYPE_CHECKING:
+    from ragged_placement.fsdp.buffer import FlatBuffer
+
+__all__ = ["FlatGrads"]
+
+
+class FlatGrads:
+    """The gradient side of ``buffer``: its unsharded per-segment gradient buffers, its
+    sharded gradient and the reduce-scatter output in flight (see the module docstring).
+
+    Args:
+        buffer: the flat buffer whose parameters, plan, dtypes and device the gradients follow.
+    """
+
+    unsharded: list[torch.Tensor | None]  # per plan segment
+    sharded: torch.Tensor | None
+    segment_of: list[int]  # slot index -> plan segment
+    _buffer: FlatBuffer
+    _rs_output: torch.Tensor | None  # the reduce-scatter's output, until it lands
+
+    def __init__(self, buffer: FlatBuffer) -> None:
+        self._buffer = buffer
+        self.segment_of = [buffer.plan.segment_index(slot.fqn) for slot in buffer.slots]
+        self.reset()
+
+    def reset(self) -> None:
+        """No gradients (new buffers: each segment's is allocated at its first gradient)."""
+        self.unsharded = [None] * len(self._buffer.plan.segments)
+        self.sharded = None
+        self._rs_output = None
+
+    def release_dropped(self) -> None:
+        """Free the flat sharded gradient once ``zero_grad()`` has dropped every ``.grad`` viewing
+        it, so that it does not sit through the next forward."""
+        b = self._buffer
+        if self.sharded is not None and all(
+            p.grad is None or not p.requires_grad for p in b.sharded_params
+        ):
+            self.sharded = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether backward has produced gradients that are not reduced yet."""
+        return any(g is not None for g in self.unsharded)
+
+    @property
+    def reducing(self) -> bool:
+        """Whether a reduce-scatter of this buffer's gradients has not landed yet."""
+        return self._rs_output is not None
+
+    def buffer_of(self, index: int) -> tuple[torch.Tensor | None, int]:
+        """The gradient buffer of slot ``index``'s segment and the slot's offset in it."""
+        b = self._buffer
+        k = self.segment_of[index]
+        seg = b.plan.segments[k]
+        return self.unsharded[k], b.plan.offsets[b.slots[index].fqn] - seg.buffer_offset
+
+    def prepare(self, index: int) -> None:
+        """Called before slot ``index``'s first gradient of a backward lands: allocate its
+        segment's zeroed flat buffer and preset the ``.grad`` of each parameter in the segment
+        to its view of it, so that AccumulateGrad adds into the buffer in place."""
+        b = self._buffer
+        k = self.segment_of[index]
+        if self.unsharded[k] is not None:
+            return  # allocated by an earlier parameter, or accumulating micro-batches
+        self.release_dropped()
+        seg = b.plan.segments[k]
+        buf = torch.zeros(seg.buffer_numel(b.world_size), dtype=b.param_dtype, device=b.device)
+        self.unsharded[k] = buf
+        for i, (slot, p, tp) in enumerate(zip(b.slots, b.unsharded_params, b.unsharded_specs)):
+            if slot.requires_grad and self.segment_of[i] == k:
+                o = b.plan.offsets[slot.fqn] - seg.buffer_offset
+                g = buf[o : o + slot.shape.numel()].view(slot.shape)
+                p.grad = g if tp is None else DTensor(g, tp, requires_grad=False)
+
+    def prepare_reduce(self) -> Reduction:
+        """Release the unsharded gradients into the reduce-scatter inputs (cast to
+        ``reduce_dtype``; a segment no gradient reached contributes zeros) and allocate its
+        output; returns what to reduce-scatter. The unit issues it with its other buffers'."""
+        b = self._buffer
+        assert self.pending and self._rs_output is None
+        for p in b.unsharded_params:
+            p.grad = None
+        rs_in = [
+            g if g is not None else torch.zeros(
+                seg.buffer_numel(b.world_size), dtype=b.reduce_dtype, device=b.device
+            )
+            for g, seg in zip(self.unsharded, b.plan.segments)
+        ]
+        self.unsharded = [None] * len(rs_in)
+        rs_in = [g.to(b.reduce_dtype) for g in rs_in]  # the mixed-precision cast, if any
+        out = torch.empty(b.chunk_numel, dtype=b.reduce_dtype, device=b.device)
+        self._rs_output = out
+        return Reduction(out, rs_in, b.plan.segments, b.world_size, b.dp.shard_group)
+
+    def take_reduced(self) -> torch.Tensor | None:
+        """The reduce-scatter's output once the unit waited on it (``None`` if this buffer had
+        no gradients to reduce)."""
+        out, self._rs_output = self._rs_output, None
+        return out
+
+    def land(self, out: torch.Tensor, scale: float, divisor: float) -> None:
+        """Average the summed reduction ``out`` (times ``scale``, over ``divisor``) and land it
+        in the sharded gradients (through the host under CPU offload)."""
+        b = self._buffer
+        if scale == 1.0:  # a division: bitwise what FSDP2's averaging gives
+            out.div_(divisor)
+        else:
+            out.mul_(scale / divisor)
+        if out.dtype != b.orig_dtype:
+            out = out.to(b.orig_dtype)
+        self.release_dropped()
+        if b.offload is not None:
+            out = b.offload.to_host(out, landing=self.sharded is None)
+        if self.sharded is None:
+            self.sharded = out
+            views = b.plan.local_views(out, b.rank)
+            for slot, spec, p in zip(b.slots, b.specs, b.sharded_params):
+                if slot.requires_grad:
+                    p.grad = DTensor(views[slot.fqn], spec, requires_grad=False)
+        else:
+            self._accumulate(out)
+
+    def _accumulate(self, new: torch.Tensor) -> None:
+        b = self._buffer
+        views = b.plan.local_views(new, b.rank)
+        own = b.plan.local_views(self.sharded, b.rank)
+        for slot, spec, p in zip(b.slots, b.specs, b.sharded_params):
+            if not slot.requires_grad:
+                continue
+            if p.grad is None:
+                own[slot.fqn].copy_(views[slot.fqn])
+                p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
+            else:
+                p.grad._local_tensor.add_(views[slot.fqn])
+
+    def land_moved(self, grads: list[torch.Tensor | None]) -> None:
+        """Copy gradients mapped by :meth:`apply_` into a new flat sharded gradient."""
+        b = self._buffer
+        if all(g is None for g in grads):
+            return
+        self.sharded = b.new_sharded(b.orig_dtype)
+        views = b.plan.local_views(self.sharded, b.rank)
+        for slot, spec, p, g in zip(b.slots, b.specs, b.sharded_params, grads):
+            if g is None:
+                continue
+            view = views[slot.fqn]
+            if "meta" not in (b.device.type, g._local_tensor.device.type):
+                view.copy_(g._local_tensor.to(b.orig_dtype))
+            p.grad = DTensor(view, spec, requires_grad=False)

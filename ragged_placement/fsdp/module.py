@@ -1,0 +1,459 @@
+"""``FSDPModule``: the methods a ``fully_shard`` module gains (torch FSDP2's surface), and the
+other module-level entry points of FSDP2's API that act on sharded modules."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
+from torch.distributed.tensor import DTensor
+
+from ragged_placement.fsdp.hooks import FSDPState, drop_unused_grads
+from ragged_placement.fsdp.param import ParamLayout, ParamSlot
+from ragged_placement.fsdp.unit import FSDPUnit
+
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
+
+
+class FSDPModule:
+    """Mixin added to the class of every module passed to :func:`fully_shard`.
+
+    It carries torch FSDP2's ``FSDPModule`` methods: those this runtime honours exactly work,
+    the others raise ``NotImplementedError`` naming themselves (never an ``AttributeError``
+    or a silent no-op).
+
+    It does not derive from ``torch.distributed.fsdp.FSDPModule``, so
+    ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` is ``False`` (import ``FSDPModule``
+    from here instead). torch's code that branches on that ``isinstance`` goes on to FSDP2's
+    private state, which this runtime does not have: ``torch.distributed.pipelining``'s stages
+    then call ``fully_shard.state(m)._state_ctx.all_states`` and each state's
+    ``_fsdp_param_groups`` (an ``AttributeError`` here, where today pipelining drives these
+    modules as plain modules, see :meth:`reduce_gradients`), torch's ``FSDPModule._apply`` and
+    ``__new__`` assume FSDP2's parameter groups and class layout, and dynamo's
+    ``torch.compile`` package pickler looks the class up in FSDP2's class table.
+    ``clip_grad_norm_`` and ``torch.distributed.checkpoint`` do not branch on it and work on
+    these modules' DTensor parameters as they are.
+    """
+
+    _fsdp_state: FSDPState
+
+    @property
+    def fsdp_unit(self) -> FSDPUnit:
+        """This module's unit: its flat buffers (``.buffers``, each with its ``.plan``) and
+        communication counters (``.stats``)."""
+        return self._fsdp_state.unit
+
+    def fsdp_units(self) -> Iterator[tuple[str, FSDPUnit]]:
+        """``(module name, unit)`` for this module and every ``fully_shard`` module below it."""
+        seen: set[int] = set()  # the modules of a fully_shard([a, b]) group share one unit
+        for name, m in self.named_modules():
+            if isinstance(m, FSDPModule) and id(m._fsdp_state) not in seen:
+                seen.add(id(m._fsdp_state))
+                yield name, m._fsdp_state.unit
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters and register the unsharded ones; with
+        ``async_op=True`` only issue the all-gather and return a handle whose ``wait()``
+        finishes it (the next forward waits for it too), as FSDP2."""
+        _check_bool("async_op", async_op)
+        unit = self._fsdp_state.unit
+        unit.unshard(async_op=async_op)
+        if async_op:
+            return UnshardHandle(unit)
+        unit.register(sharded=False)
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters and register the sharded ones."""
+        self._fsdp_state.unit.reshard()
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``to``, ``to_empty``, ``cuda``, ``float``, ``bfloat16``, ...)
+        of a sharded module: buffers and inner modules as usual, and this unit's sharded
+        parameters (and gradients) mapped by ``fn`` into the unit's re-allocated flat buffer,
+        which the same parameter objects then view (see ``FSDPUnit.apply_``). A change ``fn``
+        cannot make while keeping that (a shape or placement, several dtypes or devices in one
+        unit, a device off the mesh's type) raises ``ValueError`` naming the parameter."""
+        unit = self._fsdp_state.unit
+        with unit.unregistered():
+            module = super()._apply(fn, recurse)
+        unit.apply_(fn)
+        return module
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """With ``False``, backward accumulates unsharded gradients without reduce-scatter (for
+        gradient accumulation); the next backward with ``True`` reduces the accumulated sum."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise ValueError(
+                f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}"
+            )
+        _check_bool("recurse", recurse)
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp_state.requires_gradient_sync = requires_gradient_sync
+
+    def reduce_gradients(self, *, scale: float = 1.0) -> None:
+        """Reduce-scatter the gradients accumulated under ``set_requires_gradient_sync(False)``:
+        one collective per unit holding some, innermost units last, each finished before the
+        next; the averaged gradients are multiplied by ``scale``.
+
+        Use it where no backward with sync on follows, e.g. after a pipeline schedule whose
+        micro-batches ran with sync off: ``torch.distributed.pipelining`` only drives torch's own
+        FSDP (see the class docstring), and its schedules divide the gradients they can see by
+        the number of micro-batches before these exist, so pass ``scale=1 / n_microbatches``
+        for a mean-reduced loss. Collective: every rank of the units' meshes must call it after running backward through
+        the same units."""
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ValueError(f"scale must be a number, got {scale!r}")
+        reduced = []
+        for m in reversed(list(self.modules())):
+            if isinstance(m, FSDPModule):
+                state = m._fsdp_state
+                if state.unit.has_unsharded_grads:
+                    state.note_reduce()
+                    state.unit.reduce_grads()
+                    state.unit.finish_reduce(scale=float(scale))
+                    state.unit.wait_offload_copies()
+                    reduced.append(state)
+        drop_unused_grads(reduced)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether units free their unsharded parameters after forward (root units never do).
+        As FSDP2's, a bool only (``recurse`` may be positional): an ``int`` ``N`` (the groups
+        to reshard to) and ``None`` are :func:`fully_shard`'s, not this method's."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)} "
+                f"({reshard_after_forward!r}; an int N or None is fully_shard's argument)"
+            )
+        _check_bool("recurse", recurse)
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp_state.reshard_after_forward = reshard_after_forward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted as FSDP2 (pipeline schedules call it): every backward here finishes its
+        reduce-scatters before it returns, so there is nothing to defer to a last one."""
+        _check_bool("is_last_backward", is_last_backward)
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """As FSDP2's: with ``False``, units keep their gathered parameters after backward and
+        the next forward uses them without an all-gather (gradient accumulation: set it back to
+        ``True`` for the last micro-batch, before the optimizer steps, which the kept values
+        would not see). The sharded parameters stay registered."""
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        _check_bool("recurse", recurse)
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp_state.reshard_after_backward = reshard_after_backward
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """As FSDP2's, for HSDP gradient accumulation: with ``False`` backward reduce-scatters
+        but does not all-reduce over the replicas; the sums wait (not in ``.grad``) and join the
+        next backward's with ``True``, whose all-reduce lands them all. No effect without HSDP."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        _check_bool("recurse", recurse)
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp_state.unit.requires_all_reduce = requires_all_reduce
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """As FSDP2's: after this unit's forward all-gather, issue those of ``modules`` (in
+        order) instead of the next unit of the recorded forward order."""
+        self._fsdp_state.forward_prefetch = _prefetch_states(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """As FSDP2's: after this unit's backward all-gather, issue those of ``modules`` (in
+        order) instead of the previous unit of the recorded forward order (also on CPU, where
+        the implicit backward prefetch is off)."""
+        self._fsdp_state.backward_prefetch = _prefetch_states(modules)
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: object = None
+    ) -> None:
+        """As FSDP2's: ``hook(reduce_output)`` runs on the unit's reduce-scatter output (after
+        HSDP's all-reduce), the summed flat gradient shard of each of its buffers (one per
+        dtype), in place, before the division and the landing in ``.grad``. It runs on the
+        current stream, where that output is ready: ``stream`` must be ``None``."""
+        if not callable(hook):
+            raise ValueError(f"hook must be callable, got {hook!r}")
+        if stream is not None:
+            raise ValueError(
+                "stream must be None: the hook runs on the current stream, after the "
+                "reduce-scatter it reads"
+            )
+        self._fsdp_state.unit.all_reduce_hook = hook
+
+    def set_custom_all_gather(self, comm: Callable) -> None:
+        """As FSDP2's: ``comm(output_tensor, input_tensor, group=, async_op=)`` (FSDP2's
+        ``AllGather``; its ``allocate`` is not used: the unit's buffers exist) runs this unit's
+        all-gathers, once per plan segment, on views of the unit's flat buffers (this rank's
+        chunk into the segment's ``world_size * chunk`` elements), returning a work or None.
+
+        Raises:
+            ValueError: ``comm`` is not callable, or the unit's plan has uneven chunks (the
+                planner's choice where equal ones would pad), which an all-gather of equal
+                chunks cannot move.
+        """
+        self._fsdp_state.unit.custom_all_gather = _check_custom_comm(self, comm)
+
+    def set_custom_reduce_scatter(self, comm: Callable) -> None:
+        """As FSDP2's: ``comm(output_tensor, input_tensor, group=, op=, async_op=)`` (FSDP2's
+        ``ReduceScatter``) runs this unit's reduce-scatters (a sum), once per plan segment, on
+        views of its flat gradient buffers; the output lands in ``.grad`` as c10d's does.
+
+        Raises:
+            ValueError: as :meth:`set_custom_all_gather`.
+        """
+        self._fsdp_state.unit.custom_reduce_scatter = _check_custom_comm(self, comm)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """As FSDP2's (not recursive): with ``False`` this unit's backward does not all-gather
+        its parameters, for units whose backward does not read them (an embedding). Autograd
+        raises if one it saved is read after all (its storage is freed)."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        self._fsdp_state.unshard_in_backward = unshard_in_backward
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Every parameter is in the reduce-scatter here, whichever ranks used it (so ranks that
+        use different parameters, a mixture of experts, never mismatch). ``False`` (default):
+        a parameter no rank used gets ``.grad`` ``None`` (see ``hooks.drop_unused_grads``: one
+        small all-reduce per backward); ``True``: it keeps its zero gradient, as FSDP2 gives it
+        with ``True``, and no all-reduce runs for these units."""
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        _check_bool("recurse", recurse)
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp_state.keep_unused_grads = reduce_scatter_unused_params
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """As FSDP2's: the root's next all-gather waits for ``event`` (recorded after the
+        optimizer step), then forgets it. This runtime's all-gathers run on the current stream,
+        which waits for the event; call it on the root with a new event each iteration."""
+        if not isinstance(event, torch.Event) and not hasattr(event, "wait"):
+            raise ValueError(f"event must be a torch.Event, got {type(event).__name__}")
+        state = self._fsdp_state
+        if state.root is None:
+            state._lazy_init()
+        state.root.post_optim_event = event
+
+    def reset_iter_state(self) -> None:
+        """As FSDP2's, after an exception cut a forward or backward short, on the root: the
+        reduce-scatter in flight finishes, gradients not reduced yet are dropped, every unit is
+        resharded and the iteration's state cleared (restart a gradient accumulation; call
+        ``zero_grad()`` before the next step).
+
+        Raises:
+            RuntimeError: called on a module that is not a root.
+        """
+        state = self._fsdp_state
+        if state.root is not None and not state.is_root:
+            raise RuntimeError(
+                "reset_iter_state must be called on the root fully_shard module (the one "
+                f"forwarded first), not on {type(self).__name__}"
+            )
+        if state.root is not None:
+            state.root.reset()
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's summed gradients by ``factor`` instead of the data-parallel world
+        size (``1.0``: the plain sum). Not recursive, as FSDP2."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"factor must be a positive number, got {factor!r}")
+        self._fsdp_state.unit.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's deprecated name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted as FSDP2: the collectives here always sum; the division (by the world size
+        or :meth:`set_gradient_divide_factor`'s factor) follows them."""
+        _check_bool("enable", enable)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False
+    ):
+        """Load into the sharded parameters in place. Values may be DTensors with this module's
+        placements, DTensors with other placements (redistributed), or full tensors (this rank's
+        RaggedShard run is taken from them). Other entries go through ``nn.Module``'s loader."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        _check_bool("strict", strict)
+        if assign:
+            raise ValueError(
+                "assign=True is not supported by fully_shard modules (loading is in place)"
+            )
+        handled: set[str] = set()
+        with torch.no_grad():
+            for prefix, unit in self.fsdp_units():
+                prefix = f"{prefix}." if prefix else ""
+                for slot, param, layout in zip(unit.slots, unit.sharded_params, unit.layouts):
+                    for key in _slot_keys(prefix, slot, self):
+                        if key in state_dict:
+                            _load_sharded(param, layout, unit.rank, state_dict[key], key)
+                            handled.add(key)
+        rest = {k: v for k, v in state_dict.items() if k not in handled}
+        result = nn.Module.load_state_dict(self, rest, strict=False)
+        expected = set(self.state_dict().keys())
+        missing = [k for k in result.missing_keys if k not in handled]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing}, "
+                f"unexpected keys {result.unexpected_keys}"
+            )
+        result.missing_keys[:] = [k for k in missing if k in expected]
+        return result
+
+
+def _not_implemented(name: str):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"FSDPModule.{name} (torch FSDP2) is not implemented by ragged_placement's fully_shard"
+        )
+
+    method.__name__ = name
+    method.__doc__ = f"torch FSDP2's ``{name}``: raises ``NotImplementedError`` here."
+    return method
+
+
+# torch FSDP2's FSDPModule methods (2.11 - 2.13) without a counterpart here: they say so.
+for _name in (
+    "set_reduce_scatter_max_input_buffers",
+    "set_separate_reduce_scatter_group",
+    "set_allocate_memory_from_process_group_for_comm",
+    "set_symm_mem_for_comm",
+):
+    setattr(FSDPModule, _name, _not_implemented(_name))
+del _name
+
+
+class UnshardHandle(TorchUnshardHandle):
+    """What :meth:`FSDPModule.unshard` returns with ``async_op=True``: an instance of FSDP2's
+    ``UnshardHandle``."""
+
+    def __init__(self, unit: FSDPUnit) -> None:
+        self._unit: FSDPUnit | None = unit
+
+    def wait(self) -> None:
+        """Finish the all-gather and register the unsharded parameters."""
+        if self._unit is not None:
+            self._unit.wait_unshard()
+            self._unit.register(sharded=False)
+            self._unit = None
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """FSDP2's ``share_comm_ctx`` (pipeline stages, each a root, sharing CUDA streams): these
+    units have no streams of their own (collectives run on the process group's, copies on the
+    current stream), so there is nothing to share; the modules are checked as FSDP2 does.
+
+    Raises:
+        ValueError: ``modules`` is not a list of modules sharded by :func:`fully_shard`.
+    """
+    if not isinstance(modules, (list, tuple)):
+        raise ValueError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {m!r}")
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module``'s ``method_name`` (e.g. ``generate``) between the unit's pre- and
+    post-forward hooks, as its ``forward`` (torch FSDP2's function; torch's own, imported from
+    ``torch.distributed.fsdp``, reaches this one for these modules). A module sharded by
+    neither runtime is left as it is (FSDP2's no-op); one sharded by torch's goes to torch's.
+
+    Raises:
+        ValueError: ``method_name`` is not a method name of ``module``.
+    """
+    if isinstance(module, TorchFSDPModule) or not isinstance(module, FSDPModule):
+        from torch.distributed.fsdp import register_fsdp_forward_method as torchs
+
+        torchs(module, method_name)
+        return
+    if not isinstance(method_name, str):
+        raise TypeError(f"method_name must be a str, got {method_name!r}")
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"{type(module).__name__} does not have a method {method_name!r}")
+    method = getattr(module, method_name)
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        return state._post_forward(self, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def _check_custom_comm(module: FSDPModule, comm: object) -> Callable:
+    if not callable(comm):
+        raise ValueError(f"comm must be callable, got {comm!r}")
+    unit = module._fsdp_state.unit
+    uneven = [s for b in unit.buffers for s in b.plan.segments if s.rank_starts is not None]
+    if uneven:
+        raise ValueError(
+            f"{type(module).__name__}'s unit has {len(uneven)} plan segment(s) of uneven chunks "
+            f"(the planner's choice where equal chunks would pad its parameters by more than "
+            f"1%), which a custom all-gather / reduce-scatter of equal chunks cannot move"
+        )
+    return comm
+
+
+def _prefetch_states(modules: object) -> list[FSDPState]:
+    if not isinstance(modules, (list, tuple)):
+        raise ValueError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"modules must be FSDPModules (fully_shard's), got {m!r}")
+    return [m._fsdp_state for m in modules]
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _slot_keys(prefix: str, slot: ParamSlot, root: nn.Module) -> list[str]:
+    """State-dict keys of a slot relative to ``root`` (a tied parameter has several)."""
+    names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    keys = []
+    for module, attr in slot.owners:
+        name = names.get(id(module))
+        if name is not None:
+            keys.append(f"{name}.{attr}" if name else attr)
+    return keys
+
+
+def _load_sharded(
+    param: nn.Parameter, layout: ParamLayout, shard_rank: int, value: object, key: str
+) -> None:
+    placements = tuple(param.placements)
+    local = param._local_tensor
+    if isinstance(value, DTensor):
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"state_dict[{key!r}] has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+            )
+        if value.device_mesh != param.device_mesh or tuple(value.placements) != placements:
+            value = value.redistribute(param.device_mesh, placements)
+        local.copy_(value.to_local())
+    elif isinstance(value, torch.Tensor):
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"state_dict[{key!r}] has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+            )
+        local.copy_(layout.local_from_full(value.to(local.device), shard_rank))
+    else:
+        raise ValueError(f"state_dict[{key!r}] must be a tensor, got {type(value).__name__}")
