@@ -26,6 +26,23 @@ from torch.distributed.tensor import Placement
 __all__ = ["RaggedShard"]
 
 
+class RowRunPlacement(Placement):
+    """A placement that is none of torch's kinds (``Shard``, ``Replicate``, ``Partial``): its
+    predicates all answer ``False``, so torch's propagation never takes it for one of them and
+    every op on it goes through the rules of :mod:`ragged_placement.ops`."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:  # noqa: D102
+        return False
+
+    def is_replicate(self) -> bool:  # noqa: D102
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:  # noqa: D102
+        return False
+
+
 def _as_int_tuple(name: str, value: object) -> tuple[int, ...]:
     if isinstance(value, int):
         value = (value,)
@@ -39,7 +56,7 @@ def _as_int_tuple(name: str, value: object) -> tuple[int, ...]:
     return out
 
 
-class RaggedShard(Placement):
+class RaggedShard(RowRunPlacement):
     """Shard the flattened leading ``dims`` of a tensor in uneven, contiguous runs.
 
     Args:
@@ -142,15 +159,6 @@ class RaggedShard(Placement):
 
     def __deepcopy__(self, memo) -> RaggedShard:
         return self
-
-    def is_shard(self, dim: int | None = None) -> bool:  # noqa: D102
-        return False
-
-    def is_replicate(self) -> bool:  # noqa: D102
-        return False
-
-    def is_partial(self, reduce_op: str | None = None) -> bool:  # noqa: D102
-        return False
 
     # -- geometry ----------------------------------------------------------------------------
     @property
