@@ -92,6 +92,8 @@ class FlatGrads:
             if slot.requires_grad and self.segment_of[i] == k:
                 o = b.plan.offsets[slot.fqn] - seg.buffer_offset
                 g = buf[o : o + slot.shape.numel()].view(slot.shape)
+                if tp is not None and b.spmd is not None:
+                    tp = b.spmd.grad_spec(tp)
                 p.grad = g if tp is None else DTensor(g, tp, requires_grad=False)
 
     def prepare_reduce(self) -> Reduction:
