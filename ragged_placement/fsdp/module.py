@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
@@ -23,8 +24,8 @@ class FSDPModule:
     """Mixin added to the class of every module passed to :func:`fully_shard`.
 
     It carries torch FSDP2's ``FSDPModule`` methods: those this runtime honours exactly work,
-    the others raise ``NotImplementedError`` naming themselves (never an ``AttributeError``
-    or a silent no-op).
+    the staging-allocator ones raise ``NotImplementedError`` saying why (never an
+    ``AttributeError`` or a silent no-op).
 
     It does not derive from ``torch.distributed.fsdp.FSDPModule``, so
     ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` is ``False`` (import ``FSDPModule``
@@ -164,6 +165,63 @@ class FSDPModule:
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
                 m._fsdp_state.unit.requires_all_reduce = requires_all_reduce
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """As FSDP2's: with ``True`` the gradient reduce-scatters run on a process group of
+        their own over the shard ranks (one per distinct set of ranks, created here with
+        ``use_local_synchronization``: call it on every rank), so that they may progress
+        concurrently with all-gathers; ``False`` goes back to the shard group. The values are
+        the same either way."""
+        _check_bool("enable", enable)
+        _check_bool("recurse", recurse)
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                unit = m._fsdp_state.unit
+                group = None
+                if enable:
+                    ranks = tuple(dist.get_process_group_ranks(unit.dp.shard_group))
+                    if ranks not in groups:
+                        groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+                    group = groups[ranks]
+                for b in unit.buffers:
+                    b.grads.reduce_group = group
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """As FSDP2's, checked and accepted: this runtime has by construction what the setting
+        buys in FSDP2. Gradients land directly in the reduce-scatter's input (the unit's own
+        per-backward buffers, freed when their reduce-scatter is done), so no copy-in buffer is
+        recycled and the compute stream never waits for an earlier reduce-scatter to reuse
+        one. ``max_input_buffers`` must be an int ``>= 1``; it changes no value."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {max_input_buffers!r}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+        _check_bool("recurse", recurse)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """FSDP2's: ``False`` (its default) is accepted; ``True`` raises
+        ``NotImplementedError``. FSDP2 allocates the staging buffers of its collectives from the
+        process group's allocator; this runtime has none to allocate: the all-gather writes
+        straight into the storage the unsharded parameters alias (alive from forward until
+        backward reshards), and gradients land directly in the reduce-scatter's input."""
+        _check_bool("enable", enable)
+        if enable:
+            name = "set_allocate_memory_from_process_group_for_comm(True)"
+            raise NotImplementedError(_NO_STAGING.format(name))
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """FSDP2's: raises ``NotImplementedError`` (``ValueError`` for a ``backend`` other than
+        FSDP2's only one, ``"NCCL"``). FSDP2 allocates its all-gather staging buffers from
+        symmetric memory; this runtime's all-gather output is the unsharded parameters'
+        storage, which is not symmetric memory."""
+        if backend != "NCCL":
+            raise ValueError(f"backend must be 'NCCL' (as FSDP2), got {backend!r}")
+        raise NotImplementedError(_NO_STAGING.format("set_symm_mem_for_comm"))
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """As FSDP2's: after this unit's forward all-gather, issue those of ``modules`` (in
@@ -316,28 +374,6 @@ class FSDPModule:
         return result
 
 
-def _not_implemented(name: str):
-    def method(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"FSDPModule.{name} (torch FSDP2) is not implemented by ragged_placement's fully_shard"
-        )
-
-    method.__name__ = name
-    method.__doc__ = f"torch FSDP2's ``{name}``: raises ``NotImplementedError`` here."
-    return method
-
-
-# torch FSDP2's FSDPModule methods (2.11 - 2.13) without a counterpart here: they say so.
-for _name in (
-    "set_reduce_scatter_max_input_buffers",
-    "set_separate_reduce_scatter_group",
-    "set_allocate_memory_from_process_group_for_comm",
-    "set_symm_mem_for_comm",
-):
-    setattr(FSDPModule, _name, _not_implemented(_name))
-del _name
-
-
 class UnshardHandle(TorchUnshardHandle):
     """What :meth:`FSDPModule.unshard` returns with ``async_op=True``: an instance of FSDP2's
     ``UnshardHandle``."""
@@ -418,6 +454,14 @@ def _prefetch_states(modules: object) -> list[FSDPState]:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"modules must be FSDPModules (fully_shard's), got {m!r}")
     return [m._fsdp_state for m in modules]
+
+
+_NO_STAGING = (
+    "FSDPModule.{} (torch FSDP2) is not supported by ragged_placement's fully_shard: its "
+    "all-gather writes straight into the unsharded parameters' storage and gradients land in "
+    "the reduce-scatter's input, so there is no staging buffer to allocate from the process "
+    "group or symmetric memory; use torch's fully_shard for it"
+)
 
 
 def _check_bool(name: str, value: object) -> None:
