@@ -7,6 +7,7 @@ to and from every placement, ``full_tensor``, element-wise and foreach ops, redu
 ``clip_grad_norm_`` and distributed checkpoint accept RaggedShard DTensors.
 """
 
+from ragged_placement import transforms  # noqa: F401 - attaches RaggedShard's transform methods
 from ragged_placement._install import install, uninstall
 from ragged_placement.ops import RaggedMeanPartial
 from ragged_placement.placement import RaggedShard

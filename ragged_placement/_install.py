@@ -17,7 +17,10 @@ row if torch changed, so a torch upgrade fails loudly at import instead of misbe
 :func:`uninstall` puts every original back, so torch is exactly as before the import.
 
 Upstream, each row becomes a method on ``Placement`` consulted by the same call site
-(``docs/upstream.md``; pytorch/pytorch#169320).
+(``docs/upstream.md``; pytorch/pytorch#169320). The RaggedShard methods those call sites would
+call (``_shard_tensor``, ``_to_replicate_tensor``, ``_transform_to``, ...) are defined in
+:mod:`ragged_placement.transforms` and attached to the class there; the hooks here reach them
+through :mod:`ragged_placement.distribute` and :mod:`ragged_placement.redistribute`.
 """
 
 from __future__ import annotations

@@ -9,10 +9,13 @@ The local tensor of a rank has shape ``(run_rows, *shape[len(dims):])``: for ``d
 exactly ``full[start:end]``; for longer prefixes it is the flattened run (a view of the contiguous
 global tensor, which is how a flat FSDP buffer holds it).
 
-This module holds the placement type, its pure shape arithmetic (the planner and the optimizers
-reason about layouts without a process group) and, like torch's ``Shard``, its transform methods
-(``_transform_to``, ``_to_replicate_tensor``, ``_reduce_shard_tensor``, ...), whose data movement
-lives in :mod:`ragged_placement.transforms` (imported when a transform runs).
+This module holds the placement type and its pure shape arithmetic (the planner and the
+optimizers reason about layouts without a process group); it imports nothing of the package's
+DTensor core, which imports one way, as torch's does: redistribute -> transforms -> regions ->
+placement. The transform methods torch's ``Shard`` has (``_transform_to``,
+``_to_replicate_tensor``, ``_reduce_shard_tensor``, ...) are defined with their data movement in
+:mod:`ragged_placement.transforms`, which attaches them to :class:`RaggedShard` (importing the
+package imports it).
 """
 
 from __future__ import annotations
@@ -24,6 +27,23 @@ import torch
 from torch.distributed.tensor import Placement
 
 __all__ = ["RaggedShard"]
+
+
+class RowRunPlacement(Placement):
+    """A placement that is none of torch's kinds (``Shard``, ``Replicate``, ``Partial``): its
+    predicates all answer ``False``, so torch's propagation never takes it for one of them and
+    every op on it goes through the rules of :mod:`ragged_placement.ops`."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:  # noqa: D102
+        return False
+
+    def is_replicate(self) -> bool:  # noqa: D102
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:  # noqa: D102
+        return False
 
 
 def _as_int_tuple(name: str, value: object) -> tuple[int, ...]:
@@ -39,7 +59,7 @@ def _as_int_tuple(name: str, value: object) -> tuple[int, ...]:
     return out
 
 
-class RaggedShard(Placement):
+class RaggedShard(RowRunPlacement):
     """Shard the flattened leading ``dims`` of a tensor in uneven, contiguous runs.
 
     Args:
@@ -143,15 +163,6 @@ class RaggedShard(Placement):
     def __deepcopy__(self, memo) -> RaggedShard:
         return self
 
-    def is_shard(self, dim: int | None = None) -> bool:  # noqa: D102
-        return False
-
-    def is_replicate(self) -> bool:  # noqa: D102
-        return False
-
-    def is_partial(self, reduce_op: str | None = None) -> bool:  # noqa: D102
-        return False
-
     # -- geometry ----------------------------------------------------------------------------
     @property
     def num_ranks(self) -> int:
@@ -240,69 +251,14 @@ class RaggedShard(Placement):
             return flat
         return flat.reshape(tuple(shape))
 
-    # -- transforms ---------------------------------------------------------------------------
-    # torch's ``Shard`` methods of the same names, for this placement. Each moves the local
-    # tensor of one mesh dim with at most one collective (:mod:`ragged_placement.transforms`);
-    # ``current_logical_shape`` is the tensor that mesh dim splits (the global shape cut by the
-    # mesh dims before it). :mod:`ragged_placement.redistribute` plans the steps and calls them.
+    # -- split ------------------------------------------------------------------------------------
     def _split_tensor(self, tensor: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
-        """Every rank's local tensor of the full ``tensor``, in rank order (no communication)."""
+        """Every rank's local tensor of the full ``tensor``, in rank order (no communication;
+        torch's ``Shard._split_tensor``). The methods that move data (``_shard_tensor``,
+        ``_to_replicate_tensor``, ``_transform_to``, ...) are attached by
+        :mod:`ragged_placement.transforms`."""
         self.check_mesh_size(num_chunks)
         return [self.shard_local(tensor, r) for r in range(num_chunks)]
-
-    def _shard_tensor(self, tensor: torch.Tensor, mesh, mesh_dim: int, src_data_rank: int | None = 0) -> torch.Tensor:
-        """This rank's local tensor of ``tensor`` (``distribute_tensor``): group rank
-        ``src_data_rank`` sends every rank its run (one ``all_to_all_single``, only it sends);
-        with ``None`` each rank cuts its own ``tensor`` (no communication)."""
-        from torch.distributed.tensor import Replicate
-
-        from ragged_placement import transforms
-
-        n, me = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
-        self.check_mesh_size(n, mesh_dim=mesh_dim)
-        lead, trail = transforms.step_shapes(Replicate(), self, tensor, tensor.shape)
-        if src_data_rank is None:
-            return transforms.slice_region(tensor, self, lead, trail, me, n)
-        on_src = RaggedShard._unchecked(self.dims, tuple(int(r == src_data_rank) for r in range(n)))
-        return transforms.exchange(tensor, on_src, self, lead, trail, mesh.get_group(mesh_dim), me, n)
-
-    def _to_replicate_tensor(self, local_tensor: torch.Tensor, mesh, mesh_dim: int, current_logical_shape) -> torch.Tensor:
-        """The full tensor of this mesh dim from every rank's run (one ``all_gather_single``)."""
-        from torch.distributed.tensor import Replicate
-
-        return self._transform_to(Replicate(), local_tensor, mesh, mesh_dim, current_logical_shape)
-
-    def _replicate_to_ragged(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.Tensor:
-        """This rank's run of a replicated ``tensor`` (no communication; torch's
-        ``Shard._replicate_to_shard``)."""
-        from torch.distributed.tensor import Replicate
-
-        return self._transform_from(Replicate(), tensor, mesh, mesh_dim, tensor.shape)
-
-    def _reduce_shard_tensor(self, tensor: torch.Tensor, mesh, reduce_op, mesh_dim: int) -> torch.Tensor:
-        """This rank's run of the reduction of ``tensor`` over the mesh dim (``reduce_op`` a
-        ``Partial`` or its op name; one ``reduce_scatter_single`` for torch's reduce ops)."""
-        from torch.distributed.tensor import Partial
-
-        partial = reduce_op if isinstance(reduce_op, Partial) else Partial(reduce_op)
-        return self._transform_from(partial, tensor, mesh, mesh_dim, tensor.shape)
-
-    def _transform_to(self, other: Placement, local_tensor: torch.Tensor, mesh, mesh_dim: int,
-                      current_logical_shape) -> torch.Tensor:
-        """The local tensor under ``other`` (``RaggedShard`` / ``Shard``: one ``all_to_all_single``
-        moving only the rows that change rank; ``Replicate``: one ``all_gather_single``;
-        ``Partial(sum | avg)``: local)."""
-        from ragged_placement import transforms
-
-        return transforms.transform(local_tensor, self, other, mesh, mesh_dim, current_logical_shape)
-
-    def _transform_from(self, other: Placement, local_tensor: torch.Tensor, mesh, mesh_dim: int,
-                        current_logical_shape) -> torch.Tensor:
-        """The local tensor under this placement from ``other`` (``Shard``: one
-        ``all_to_all_single``; ``Replicate``: local; ``Partial``: one ``reduce_scatter_single``)."""
-        from ragged_placement import transforms
-
-        return transforms.transform(local_tensor, other, self, mesh, mesh_dim, current_logical_shape)
 
 
 def _rebuild(dims, local_units, split_factor=1) -> RaggedShard:

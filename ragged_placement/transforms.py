@@ -6,8 +6,9 @@ two placements of that mesh dimension with at most one collective, addressing th
 through the ``as_strided`` views of :mod:`ragged_placement.regions` (no full replica unless the
 target is ``Replicate``). :func:`transform` picks the function for a pair of placements;
 :class:`~ragged_placement.placement.RaggedShard`'s transform methods (``_transform_to``,
-``_to_replicate_tensor``, ...) are its entry points; :mod:`ragged_placement.redistribute` plans
-the steps.
+``_to_replicate_tensor``, ..., torch's ``Shard`` methods of the same names) are its entry points,
+defined at the end of this module and attached to the class here, so that ``placement.py``
+imports nothing of this module; :mod:`ragged_placement.redistribute` plans the steps.
 
 =====================  =====================  ==========================================
 current                target                 function (collective)
@@ -235,3 +236,65 @@ def is_sharded(p: Placement) -> bool:
     return isinstance(p, (RaggedShard, Shard))
 
 
+
+
+# -- RaggedShard's transform methods ------------------------------------------------------------
+# torch's ``Shard`` methods of the same names, for RaggedShard. Each moves the local tensor of one
+# mesh dim with at most one collective; ``current_logical_shape`` is the tensor that mesh dim
+# splits (the global shape cut by the mesh dims before it). They are defined here, with the data
+# movement, and attached to the class below, so that ``placement.py`` imports none of the DTensor
+# core (torch's order: redistribute -> transforms -> regions -> placement).
+def _shard_tensor(self: RaggedShard, tensor: torch.Tensor, mesh, mesh_dim: int,
+                  src_data_rank: int | None = 0) -> torch.Tensor:
+    """This rank's local tensor of ``tensor`` (``distribute_tensor``): group rank
+    ``src_data_rank`` sends every rank its run (one ``all_to_all_single``, only it sends);
+    with ``None`` each rank cuts its own ``tensor`` (no communication)."""
+    n, me = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    self.check_mesh_size(n, mesh_dim=mesh_dim)
+    lead, trail = step_shapes(Replicate(), self, tensor, tensor.shape)
+    if src_data_rank is None:
+        return slice_region(tensor, self, lead, trail, me, n)
+    on_src = RaggedShard._unchecked(self.dims, tuple(int(r == src_data_rank) for r in range(n)))
+    return exchange(tensor, on_src, self, lead, trail, mesh.get_group(mesh_dim), me, n)
+
+
+def _to_replicate_tensor(self: RaggedShard, local_tensor: torch.Tensor, mesh, mesh_dim: int,
+                         current_logical_shape) -> torch.Tensor:
+    """The full tensor of this mesh dim from every rank's run (one ``all_gather_single``)."""
+    return transform(local_tensor, self, Replicate(), mesh, mesh_dim, current_logical_shape)
+
+
+def _replicate_to_ragged(self: RaggedShard, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.Tensor:
+    """This rank's run of a replicated ``tensor`` (no communication; torch's
+    ``Shard._replicate_to_shard``)."""
+    return transform(tensor, Replicate(), self, mesh, mesh_dim, tensor.shape)
+
+
+def _reduce_shard_tensor(self: RaggedShard, tensor: torch.Tensor, mesh, reduce_op,
+                         mesh_dim: int) -> torch.Tensor:
+    """This rank's run of the reduction of ``tensor`` over the mesh dim (``reduce_op`` a
+    ``Partial`` or its op name; one ``reduce_scatter_single`` for torch's reduce ops)."""
+    partial = reduce_op if isinstance(reduce_op, Partial) else Partial(reduce_op)
+    return transform(tensor, partial, self, mesh, mesh_dim, tensor.shape)
+
+
+def _transform_to(self: RaggedShard, other: Placement, local_tensor: torch.Tensor, mesh,
+                  mesh_dim: int, current_logical_shape) -> torch.Tensor:
+    """The local tensor under ``other`` (``RaggedShard`` / ``Shard``: one ``all_to_all_single``
+    moving only the rows that change rank; ``Replicate``: one ``all_gather_single``;
+    ``Partial(sum | avg)``: local)."""
+    return transform(local_tensor, self, other, mesh, mesh_dim, current_logical_shape)
+
+
+def _transform_from(self: RaggedShard, other: Placement, local_tensor: torch.Tensor, mesh,
+                    mesh_dim: int, current_logical_shape) -> torch.Tensor:
+    """The local tensor under this placement from ``other`` (``Shard``: one
+    ``all_to_all_single``; ``Replicate``: local; ``Partial``: one ``reduce_scatter_single``)."""
+    return transform(local_tensor, other, self, mesh, mesh_dim, current_logical_shape)
+
+
+for _method in (_shard_tensor, _to_replicate_tensor, _replicate_to_ragged, _reduce_shard_tensor,
+                _transform_to, _transform_from):
+    _method.__qualname__ = f"RaggedShard.{_method.__name__}"
+    setattr(RaggedShard, _method.__name__, _method)
+del _method

@@ -126,10 +126,29 @@ def test_no_import_cycle_at_import_time():
     assert _cycles(graph) == []
 
 
-def test_the_only_import_cycle_is_the_dtensor_cores():
-    """RaggedShard's redistribution methods (``placement.py``) import ``transforms.py`` inside
-    their bodies, which imports ``regions.py`` and ``placement.py``: the one cycle left
-    (issue 23, step 6: torch's order is redistribute -> transforms -> regions -> placement).
-    Any other cycle fails here; removing that one makes this assert ``[]``."""
-    core = ["ragged_placement.placement", "ragged_placement.regions", "ragged_placement.transforms"]
-    assert _cycles(_import_graph()) == [core]
+def test_the_checker_sees_function_local_imports():
+    """An import inside a function body is an edge (it runs when the function does); one under
+    ``if TYPE_CHECKING:`` is not."""
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from ragged_placement import regions\n"
+        "def f():\n    from ragged_placement import transforms\n"
+    )
+    names = _runtime_imports(tree)
+    assert "ragged_placement.transforms" in names
+    assert "ragged_placement.regions" not in names
+
+
+def test_no_import_cycle():
+    """No cycle in the package, function-local imports included: the DTensor core imports one
+    way, as torch's does (redistribute -> transforms -> regions -> placement)."""
+    assert _cycles(_import_graph()) == []
+
+
+def test_placement_imports_none_of_the_dtensor_core():
+    graph = _import_graph()
+    core = {"ragged_placement.regions", "ragged_placement.transforms", "ragged_placement.redistribute"}
+    assert graph["ragged_placement.placement"] & core == set()
+    assert "ragged_placement.placement" in graph["ragged_placement.regions"]
+    assert "ragged_placement.regions" in graph["ragged_placement.transforms"]
+    assert "ragged_placement.transforms" in graph["ragged_placement.redistribute"]

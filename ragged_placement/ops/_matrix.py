@@ -24,14 +24,14 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 
 from ragged_placement.ops._common import ragged_of, replicated, rewrite, unsupported, with_meta
-from ragged_placement.placement import RaggedShard
+from ragged_placement.placement import RaggedShard, RowRunPlacement
 
 aten = torch.ops.aten
 
 __all__ = ["TransposedRaggedShard", "MATRIX_RULES", "transposed_of"]
 
 
-class TransposedRaggedShard(Placement):
+class TransposedRaggedShard(RowRunPlacement):
     """The layout of ``x.t()`` for a 2-D ``x`` with ``RaggedShard((0,), units)``: rank ``i`` holds
     the columns that are ``x``'s rows of rank ``i``.
 
@@ -63,15 +63,6 @@ class TransposedRaggedShard(Placement):
 
     def __str__(self) -> str:
         return f"T{self.rows}"
-
-    def is_shard(self, dim: int | None = None) -> bool:  # noqa: D102
-        return False
-
-    def is_replicate(self) -> bool:  # noqa: D102
-        return False
-
-    def is_partial(self, reduce_op: str | None = None) -> bool:  # noqa: D102
-        return False
 
 
 def transposed_of(spec: DTensorSpec) -> tuple[int, TransposedRaggedShard] | None:
