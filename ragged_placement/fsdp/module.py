@@ -245,8 +245,8 @@ class FSDPModule:
             raise ValueError(f"hook must be callable, got {hook!r}")
         if stream is not None:
             raise ValueError(
-                "stream must be None: the hook runs on the current stream, after the "
-                "reduce-scatter it reads"
+                f"stream must be None, got {stream!r}: the hook runs on the current stream, "
+                "after the reduce-scatter it reads"
             )
         self._fsdp_state.unit.all_reduce_hook = hook
 
@@ -401,7 +401,7 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
         raise ValueError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
     for m in modules:
         if not isinstance(m, FSDPModule):
-            raise ValueError(f"Expects list of FSDPModules but got {m!r}")
+            raise ValueError(f"modules must be a list of FSDPModules, got an item {m!r}")
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -411,8 +411,11 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     neither runtime is left as it is (FSDP2's no-op); one sharded by torch's goes to torch's.
 
     Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or ``method_name`` not a str.
         ValueError: ``method_name`` is not a method name of ``module``.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {module!r}")
     if isinstance(module, TorchFSDPModule) or not isinstance(module, FSDPModule):
         from torch.distributed.fsdp import register_fsdp_forward_method as torchs
 
@@ -421,7 +424,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not isinstance(method_name, str):
         raise TypeError(f"method_name must be a str, got {method_name!r}")
     if not callable(getattr(module, method_name, None)):
-        raise ValueError(f"{type(module).__name__} does not have a method {method_name!r}")
+        raise ValueError(
+            f"method_name={method_name!r}: {type(module).__name__} has no method of that name"
+        )
     method = getattr(module, method_name)
     state = module._fsdp_state
 
