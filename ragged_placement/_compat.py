@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from collections.abc import Iterator
 
 import torch
@@ -18,7 +19,7 @@ __all__ = [
     "all_gather_single", "reduce_scatter_single",
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
     "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
-    "functional_all_gather", "outside_selective_checkpoint",
+    "functional_all_gather", "outside_selective_checkpoint", "DataParallelMeshDims",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -139,3 +140,9 @@ def outside_selective_checkpoint() -> Iterator[None]:
         while (stack_now := _get_current_dispatch_mode_stack()) and isinstance(stack_now[-1], modes):
             stack.enter_context(_pop_mode_temporarily())
         yield
+
+
+# torch FSDP2's full-SPMD-mesh argument of fully_shard (torch 2.13; absent in 2.11: None).
+DataParallelMeshDims: type | None = getattr(
+    importlib.import_module("torch.distributed.fsdp"), "DataParallelMeshDims", None
+)

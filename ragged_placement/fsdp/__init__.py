@@ -7,6 +7,7 @@ DTensors, so stock torch optimizers, ``clip_grad_norm_`` and ``torch.distributed
 work on them.
 """
 
+from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement._install import install_fsdp2
 from ragged_placement.fsdp.api import (
     CPUOffloadPolicy,
@@ -27,6 +28,7 @@ install_fsdp2()  # torch's fully_shard over these modules: a ValueError naming t
 __all__ = [
     "CPUOffloadPolicy",
     "CommStats",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FSDPUnit",
     "MixedPrecisionPolicy",

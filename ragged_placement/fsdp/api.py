@@ -14,6 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement.fsdp._validation import (
     check_granularity,
     check_not_managed,
@@ -32,6 +33,7 @@ from ragged_placement.fsdp.module import (
     share_comm_ctx,
 )
 from ragged_placement.fsdp.param import ParamSlot, mesh_device
+from ragged_placement.fsdp.spmd import check_dp_mesh_dims, localize_spmd_params
 from ragged_placement.fsdp.unit import FSDPUnit
 from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config
@@ -272,6 +274,18 @@ def _check_shard_placements(
             )
 
 
+def _check_spmd_options(reshard_after_forward: object, quant: object) -> None:
+    """The ``fully_shard`` options not taken with ``dp_mesh_dims`` (untested there; FSDP2 also
+    refuses an int ``reshard_after_forward``)."""
+    if not isinstance(reshard_after_forward, (bool, type(None))):
+        raise TypeError(
+            f"reshard_after_forward={reshard_after_forward!r} with dp_mesh_dims: only a bool or "
+            f"None (as FSDP2)"
+        )
+    if quant is not None:
+        raise ValueError(f"quant={quant!r} with dp_mesh_dims is not supported: drop one of them")
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -283,6 +297,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     granularity=None,
     quant: BlockFP8Config | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh`` as one FSDP unit (call on inner modules first).
 
@@ -366,6 +381,14 @@ def fully_shard(
             rank quantizes its own blocks, and the unit's one all-gather moves FP8 bytes and
             block scales; master weights stay in the sharded buffer. See
             :mod:`ragged_placement.fsdp.fp8`.
+        dp_mesh_dims: FSDP2's :class:`~torch.distributed.fsdp.DataParallelMeshDims` (torch >=
+            2.13; on 2.11 a ``TypeError``): ``mesh`` is then the whole SPMD mesh, every managed
+            parameter a DTensor on it with ``Replicate()`` on the named dims; ``shard`` names
+            the dim the unit is sharded over, ``replicate`` the HSDP dim (before ``shard`` in
+            the mesh), and at most one other dim is tensor parallel. One dim name per role;
+            DDP (no ``shard``) and ``quant`` raise ``ValueError``, an ``int``
+            ``reshard_after_forward`` ``TypeError`` (FSDP2 refuses it too). See
+            :mod:`ragged_placement.fsdp.spmd`.
 
     Raises:
         ValueError: ``module`` is not a module (or list of them), was sharded already by this
@@ -379,11 +402,16 @@ def fully_shard(
         )
     ignored = _check_ignored_params(ignored_params)
     mesh = mesh if mesh is not None else _default_mesh()
-    dp = DataParallelMesh.of(mesh)
+    dp = DataParallelMesh.of(mesh if dp_mesh_dims is None else check_dp_mesh_dims(mesh, dp_mesh_dims))
     _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # checked before building
     offload = _check_offload_policy(offload_policy)
     device = mesh_device(mesh)
     check_granularity(granularity)
+    spmd = None
+    if dp_mesh_dims is not None:
+        _check_spmd_options(reshard_after_forward, quant)
+        spmd = localize_spmd_params(mesh, dp_mesh_dims, modules, ignored, FSDPModule)
+        mesh = dp.mesh
     slots, params, owned_modules = _collect_params(modules, ignored)
     where = type(modules[0]).__name__
     check_not_managed([s.fqn for s in slots], params, where)
@@ -406,7 +434,7 @@ def fully_shard(
     )
     options = UnitOptions(
         mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
-        split_by_submodule=wraps_units, offload_policy=offload,
+        split_by_submodule=wraps_units, offload_policy=offload, spmd=spmd,
     )
     unit = FSDPUnit(slots, params, mesh, options)
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)

@@ -75,6 +75,7 @@ from ragged_placement.fsdp.param import (
     tp_spec_of,
     unit_tp_mesh,
 )
+from ragged_placement.fsdp.spmd import SPMDMesh
 from ragged_placement.planner.layout import FlatLayout
 from ragged_placement.planner.plan import Segment
 
@@ -246,6 +247,7 @@ class FlatBuffer:
     rank: int
     world_size: int
     quant: object
+    spmd: SPMDMesh | None  # fully_shard(dp_mesh_dims=...)'s full mesh
     quantized: list[bool]
     tp_mesh: object
     spmd_mesh: object
@@ -283,6 +285,7 @@ class FlatBuffer:
         self.rank = dp.shard_rank
         self.world_size = dp.shard_size
         self.quant = options.quant
+        self.spmd = options.spmd
         self.mp_dtypes = (options.param_dtype, options.reduce_dtype)
         policy = options.offload_policy
         self.offload = OffloadStaging(policy, stats) if policy is not None else None
@@ -449,6 +452,11 @@ class FlatBuffer:
             self.unsharded_specs = [None] * len(self.slots)
             return self.fp8.params
         self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
+        if self.spmd is not None:  # fully_shard(dp_mesh_dims=...): on the full SPMD mesh
+            self.unsharded_specs = [
+                self.spmd.unsharded_spec(lay.tp_spec, lay.global_shape, self.param_dtype)
+                for lay in self.layouts
+            ]
         if self.gather is None:
             # On the meta device: one-element placeholders of each parameter's shape on the
             # mesh's device, re-pointed (hooks kept) at the all-gather output by to_empty.

@@ -86,6 +86,9 @@ class UnitOptions:
         offload_policy: a :class:`~torch.distributed.fsdp.CPUOffloadPolicy` keeps ``sharded``
             and ``sharded_grad`` on CPU (:class:`~ragged_placement.fsdp.offload.OffloadStaging`);
             ``None``: no offload.
+        spmd: with ``fully_shard(dp_mesh_dims=...)``, the full SPMD mesh the unsharded
+            parameters and their gradients are DTensors on
+            (:class:`~ragged_placement.fsdp.spmd.SPMDMesh`); ``None`` otherwise.
     """
 
     param_dtype: torch.dtype | None = None
@@ -94,3 +97,4 @@ class UnitOptions:
     quant: Any = None
     split_by_submodule: bool = False
     offload_policy: CPUOffloadPolicy | None = None
+    spmd: Any = None

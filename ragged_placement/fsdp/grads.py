@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp.collectives import Reduction
@@ -38,9 +39,13 @@ class FlatGrads:
     segment_of: list[int]  # slot index -> plan segment
     _buffer: FlatBuffer
     _rs_output: torch.Tensor | None  # the reduce-scatter's output, until it lands
+    # FSDPModule.set_separate_reduce_scatter_group: the reduce-scatter's own group over the
+    # shard ranks; None: the shard group (the all-gather's)
+    reduce_group: dist.ProcessGroup | None
 
     def __init__(self, buffer: FlatBuffer) -> None:
         self._buffer = buffer
+        self.reduce_group = None
         self.segment_of = [buffer.plan.segment_index(slot.fqn) for slot in buffer.slots]
         self.reset()
 
@@ -92,6 +97,8 @@ class FlatGrads:
             if slot.requires_grad and self.segment_of[i] == k:
                 o = b.plan.offsets[slot.fqn] - seg.buffer_offset
                 g = buf[o : o + slot.shape.numel()].view(slot.shape)
+                if tp is not None and b.spmd is not None:
+                    tp = b.spmd.grad_spec(tp)
                 p.grad = g if tp is None else DTensor(g, tp, requires_grad=False)
 
     def prepare_reduce(self) -> Reduction:
@@ -112,7 +119,8 @@ class FlatGrads:
         rs_in = [g.to(b.reduce_dtype) for g in rs_in]  # the mixed-precision cast, if any
         out = torch.empty(b.chunk_numel, dtype=b.reduce_dtype, device=b.device)
         self._rs_output = out
-        return Reduction(out, rs_in, b.plan.segments, b.world_size, b.dp.shard_group)
+        group = b.dp.shard_group if self.reduce_group is None else self.reduce_group
+        return Reduction(out, rs_in, b.plan.segments, b.world_size, group)
 
     def take_reduced(self) -> torch.Tensor | None:
         """The reduce-scatter's output once the unit waited on it (``None`` if this buffer had

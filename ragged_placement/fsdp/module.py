@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
@@ -23,8 +24,8 @@ class FSDPModule:
     """Mixin added to the class of every module passed to :func:`fully_shard`.
 
     It carries torch FSDP2's ``FSDPModule`` methods: those this runtime honours exactly work,
-    the others raise ``NotImplementedError`` naming themselves (never an ``AttributeError``
-    or a silent no-op).
+    the staging-allocator ones raise ``NotImplementedError`` saying why (never an
+    ``AttributeError`` or a silent no-op).
 
     It does not derive from ``torch.distributed.fsdp.FSDPModule``, so
     ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` is ``False`` (import ``FSDPModule``
@@ -165,6 +166,63 @@ class FSDPModule:
             if isinstance(m, FSDPModule):
                 m._fsdp_state.unit.requires_all_reduce = requires_all_reduce
 
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """As FSDP2's: with ``True`` the gradient reduce-scatters run on a process group of
+        their own over the shard ranks (one per distinct set of ranks, created here with
+        ``use_local_synchronization``: call it on every rank), so that they may progress
+        concurrently with all-gathers; ``False`` goes back to the shard group. The values are
+        the same either way."""
+        _check_bool("enable", enable)
+        _check_bool("recurse", recurse)
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                unit = m._fsdp_state.unit
+                group = None
+                if enable:
+                    ranks = tuple(dist.get_process_group_ranks(unit.dp.shard_group))
+                    if ranks not in groups:
+                        groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+                    group = groups[ranks]
+                for b in unit.buffers:
+                    b.grads.reduce_group = group
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """As FSDP2's, checked and accepted: this runtime has by construction what the setting
+        buys in FSDP2. Gradients land directly in the reduce-scatter's input (the unit's own
+        per-backward buffers, freed when their reduce-scatter is done), so no copy-in buffer is
+        recycled and the compute stream never waits for an earlier reduce-scatter to reuse
+        one. ``max_input_buffers`` must be an int ``>= 1``; it changes no value."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {max_input_buffers!r}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+        _check_bool("recurse", recurse)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """FSDP2's: ``False`` (its default) is accepted; ``True`` raises
+        ``NotImplementedError``. FSDP2 allocates the staging buffers of its collectives from the
+        process group's allocator; this runtime has none to allocate: the all-gather writes
+        straight into the storage the unsharded parameters alias (alive from forward until
+        backward reshards), and gradients land directly in the reduce-scatter's input."""
+        _check_bool("enable", enable)
+        if enable:
+            name = "set_allocate_memory_from_process_group_for_comm(True)"
+            raise NotImplementedError(_NO_STAGING.format(name))
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """FSDP2's: raises ``NotImplementedError`` (``ValueError`` for a ``backend`` other than
+        FSDP2's only one, ``"NCCL"``). FSDP2 allocates its all-gather staging buffers from
+        symmetric memory; this runtime's all-gather output is the unsharded parameters'
+        storage, which is not symmetric memory."""
+        if backend != "NCCL":
+            raise ValueError(f"backend must be 'NCCL' (as FSDP2), got {backend!r}")
+        raise NotImplementedError(_NO_STAGING.format("set_symm_mem_for_comm"))
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """As FSDP2's: after this unit's forward all-gather, issue those of ``modules`` (in
         order) instead of the next unit of the recorded forward order."""
@@ -187,8 +245,8 @@ class FSDPModule:
             raise ValueError(f"hook must be callable, got {hook!r}")
         if stream is not None:
             raise ValueError(
-                "stream must be None: the hook runs on the current stream, after the "
-                "reduce-scatter it reads"
+                f"stream must be None, got {stream!r}: the hook runs on the current stream, "
+                "after the reduce-scatter it reads"
             )
         self._fsdp_state.unit.all_reduce_hook = hook
 
@@ -316,28 +374,6 @@ class FSDPModule:
         return result
 
 
-def _not_implemented(name: str):
-    def method(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"FSDPModule.{name} (torch FSDP2) is not implemented by ragged_placement's fully_shard"
-        )
-
-    method.__name__ = name
-    method.__doc__ = f"torch FSDP2's ``{name}``: raises ``NotImplementedError`` here."
-    return method
-
-
-# torch FSDP2's FSDPModule methods (2.11 - 2.13) without a counterpart here: they say so.
-for _name in (
-    "set_reduce_scatter_max_input_buffers",
-    "set_separate_reduce_scatter_group",
-    "set_allocate_memory_from_process_group_for_comm",
-    "set_symm_mem_for_comm",
-):
-    setattr(FSDPModule, _name, _not_implemented(_name))
-del _name
-
-
 class UnshardHandle(TorchUnshardHandle):
     """What :meth:`FSDPModule.unshard` returns with ``async_op=True``: an instance of FSDP2's
     ``UnshardHandle``."""
@@ -365,7 +401,7 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
         raise ValueError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
     for m in modules:
         if not isinstance(m, FSDPModule):
-            raise ValueError(f"Expects list of FSDPModules but got {m!r}")
+            raise ValueError(f"modules must be a list of FSDPModules, got an item {m!r}")
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -375,8 +411,11 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     neither runtime is left as it is (FSDP2's no-op); one sharded by torch's goes to torch's.
 
     Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or ``method_name`` not a str.
         ValueError: ``method_name`` is not a method name of ``module``.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {module!r}")
     if isinstance(module, TorchFSDPModule) or not isinstance(module, FSDPModule):
         from torch.distributed.fsdp import register_fsdp_forward_method as torchs
 
@@ -385,7 +424,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not isinstance(method_name, str):
         raise TypeError(f"method_name must be a str, got {method_name!r}")
     if not callable(getattr(module, method_name, None)):
-        raise ValueError(f"{type(module).__name__} does not have a method {method_name!r}")
+        raise ValueError(
+            f"method_name={method_name!r}: {type(module).__name__} has no method of that name"
+        )
     method = getattr(module, method_name)
     state = module._fsdp_state
 
@@ -418,6 +459,14 @@ def _prefetch_states(modules: object) -> list[FSDPState]:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"modules must be FSDPModules (fully_shard's), got {m!r}")
     return [m._fsdp_state for m in modules]
+
+
+_NO_STAGING = (
+    "FSDPModule.{} (torch FSDP2) is not supported by ragged_placement's fully_shard: its "
+    "all-gather writes straight into the unsharded parameters' storage and gradients land in "
+    "the reduce-scatter's input, so there is no staging buffer to allocate from the process "
+    "group or symmetric memory; use torch's fully_shard for it"
+)
 
 
 def _check_bool(name: str, value: object) -> None:
