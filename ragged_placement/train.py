@@ -42,6 +42,7 @@ from ragged_placement.fsdp.profiling import (
     LayoutCopyMeter,
     heap_in_use,
 )
+from ragged_placement.launch import exit_without_finalization
 from ragged_placement.trainer.build import (
     TokenData,
     build_mesh,
@@ -323,3 +324,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalization()  # as a torchrun worker: see its docstring
