@@ -12,6 +12,7 @@ import io
 import math
 import pickle
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -861,31 +862,52 @@ def _accumulate(rank: int, ws: int, runtime: str):
     for block in m.blocks:
         _fs(runtime)(block, mesh=_mesh(ws))
     _fs(runtime)(m, mesh=_mesh(ws))
+
+    def before_micro_batch(last: bool) -> None:
+        m.set_requires_gradient_sync(last)
+        m.set_reshard_after_backward(last)
+
+    params = _two_micro_batch_steps(m, rank, ws, before_micro_batch)
+    gathers = [b.fsdp_unit.stats.all_gathers for b in m.blocks] if runtime == "ours" else None
+    return gathers, params
+
+
+def _two_micro_batch_steps(
+    m: nn.Module, rank: int, ws: int, before_micro_batch: Callable[[bool], None]
+) -> dict[str, torch.Tensor]:
+    """``STEPS`` AdamW steps of two micro-batches each (halves of this rank's share of the
+    batch, losses halved); ``before_micro_batch(last)`` runs before each. Returns the full
+    parameters."""
     opt = _adamw(m.parameters())
     per = BATCH // ws // 2
     for s in range(STEPS):
         for micro in range(2):
-            last = micro == 1
-            m.set_requires_gradient_sync(last)
-            m.set_reshard_after_backward(last)
+            before_micro_batch(micro == 1)
             lo = rank * 2 * per + micro * per
             (F.mse_loss(m(X[s, lo : lo + per]), Y[s, lo : lo + per]) / 2).backward()
         opt.step()
         opt.zero_grad()
-    gathers = [b.fsdp_unit.stats.all_gathers for b in m.blocks] if runtime == "ours" else None
-    return gathers, {k: _full(v) for k, v in m.named_parameters()}
+    return {k: _full(v) for k, v in m.named_parameters()}
 
 
-def test_reshard_after_backward_false_skips_the_next_gather_as_in_fsdp2():
+def _assert_chain_matches_reference(fn: Callable, world: int, ours_counts: list[int]) -> None:
+    """``fn(rank, ws, runtime)`` returns ``(counts, params)``: for ours and FSDP2, the
+    parameters equal one process's ``STEPS`` steps on the whole batch, and ours' counts are
+    ``ours_counts``."""
     m = Chain()
     m.load_state_dict(CHAIN)
     ref = _chain_reference(m)
     for runtime in ("ours", "fsdp2"):
-        for gathers, params in run_threaded(_accumulate, WORLD, runtime):
-            if runtime == "ours":  # forward and backward of micro-batch 0, backward of 1
-                assert gathers == [3 * STEPS] * 3
+        for counts, params in run_threaded(fn, world, runtime):
+            if runtime == "ours":
+                assert counts == ours_counts
             for k, v in params.items():
                 torch.testing.assert_close(v, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
+
+
+def test_reshard_after_backward_false_skips_the_next_gather_as_in_fsdp2():
+    # all-gathers per block: forward and backward of micro-batch 0, backward of 1
+    _assert_chain_matches_reference(_accumulate, WORLD, [3 * STEPS] * 3)
 
 
 # -- set_unshard_in_backward(False) ------------------------------------------------------------
@@ -1068,29 +1090,13 @@ def _hsdp_accumulate(rank: int, ws: int, runtime: str):
     for block in m.blocks:
         _fs(runtime)(block, mesh=mesh)
     _fs(runtime)(m, mesh=mesh)
-    opt = _adamw(m.parameters())
-    per = BATCH // ws // 2
-    for s in range(STEPS):
-        for micro in range(2):
-            m.set_requires_all_reduce(micro == 1)
-            lo = rank * 2 * per + micro * per
-            (F.mse_loss(m(X[s, lo : lo + per]), Y[s, lo : lo + per]) / 2).backward()
-        opt.step()
-        opt.zero_grad()
+    params = _two_micro_batch_steps(m, rank, ws, m.set_requires_all_reduce)
     all_reduces = [b.fsdp_unit.stats.all_reduces for b in m.blocks] if runtime == "ours" else None
-    return all_reduces, {k: _full(v) for k, v in m.named_parameters()}
+    return all_reduces, params
 
 
 def test_requires_all_reduce_false_accumulates_hsdp_as_fsdp2_and_one_process():
-    m = Chain()
-    m.load_state_dict(CHAIN)
-    ref = _chain_reference(m)
-    for runtime in ("ours", "fsdp2"):
-        for all_reduces, params in run_threaded(_hsdp_accumulate, 4, runtime):
-            if runtime == "ours":
-                assert all_reduces == [STEPS] * 3
-            for k, v in params.items():
-                torch.testing.assert_close(v, ref[k], atol=TOL, rtol=0, msg=f"{runtime} {k}")
+    _assert_chain_matches_reference(_hsdp_accumulate, 4, [STEPS] * 3)
 
 
 # -- communication knobs: a separate reduce-scatter group, input buffers, staging allocators ----
