@@ -14,12 +14,12 @@ from ragged_placement.planner.granularity import CutSpec, Granularity, Granulari
 from ragged_placement.planner.layout import FlatLayout
 from ragged_placement.planner.packing import chunk_lower_bound
 from ragged_placement.planner.plan import Plan, Segment, plan, plan_units
+from ragged_placement.planner.profile import profile_mesh
 from ragged_placement.planner.segments import SegmentedPlan, plan_segmented
 from ragged_placement.planner.state_sharding import (
     ShardingCandidate,
     StateShardingPlan,
     plan_state_sharding,
-    profile_mesh,
 )
 from ragged_placement.planner.uneven import (
     UnevenPlan,
