@@ -22,8 +22,6 @@ import contextlib
 import ctypes
 import functools
 import gc
-import os
-import sys
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -174,21 +172,6 @@ def _tensors(x) -> Iterable[torch.Tensor]:
     elif isinstance(x, (list, tuple)):
         for y in x:
             yield from _tensors(y)
-
-
-@contextlib.contextmanager
-def _native_stderr_silenced():
-    """Silence file descriptor 2 while a profiler starts or stops: libkineto prints a line there
-    each time, with no switch to turn it off. Never wraps the profiled code itself."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 class _Mallinfo2(ctypes.Structure):
