@@ -1,4 +1,32 @@
-"""Per-state sharding (issue 25): the partitioner's choice against torch FSDP2's two points.
+"""Per-state sharding (issue 25): the runtime and the partitioner against torch FSDP2's two points.
+
+``--runtime``: ``fully_shard(..., state_sharding=...)`` on GPT 4x256 (each block, then the root;
+AdamW; fp32, or ``--bf16`` gathers with fp32 reduction) on 2x2 and 2x4 ``(inter, intra)`` gloo
+meshes (4 and 8 processes), at every named point (zero1, zero2, zero3, hsdp over ``intra``), AMSP's
+(params ``intra``, grads and optimizer state over both) and the partitioner's choice
+(``plan_state_sharding`` of the same model and mesh, ``memory_budget`` 28 MB, the bandwidths
+below), against torch FSDP2 full-shard (a 1-D mesh) and FSDP2 HSDP in the same run, on the same
+data. Per step, after 2 warm-up steps:
+
+* collectives and the bytes each rank moves, per set of mesh dims the group spans, from one
+  counter for both runtimes (:class:`~ragged_placement.fsdp.profiling.CollectiveMeter` wraps the
+  c10d calls; ``by_dims`` names each group by the dims it spans): an all-gather's output less
+  the rank's input, a reduce-scatter's input less its output, ``2 (n - 1) / n`` of an
+  all-reduce (max over ranks). ``across inter``: over ``inter`` alone or with ``intra`` (the
+  planner's ``inter`` column charges those to ``inter``). Checked against our units' own
+  ``CommStats.by_dims`` on every state-sharded run (they do not count the unused-gradient flags'
+  all-reduce, one byte per parameter);
+* memory per rank (max over ranks) by state: parameters (the sharded parameters, our parameter
+  chunk, the peak of the all-gathered parameters sampled after every op: ours the units'
+  all-gather outputs, FSDP2's per-parameter outputs and its flat output until copy-out),
+  gradients (after backward), optimizer state, and the heap's peak (``HeapPeakMeter``: all of it,
+  activations included) over the measured steps;
+* ``max|Δ|``: the parameters after the run against FSDP2 full-shard's.
+
+Then the partitioner's memory model against the same runs, and the issue's targets with PASS or
+MISS: AMSP moves at most FSDP2 HSDP's bytes + 5% across ``inter``, holds FSDP2 full-shard's
+optimizer state (within one band: AdamW's state for one dim-0 row of every parameter) and FSDP2
+HSDP's parameter memory (shard + chunk + unsharded peak).
 
 ``--planner``: :func:`ragged_placement.planner.plan_state_sharding` for Llama-3.1-70B and
 DeepSeek-V3 (shared/models.json) on 1,024 and 16,384 GPUs of 80 GB, 8 per node (mesh
@@ -25,13 +53,15 @@ measured ones (median of ``--runs``, slowest rank).
 
 ``--full-table``: every candidate of every planned case, ranked (``StateShardingPlan.table``).
 
-Usage: python benchmarks/state_sharding.py --planner [--timing] [--full-table] [--expert-units N]
+Usage: python benchmarks/state_sharding.py --runtime [--bf16]
+       python benchmarks/state_sharding.py --planner [--timing] [--full-table] [--expert-units N]
        python benchmarks/state_sharding.py --profile [--runs 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -40,6 +70,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 torch.set_num_threads(1)
 
@@ -258,6 +289,311 @@ def profile_error(runs: int) -> None:
     print(f"mean |error| {100 * statistics.mean(errs):.0f}%, max {100 * max(errs):.0f}%")
 
 
+# -- --runtime: the runtime on gloo meshes against torch FSDP2 --------------------------------------
+RUNTIME_MESHES = ((2, 2), (2, 4))  # (inter, intra): 4 and 8 gloo processes
+RUNTIME_BUDGET = 28e6  # plan_state_sharding's memory_budget for GPT 4x256, bytes per rank
+GPT_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4}
+TARGET_SLACK = 0.05  # AMSP's bytes across inter: at most HSDP's + 5%
+
+
+def _gpt_points(mesh) -> list[tuple[str, StateSharding]]:
+    """Every named point of a 2-D ``(inter, intra)`` mesh and AMSP's (params intra)."""
+    both = tuple(mesh.mesh_dim_names)
+    return [("zero1", StateSharding.zero1(mesh)), ("zero2", StateSharding.zero2(mesh)),
+            ("zero3", StateSharding.zero3(mesh)), ("hsdp", StateSharding.hsdp(mesh, "intra")),
+            ("amsp", StateSharding(("intra",), both, both))]
+
+
+def _gpt_plan(model, mesh, bf16: bool):
+    """``plan_state_sharding`` for GPT 4x256 on ``mesh`` with the stated budget and bandwidths
+    (the precision of the run: fp32, or bf16 gathers and fp32 reduction)."""
+    return plan_state_sharding(model, mesh, RUNTIME_BUDGET, bandwidth=BANDWIDTH, optimizer="adamw",
+                               param_dtype=torch.bfloat16 if bf16 else None,
+                               reduce_dtype=torch.float32 if bf16 else None)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (DTensors: their local tensors), padding
+    included: a flat buffer that parameters are views of counts once."""
+    from torch.distributed.tensor import DTensor
+
+    seen = {}
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _unsharded_bytes(model, runtime: str) -> int:
+    """Bytes of the all-gathered parameters allocated now: ours, each unit's all-gather output
+    (for ``params=()`` it stays allocated and :func:`_chunk_bytes` counts it instead); FSDP2's,
+    each parameter's all-gather output and each group's flat all-gather output until it is
+    copied out (and freed)."""
+    if runtime == "ours":
+        return sum(b.unsharded.untyped_storage().nbytes() for _, u in model.fsdp_units()
+                   for b in u.buffers if b.nested is None or b.nested.sharded_params)
+    tensors = []
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if hasattr(m, "_get_fsdp_state") else None
+        if group is None:
+            continue
+        tensors += [t for fp in group.fsdp_params for t in fp.all_gather_outputs]
+        state = group.comm_ctx.all_gather_state
+        for result in (group._all_gather_result, state and state.all_gather_result):
+            if result:
+                tensors.append(result.all_gather_output)
+    return _storage_bytes(tensors)
+
+
+def _chunk_bytes(model) -> int:
+    """Bytes of our parameter chunks (:class:`~ragged_placement.fsdp.nested.NestedBuffer`; the
+    unsharded buffer itself for ``params=()``)."""
+    total = 0
+    for _, unit in model.fsdp_units():
+        for b in unit.buffers:
+            if b.nested is not None and b.nested.chunk is not None:
+                total += b.nested.chunk.untyped_storage().nbytes()
+            elif b.nested is not None and not b.nested.sharded_params:
+                total += b.unsharded.untyped_storage().nbytes()
+    return total
+
+
+class _PeakOf(TorchDispatchMode):
+    """The most ``fn()`` returned after any op dispatched inside the ``with`` block."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn, self.peak = fn, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.fn())
+        return out
+
+
+def _shard_gpt(model, runtime: str, mesh, sharding, raf: bool, bf16: bool) -> None:
+    """Each block, then the root. Ours keeps the root's parameters gathered for backward
+    (``reshard_after_forward`` applies to the other units); FSDP2 does so at its default
+    (``None``), which it gets where ``raf`` is True."""
+    if runtime == "ours":
+        from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kw = {"state_sharding": sharding}
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kw = {}
+        raf = None if raf else raf
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=raf, **kw)
+    fully_shard(model, mesh=mesh, reshard_after_forward=raf, **kw)
+
+
+def _run_point(rank, ws, runtime, mesh, sharding, raf, dims_mesh, cfg, init, corpus, args) -> dict:
+    """``args.warmup`` AdamW steps, then ``args.steps`` measured ones: the first under the
+    collective counter; memory by state from the tensors, heap and unsharded peaks over all."""
+    from ragged_placement.fsdp.profiling import CollectiveMeter, HeapPeakMeter
+    from ragged_placement.models import GPT
+
+    per, out = args.batch, {}
+    with HeapPeakMeter() as heap:
+        model = GPT(cfg)
+        model.load_state_dict(init)
+        _shard_gpt(model, runtime, mesh, sharding, raf, args.bf16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out["n_params"] = len(list(model.parameters()))
+
+        def step(i: int) -> None:
+            x, y = corpus.batch(i, per * ws, cfg.block_size)
+            model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+            out["grads"] = _storage_bytes(p.grad for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+
+        for i in range(args.warmup):
+            step(i)
+        unsharded = _PeakOf(lambda: _unsharded_bytes(model, runtime))
+        for i in range(args.steps):
+            units = [u for _, u in model.fsdp_units()] if runtime == "ours" else []
+            for u in units:
+                u.stats.reset()
+            meter = CollectiveMeter() if i == 0 else contextlib.nullcontext()
+            with heap.measure(), unsharded, meter:
+                step(args.warmup + i)
+            if i == 0:
+                out["comm"] = meter.by_dims(dims_mesh)
+                out["calls"] = sum(meter.counts[k] for k in ("all_gather", "reduce_scatter",
+                                                             "all_reduce"))
+                out["stats"] = _sum_by_dims(u.stats.by_dims for u in units)
+        state = [t for s in opt.state.values() for t in s.values() if t.ndim]
+        out |= {"params": _storage_bytes(model.parameters()), "optim": _storage_bytes(state),
+                "chunk": _chunk_bytes(model) if runtime == "ours" else 0,
+                "unsharded": unsharded.peak}
+        full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        out["full"] = full if rank == 0 else None
+    out["heap"] = heap.peak
+    return out
+
+
+def _sum_by_dims(per_unit) -> dict:
+    out: dict = {}
+    for by_dims in per_unit:
+        for key, (n, nbytes) in by_dims.items():
+            entry = out.setdefault(key, [0, 0])
+            entry[0] += n
+            entry[1] += nbytes
+    return out
+
+
+def _runtime_rank(rank: int, ws: int, shape: tuple[int, int], args) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("inter", "intra"))
+    flat = init_device_mesh("cpu", (ws,))
+    cfg = GPTConfig(block_size=args.seq, **GPT_SHAPE)
+    torch.manual_seed(0)
+    init = GPT(cfg).state_dict()
+    corpus = StdlibCorpus(max_bytes=1 << 20)
+    with torch.device("meta"):
+        plan = _gpt_plan(GPT(cfg), mesh, args.bf16)
+    runs = [("FSDP2 full", "fsdp2", flat, None, True), ("FSDP2 HSDP", "fsdp2", mesh, None, True)]
+    runs += [(name, "ours", mesh, sh, True) for name, sh in _gpt_points(mesh)]
+    runs.append(("choice", "ours", mesh, plan.sharding, plan.reshard_after_forward))
+    rows = []
+    for label, runtime, m, sharding, raf in runs:
+        res = _run_point(rank, ws, runtime, m, sharding, raf, mesh, cfg, init, corpus, args)
+        if res["stats"]:
+            res["counted"] = _counter_matches(res["comm"], res["stats"], sharding, mesh,
+                                              res["n_params"])
+        shown = sharding if sharding is not None else (StateSharding.zero3(mesh) if m is flat
+                                                       else StateSharding.default(mesh))
+        planned = plan.find(shown, raf)
+        res |= {"label": label, "sharding": str(shown), "raf": raf,
+                "planned": planned.comm_bytes, "planned_memory": planned.memory_per_rank}
+        rows.append(res)
+    return rows
+
+
+def _kb(n: float) -> str:
+    return f"{n / 1e3:.0f}"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f}"
+
+
+def _band_bytes(cfg) -> int:
+    """AdamW's state (2 fp32 moments) for one dim-0 row of every parameter: "one band" of the
+    optimizer state at ``fully_shard``'s default (row) granularity."""
+    from ragged_placement.models import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return sum(8 * p.numel() // p.shape[0] for p in model.parameters())
+
+
+def runtime_table(args) -> None:
+    from ragged_placement.launch import run_gloo
+    from ragged_placement.models import GPTConfig
+
+    cfg = GPTConfig(block_size=args.seq, **GPT_SHAPE)
+    precision = "bf16 gathers, fp32 reduction" if args.bf16 else "fp32"
+    print(f"\nGPT {GPT_SHAPE['n_layer']}x{GPT_SHAPE['n_embd']} ({precision}, AdamW), seq "
+          f"{args.seq}, batch {args.batch}/rank, per step after {args.warmup} warm-up steps; "
+          f"choice: plan_state_sharding(memory_budget={RUNTIME_BUDGET:.3g}, bandwidth={BANDWIDTH})")
+    head = ["mesh", "point", "sharding", "raf", "colls", "intra KB", "inter KB", "both KB",
+            "across inter KB", "plan inter KB", "plan intra KB", "P shard MB", "P chunk MB",
+            "P unsh. MB", "grads MB", "optim MB", "heap MB", "max|Δ| vs FSDP2"]
+    rows, model_rows, targets, checks = [], [], [], []
+    band = _band_bytes(cfg)
+    for shape in RUNTIME_MESHES:
+        ws = math.prod(shape)
+        per_rank = run_gloo(_runtime_rank, ws, shape, args, timeout=600)
+        results = {r["label"]: r for r in per_rank[0]}
+        ref = results["FSDP2 full"]["full"]
+        agg = {}
+        for k, res in enumerate(per_rank[0]):
+            ranks = [pr[k] for pr in per_rank]
+            moved = {d: max(_moved(r["comm"], d) for r in ranks)
+                     for d in (("intra",), ("inter",), ("inter", "intra"))}
+            across = max(_moved(r["comm"], ("inter",)) + _moved(r["comm"], ("inter", "intra"))
+                         for r in ranks)
+            mem = {s: max(r[s] for r in ranks) for s in ("params", "chunk", "unsharded", "grads",
+                                                          "optim", "heap")}
+            delta = max(float((res["full"][n] - ref[n]).abs().max()) for n in ref)
+            agg[res["label"]] = {"across": across, **mem}
+            if res["label"] != "FSDP2 full":
+                model_rows.append(_model_row(f"{shape[0]}x{shape[1]}", res, mem))
+            rows.append([f"{shape[0]}x{shape[1]}", res["label"], res["sharding"],
+                         "T" if res["raf"] else "F", str(res["calls"]),
+                         *(_kb(moved[d]) for d in moved), _kb(across),
+                         _kb(res["planned"]["inter"]), _kb(res["planned"]["intra"]),
+                         *(_mb(mem[s]) for s in ("params", "chunk", "unsharded", "grads",
+                                                 "optim", "heap")), f"{delta:.1e}"])
+            checks += [r["counted"] for r in ranks if "counted" in r]
+        targets += _targets(f"{shape[0]}x{shape[1]}", agg, band)
+    _print_table(head, rows)
+    print("\nthe partitioner's memory model against the same runs (MB per rank, measured / "
+          "planned; params measured: shard + chunk)")
+    _print_table(["mesh", "point", "params", "grads", "optim", "unsharded peak / buffers"],
+                 model_rows)
+    print(f"\nthe counter (CollectiveMeter.by_dims) == CommStats.by_dims plus the unused-gradient "
+          f"flags' all-reduce, on {len(checks)} state-sharded runs x ranks: "
+          f"{'yes' if all(checks) else 'NO'}")
+    for line in targets:
+        print(line)
+
+
+def _model_row(mesh: str, res: dict, mem: dict) -> list[str]:
+    plan = res["planned_memory"]
+    pairs = [(mem["params"] + mem["chunk"], plan["params"]), (mem["grads"], plan["grads"]),
+             (mem["optim"], plan["optim"]), (mem["unsharded"], plan["buffers"])]
+    return [mesh, res["label"], *(f"{_mb(a)} / {_mb(b)}" for a, b in pairs)]
+
+
+def _moved(comm: dict, dims: tuple[str, ...]) -> int:
+    """Bytes moved per rank over exactly ``dims`` (every kind of collective)."""
+    return sum(v[2] for (kind, d), v in comm.items() if d == dims)
+
+
+def _counter_matches(comm: dict, stats: dict, sharding, mesh, n_params: int) -> bool:
+    """Whether the counter's ``(kind, dims) -> [calls, bytes]`` is the units' own
+    ``CommStats.by_dims`` plus the one collective they do not count: ``drop_unused_grads``'s
+    all-reduce of one byte per parameter over the optimizer ranks (and over the replicated
+    ones), once per step."""
+    expected = {key: list(v) for key, v in stats.items()}
+    replicated = tuple(d for d in mesh.mesh_dim_names if d not in sharding.optim)
+    for dims in (sharding.optim, replicated):
+        if dims:
+            entry = expected.setdefault(("all_reduce", dims), [0, 0])
+            entry[0] += 1
+            entry[1] += n_params
+    return {key: v[:2] for key, v in comm.items()} == expected
+
+
+def _targets(mesh: str, agg: dict, band: int) -> list[str]:
+    amsp, hsdp, full = agg["amsp"], agg["FSDP2 HSDP"], agg["FSDP2 full"]
+    p_amsp = amsp["params"] + amsp["chunk"] + amsp["unsharded"]
+    p_hsdp = hsdp["params"] + hsdp["chunk"] + hsdp["unsharded"]
+    lines = [
+        (amsp["across"] <= (1 + TARGET_SLACK) * hsdp["across"],
+         (f"AMSP bytes across inter {_kb(amsp['across'])} KB <= FSDP2 HSDP's "
+          f"{_kb(hsdp['across'])} KB + 5%")),
+        (amsp["optim"] <= full["optim"] + band,
+         (f"AMSP optimizer state {_mb(amsp['optim'])} MB <= FSDP2 full shard's "
+          f"{_mb(full['optim'])} MB + one band ({_mb(band)} MB)")),
+        (p_amsp <= p_hsdp,
+         (f"AMSP parameter memory (shard + chunk + unsharded peak) {_mb(p_amsp)} MB <= FSDP2 "
+          f"HSDP's {_mb(p_hsdp)} MB")),
+    ]
+    return [f"{mesh}: {'PASS' if ok else 'MISS'}  {text}" for ok, text in lines]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--planner", action="store_true")
@@ -266,10 +602,18 @@ def main() -> None:
     ap.add_argument("--expert-units", type=int, default=32)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runtime", action="store_true")
+    ap.add_argument("--bf16", action="store_true", help="--runtime: bf16 gathers, fp32 reduction")
+    ap.add_argument("--seq", type=int, default=64, help="--runtime: sequence length")
+    ap.add_argument("--batch", type=int, default=2, help="--runtime: sequences per rank per step")
+    ap.add_argument("--warmup", type=int, default=2, help="--runtime: unmeasured steps")
+    ap.add_argument("--steps", type=int, default=2, help="--runtime: measured steps")
     args = ap.parse_args()
     print("$ python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]))
-    if not (args.planner or args.timing or args.profile):
-        ap.error("choose --planner, --timing and/or --profile")
+    if not (args.runtime or args.planner or args.timing or args.profile):
+        ap.error("choose --runtime, --planner, --timing and/or --profile")
+    if args.runtime:
+        runtime_table(args)
     if args.planner:
         planner_table(args.expert_units, args.full_table)
     if args.timing:

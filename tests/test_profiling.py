@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
+from dist_utils import run_gloo
 
 from ragged_placement.fsdp.profiling import HeapPeakMeter, heap_in_use
 
@@ -49,3 +51,95 @@ def test_heap_peak_sees_memory_freed_on_another_thread():
             del x
     assert abs(mem.peak - 8 * MiB) < TOL, mem.peak / MiB
     assert heap_in_use() > 0
+
+
+
+def _one_step_counted(rank: int, cfg, init: dict, mesh, runtime: str, sharding) -> tuple:
+    """A small GPT's blocks and root sharded (each runtime at its default
+    ``reshard_after_forward``), one AdamW step, then one more counted: the counter's groups and
+    our units' own ``CommStats.by_dims`` (empty for FSDP2 and for default points)."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    from ragged_placement.fsdp import fully_shard
+    from ragged_placement.fsdp.profiling import CollectiveMeter
+    from ragged_placement.models import GPT
+
+    model = GPT(cfg)
+    model.load_state_dict(init)
+    for m in [*model.layers, model]:
+        if runtime == "ours":
+            fully_shard(m, mesh=mesh, state_sharding=sharding)
+        else:
+            fsdp2_fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    units = [u for _, u in model.fsdp_units()] if runtime == "ours" else []
+    for _ in range(2):
+        x, y = torch.randint(256, (2, 16), generator=g), torch.randint(256, (2, 16), generator=g)
+        for u in units:
+            u.stats.reset()
+        with CollectiveMeter() as meter:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    stats: dict = {}
+    for u in units:
+        for key, (n, nbytes) in u.stats.by_dims.items():
+            stats[key] = [a + b for a, b in zip(stats.get(key, [0, 0]), (n, nbytes))]
+    return meter, stats
+
+
+def _counters_on_2x2(rank: int, ws: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_placement.fsdp import StateSharding
+    from ragged_placement.fsdp.profiling import CollectiveMeter
+    from ragged_placement.models import GPT, GPTConfig
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
+    flat = init_device_mesh("cpu", (4,))
+    cfg = GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=16)
+    torch.manual_seed(0)
+    init = GPT(cfg).state_dict()
+    runs = {"fsdp2_full": ("fsdp2", flat, None), "fsdp2_hsdp": ("fsdp2", mesh, None),
+            "zero3": ("ours", mesh, StateSharding.zero3(mesh)),
+            "hsdp": ("ours", mesh, StateSharding.hsdp(mesh, "intra"))}
+    out = {}
+    for name, (runtime, m, sharding) in runs.items():
+        meter, stats = _one_step_counted(rank, cfg, init, m, runtime, sharding)
+        out[name] = (meter.by_dims(mesh), stats)  # FSDP2's 1-D groups named by 2x2 dims
+    diagonal = dist.new_group([0, 3])  # spans no set of the 2x2 mesh's dims
+    if rank in (0, 3):
+        with CollectiveMeter() as meter:
+            dist.all_reduce(torch.ones(4), group=diagonal)
+        with pytest.raises(ValueError, match=r"ranks \[0, 3\] spans no set of dims"):
+            meter.by_dims(mesh)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_collective_meter_by_dims_matches_fsdp2_and_comm_stats_on_2x2():
+    """Per step on a 2x2 mesh, by the dims each group spans: our zero3 runs FSDP2 full-shard's
+    all-gathers and reduce-scatters (calls, bytes, bytes moved) over both dims, our hsdp FSDP2
+    HSDP's over intra and its all-reduces over inter; ours adds one all-reduce of one byte per
+    parameter (the unused-gradient flags) over each group. The counter equals the units' own
+    CommStats.by_dims plus those flags."""
+    from ragged_placement.models import GPT, GPTConfig
+
+    n = len(list(GPT(GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=16)).parameters()))
+    flags = [1, n, 2 * 3 * n // 4]  # an all-reduce of n bytes over 4 ranks: 2 (n-1)/n moved
+    flags_2 = [1, n, n]  # over 2 ranks
+    both, intra, inter = ("inter", "intra"), ("intra",), ("inter",)
+    for rank, out in enumerate(run_gloo(_counters_on_2x2, 4)):
+        full, zero3, zero3_stats = out["fsdp2_full"][0], *out["zero3"]
+        assert set(full) == {("all_gather", both), ("reduce_scatter", both)}, rank
+        assert zero3 == {**full, ("all_reduce", both): flags}, rank
+        assert {k: v[:2] for k, v in zero3.items() if k[0] != "all_reduce"} == zero3_stats
+        hsdp2, hsdp = out["fsdp2_hsdp"][0], out["hsdp"][0]
+        assert set(hsdp2) == {("all_gather", intra), ("reduce_scatter", intra),
+                              ("all_reduce", inter)}, rank
+        ar = hsdp2[("all_reduce", inter)]
+        assert hsdp == {**hsdp2, ("all_reduce", intra): flags_2,
+                        ("all_reduce", inter): [a + b for a, b in zip(ar, flags_2)]}, rank
+        assert out["fsdp2_full"][1] == out["fsdp2_hsdp"][1] == out["hsdp"][1] == {}

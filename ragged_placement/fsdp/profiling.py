@@ -4,7 +4,9 @@ They observe torch FSDP2 and this runtime through the same instruments, so the n
 
 * :class:`CollectiveMeter` wraps the c10d entry points both runtimes call
   (``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` or their 2.11 names, and
-  the bound references in :mod:`ragged_placement._compat`) and counts calls and bytes.
+  the bound references in :mod:`ragged_placement._compat`) and ``all_reduce``, and counts calls
+  and bytes, in total and per process group (named by mesh dims with
+  :meth:`CollectiveMeter.by_dims`).
 * :class:`LayoutCopyMeter` is a dispatch mode that counts bytes written by the ops FSDP runtimes
   use to move parameters and gradients between per-parameter tensors and flat collective buffers
   (FSDP2's ``all_gather_copy_in``, ``split_with_sizes_copy``, ``_chunk_cat``). It does not count
@@ -22,10 +24,13 @@ import contextlib
 import ctypes
 import functools
 import gc
+import inspect
+import itertools
 from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -39,16 +44,26 @@ _LAYOUT_COPY_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "_chunk_cat",
 
 
 class CollectiveMeter:
-    """Counts all-gathers and reduce-scatters (calls and bytes) issued inside the ``with`` block.
+    """Counts all-gathers, reduce-scatters and all-reduces (calls and bytes) issued inside the
+    ``with`` block, in total and per process group.
 
-    ``all_gather_bytes`` sums the gathered outputs, ``reduce_scatter_bytes`` the reduced inputs:
-    the size of the collective, the same on every rank.
+    ``all_gather_bytes`` sums the gathered outputs, ``reduce_scatter_bytes`` the reduced inputs,
+    ``counts["all_reduce_bytes"]`` the all-reduced tensors: the size of the collective, the same
+    on every rank. A coalesced group of calls (one unit's segments) is one collective.
+
+    ``by_group[(kind, ranks)]`` is ``[calls, bytes, moved]`` per kind and group (``ranks``: the
+    group's global ranks in group order), where ``moved`` is what the collective moves per rank
+    on a ring: an all-gather's output less this rank's input (what it receives), a
+    reduce-scatter's input less its output (what it sends), ``2 (n - 1) / n`` of an all-reduced
+    tensor over ``n`` ranks. :meth:`by_dims` names the groups by the mesh dims they span.
     """
 
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
+        self.by_group: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         self._saved: list[tuple[object, str, object]] = []
-        self._coalesced_kinds: set[str] | None = None  # set while a coalesced group is issued
+        # set while a coalesced group is issued: the (kind, ranks) it ran, counted once at its end
+        self._coalesced_keys: set[tuple[str, tuple[int, ...]]] | None = None
 
     @property
     def all_gather_bytes(self) -> int:
@@ -58,17 +73,55 @@ class CollectiveMeter:
     def reduce_scatter_bytes(self) -> int:
         return self.counts["reduce_scatter_bytes"]
 
+    def by_dims(self, mesh: DeviceMesh) -> dict[tuple[str, tuple[str, ...]], list[int]]:
+        """:attr:`by_group` keyed by ``(kind, the mesh dims the group spans)`` (dims in mesh
+        order; the group spans every rank of ``mesh`` that shares this rank's coordinates on the
+        other dims), summed over groups spanning the same dims.
+
+        Raises:
+            ValueError: a group spans no set of ``mesh``'s dims through this rank.
+        """
+        spans = _dim_spans(mesh)
+        out: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+        for (kind, ranks), counts in self.by_group.items():
+            dims = spans.get(frozenset(ranks))
+            if dims is None:
+                raise ValueError(
+                    f"a {kind} over ranks {list(ranks)} spans no set of dims of mesh {mesh}"
+                )
+            entry = out.setdefault((kind, dims), [0, 0, 0])
+            for i, n in enumerate(counts):
+                entry[i] += n
+        return out
+
+    def _count(self, kind: str, group, nbytes: int, moved: int) -> None:
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        entry = self.by_group.setdefault((kind, ranks), [0, 0, 0])
+        entry[1] += nbytes
+        entry[2] += moved
+        self.counts[f"{kind}_bytes"] += nbytes
+        if self._coalesced_keys is None:
+            self.counts[kind] += 1
+            entry[0] += 1
+        else:  # part of one coalesced collective, counted once when the group is issued
+            self._coalesced_keys.add((kind, ranks))
+
     def _wrap(self, kind: str, fn):
-        def counted(output, input, *args, **kwargs):
-            if self._coalesced_kinds is None:
-                self.counts[kind] += 1
-            else:  # part of one coalesced collective, counted once when the group is issued
-                self._coalesced_kinds.add(kind)
-            big = output if kind == "all_gather" else input  # a list for an uneven reduce-scatter
-            self.counts[f"{kind}_bytes"] += sum(
-                t.numel() * t.element_size() for t in (big if isinstance(big, list) else [big])
-            )
-            return fn(output, input, *args, **kwargs)
+        signature = inspect.signature(fn)
+
+        def counted(*args, **kwargs):
+            arguments = signature.bind(*args, **kwargs).arguments
+            tensors = list(arguments.values())
+            if kind == "all_reduce":
+                nbytes = _nbytes(tensors[0])
+                n = dist.get_world_size(arguments.get("group"))
+                moved = 2 * (n - 1) * nbytes // n
+            else:
+                output, input = (_nbytes(t) for t in tensors[:2])
+                nbytes = output if kind == "all_gather" else input
+                moved = abs(output - input)
+            self._count(kind, arguments.get("group"), nbytes, moved)
+            return fn(*args, **kwargs)
 
         return counted
 
@@ -79,13 +132,15 @@ class CollectiveMeter:
         def counted(calls, *args, **kwargs):
             if len(calls) == 1:
                 return fn(calls, *args, **kwargs)
-            self._coalesced_kinds = set()
+            self._coalesced_keys = set()
             try:
                 return fn(calls, *args, **kwargs)
             finally:
-                for kind in self._coalesced_kinds:
+                for kind in {kind for kind, _ in self._coalesced_keys}:
                     self.counts[kind] += 1
-                self._coalesced_kinds = None
+                for key in self._coalesced_keys:
+                    self.by_group[key][0] += 1
+                self._coalesced_keys = None
 
         return counted
 
@@ -99,6 +154,7 @@ class CollectiveMeter:
             (collectives, "_all_gather_uneven", "all_gather"),  # W broadcasts: one collective
             (dist, "reduce_scatter", "reduce_scatter"),  # uneven segments' list reduce-scatter
             (compat, "_reduce_scatter", "reduce_scatter"),
+            (dist, "all_reduce", "all_reduce"),
         ]
         for obj, name, kind in targets:
             fn = getattr(obj, name, None)
@@ -113,6 +169,27 @@ class CollectiveMeter:
         for obj, name, fn in reversed(self._saved):
             setattr(obj, name, fn)
         self._saved.clear()
+
+
+def _nbytes(x: torch.Tensor | list[torch.Tensor]) -> int:
+    """Bytes of a tensor or of a list of them (an uneven reduce-scatter's inputs)."""
+    return sum(t.numel() * t.element_size() for t in (x if isinstance(x, list) else [x]))
+
+
+def _dim_spans(mesh: DeviceMesh) -> dict[frozenset[int], tuple[str, ...]]:
+    """The ranks each non-empty set of ``mesh``'s dims spans through this rank (the first set
+    wins where several span the same ranks: dims of size 1)."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"mesh must have mesh_dim_names to name collectives by dims, got {mesh}")
+    coords = [int(i) for i in (mesh.mesh == dist.get_rank()).nonzero()[0]]
+    spans: dict[frozenset[int], tuple[str, ...]] = {}
+    for k in range(1, len(names) + 1):
+        for dims in itertools.combinations(range(len(names)), k):
+            index = tuple(slice(None) if d in dims else c for d, c in enumerate(coords))
+            ranks = frozenset(int(r) for r in mesh.mesh[index].reshape(-1).tolist())
+            spans.setdefault(ranks, tuple(names[d] for d in dims))
+    return spans
 
 
 class LayoutCopyMeter(TorchDispatchMode):
