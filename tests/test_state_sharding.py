@@ -92,8 +92,15 @@ def test_memory_matches_a_hand_computation():
     assert z3.memory_per_rank == {"params": 128, "grads": 128, "optim": 256,
                                   "buffers": 512 + 512 + 128}
     a = _candidate(plan, amsp)
-    assert a.memory_per_rank == {"params": 256, "grads": 128, "optim": 256,
+    # params: the optimizer chunk (32 x 4) and the parameter chunk it is refreshed into
+    # (64 x 4); .grad is the optimizer chunk's part (32 x 4)
+    assert a.memory_per_rank == {"params": 128 + 256, "grads": 128, "optim": 256,
                                  "buffers": 512 + 512 + 256}
+    # params=(): the unsharded buffer is the parameter chunk, kept allocated (no gathered
+    # buffer besides it); the gradient buffer (128 x 4) and the gradient chunk (128 x 4)
+    z1 = _candidate(plan, StateSharding.zero1(MESH))
+    assert z1.memory_per_rank == {"params": 128 + 512, "grads": 128, "optim": 256,
+                                  "buffers": 512 + 512}
     # reshard_after_forward=False holds every unit's gathered buffer: with two units both
     two = _plan([[("w", (16, 8))], [("v", (16, 8))]])
     assert _candidate(two, StateSharding.zero3(MESH), False).memory_per_rank["buffers"] == \
@@ -107,6 +114,8 @@ def test_memory_matches_a_hand_computation():
     # gathered bf16 (256) + bf16 send buffer (32 x 2) + bf16 grads (256), their fp32 cast (512)
     # and the fp32 reduce-scatter output (128); the stored states stay fp32
     assert m == {"params": 128, "grads": 128, "optim": 256, "buffers": 256 + 64 + 256 + 512 + 128}
+    # AMSP's parameter chunk is in bf16 (64 x 2), its optimizer chunk fp32 (32 x 4)
+    assert _candidate(mp, amsp).memory_per_rank["params"] == 128 + 128
 
 
 def test_memory_uses_the_planners_padding():
@@ -125,10 +134,12 @@ def test_memory_uses_the_planners_padding():
     if hasattr(ref4, "rank_starts"):
         starts = [int(x) for x in ref4.rank_starts]
         c_p = max(starts[2] - starts[0], starts[4] - starts[2])
+        c_o = max(starts[k + 1] - starts[k] for k in range(4))
     else:
-        c_p = 2 * ref4.chunk_numel
+        c_p, c_o = 2 * ref4.chunk_numel, ref4.chunk_numel
+    # ... and it holds its optimizer chunk beside it
     amsp = StateSharding(params=("intra",), grads=("inter", "intra"), optim=("inter", "intra"))
-    assert _candidate(plan, amsp).memory_per_rank["params"] == c_p * 4
+    assert _candidate(plan, amsp).memory_per_rank["params"] == (c_o + c_p) * 4
 
 
 def _runtime_buffers(rank, world_size, mesh_shape):
@@ -205,11 +216,11 @@ def test_comm_bytes_per_dim_match_the_formula():
     assert hsdp.comm_seconds["intra"] == pytest.approx(512 / 1e10)
     amsp = _candidate(plan, StateSharding(("intra",), ("inter", "intra"), ("inter", "intra")))
     # intra as HSDP; inter: reduce-scatter 1 x 32 x 4 B, then the all-gather of the updated
-    # fp32 parameters (their stored dtype) 1 x 32 x 4 B: an all-reduce's bytes, as HSDP
-    assert amsp.comm_bytes == {"inter": 128 + 128, "intra": 512}
+    # parameters, cast to bf16 (param_dtype) as the runtime does, 1 x 32 x 2 B
+    assert amsp.comm_bytes == {"inter": 128 + 64, "intra": 512}
     zero1 = _candidate(plan, StateSharding.zero1(MESH))
-    # the whole fp32 gradient all-reduced over 4 ranks, the fp32 update all-gathered (chunk 32)
-    assert zero1.comm_bytes == {"inter": int(2 * 3 / 4 * 128 * 4) + 3 * 32 * 4, "intra": 0}
+    # the whole fp32 gradient all-reduced over 4 ranks, the bf16 update all-gathered (chunk 32)
+    assert zero1.comm_bytes == {"inter": int(2 * 3 / 4 * 128 * 4) + 3 * 32 * 2, "intra": 0}
 
 
 def test_ranking_and_choice():
