@@ -32,9 +32,11 @@ HSDP's parameter memory (shard + chunk + unsharded peak).
 DeepSeek-V3 (shared/models.json) on 1,024 and 16,384 GPUs of 80 GB, 8 per node (mesh
 ``{"inter": W / 8, "intra": 8}``, 450 GB/s per direction inside a node, 50 GB/s per GPU across),
 AdamW, parameters stored in fp32, gathered in bf16, gradients reduced in fp32 (torchtitan's
-recipe), at ``fully_shard``'s default granularity (rows). For each: its choice, memory per GPU by state (GB) and predicted communication seconds
-per step by mesh dim, beside FSDP2 full-shard (zero3 over every GPU) and FSDP2 HSDP (hsdp over
-``intra``) on the same model, from the same model of memory and communication. Units: the
+recipe), at ``fully_shard``'s default granularity (rows). For each: its choice, memory per GPU by
+state (GB) and predicted communication seconds per step by mesh dim, beside FSDP2 full-shard
+(zero3 over every GPU), FSDP2 HSDP (hsdp over ``intra``) and AMSP's point (params ``intra``,
+grads and optimizer state over every GPU), all with ``reshard_after_forward=True``, on the same
+model, from the same model of memory and communication. Units: the
 embedding, each layer, the head (``planner.models.fsdp_units``, experts as separate matrices,
 as Hugging Face's DeepSeek-V3); the experts of an MoE layer in units of ``--expert-units N``
 (default 32) experts each (a whole 256-expert layer gathers 11.3 B parameters: its unsharded
@@ -160,14 +162,14 @@ def planner_table(expert_units: int, full_table: bool) -> None:
                 print(f"{model} on {world}: {e}")
                 plan, chosen = _plan(units, mesh, math.inf), "least comm (nothing fits)"
             ms = f"{1e3 * (time.perf_counter() - t0):.0f}"
-            full = plan.find(StateSharding.zero3(mesh))
-            hsdp = plan.find(StateSharding.hsdp(mesh, "intra"))
-            if chosen != "choice":  # candidates were ranked without a budget: recompute fits
-                full, hsdp = (_refit(c) for c in (full, hsdp))
-            ref = full.comm_seconds_total
+            both = tuple(mesh)
+            points = {"FSDP2 full": StateSharding.zero3(mesh),
+                      "FSDP2 HSDP": StateSharding.hsdp(mesh, "intra"),
+                      "AMSP": StateSharding(("intra",), both, both)}
+            found = {label: _refit(plan.find(sh)) for label, sh in points.items()}
+            ref = found["FSDP2 full"].comm_seconds_total
             rows.append(_row(model, world, chosen, _refit(plan.choice), ref, ms))
-            rows.append(_row(model, world, "FSDP2 full", full, ref, ""))
-            rows.append(_row(model, world, "FSDP2 HSDP", hsdp, ref, ""))
+            rows += [_row(model, world, label, c, ref, "") for label, c in found.items()]
             fulls.append((model, world, plan))
     _print_table(head, rows)
     if full_table:
