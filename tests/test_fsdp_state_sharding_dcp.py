@@ -2,9 +2,9 @@
 ``get_optimizer_state_dict`` saved by ``torch.distributed.checkpoint`` under zero3 on 4 gloo
 ranks (a 2x2 mesh) loads with ``set_model_state_dict`` / ``set_optimizer_state_dict`` under AMSP
 and under hsdp on the same mesh, and into one process (full state dicts): bitwise the saved
-parameters and AdamW state, and training goes on as the uninterrupted run. AMSP and hsdp save
-what they loaded again, and one process loads those checkpoints bitwise too (saving under a
-nested layout and under a replicated dim).
+parameters and AdamW state, and training goes on as the uninterrupted run. The other ways round
+too, bitwise: AMSP's and hsdp's saves into one process, AMSP's into zero3, one process's into
+AMSP.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def _load(m: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
 
 def _save_and_resume(rank: int, ws: int, ckpt: str):
     """zero3 trains ``SAVE_AT`` steps, saves, and goes on to ``STEPS`` uninterrupted; AMSP and
-    hsdp load its checkpoint, save it again and go on from ``SAVE_AT``."""
+    hsdp load its checkpoint, save it again and go on from ``SAVE_AT``; zero3 loads AMSP's
+    checkpoint and AMSP the one-process one."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=BOTH)
     rows = slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
     init, *_ = _data()
@@ -104,10 +105,25 @@ def _save_and_resume(rank: int, ws: int, ckpt: str):
         for s in range(SAVE_AT, STEPS):
             _step(m, opt, s, rows)
         out[name, "resumed"] = _snapshot(m, opt)
+    for name, source in (("zero3", "amsp"), ("amsp", "one")):
+        m, opt = _model(mesh, SHARDINGS[name])
+        _load(m, opt, os.path.join(ckpt, source))
+        out[name, "loaded", source] = _snapshot(m, opt)
     return out
 
 
-def _one_process(ckpt: str) -> tuple[State, State]:
+def _one_process_save(ckpt: str) -> State:
+    """One process trains ``SAVE_AT`` steps on the whole batch and saves (full state dicts)."""
+    init, *_ = _data()
+    m, opt = _model(None, None)
+    m.load_state_dict(init)
+    for s in range(SAVE_AT):
+        _step(m, opt, s, slice(None))
+    _save(m, opt, ckpt)
+    return _snapshot(m, opt)
+
+
+def _one_process_load(ckpt: str) -> tuple[State, State]:
     """The checkpoint loaded into one process (full state dicts): the state right after the load,
     and after training on the whole batch from ``SAVE_AT`` to ``STEPS``."""
     m, opt = _model(None, None)
@@ -125,7 +141,8 @@ def _assert_equal(got: State, want: State, atol: float, what: str) -> None:
 
 
 @pytest.mark.multiprocess
-def test_dcp_saved_under_zero3_loads_under_amsp_hsdp_and_one_process(tmp_path):
+def test_dcp_across_zero3_amsp_hsdp_and_one_process(tmp_path):
+    one = _one_process_save(str(tmp_path / "one"))
     ranks = run_gloo(_save_and_resume, 4, str(tmp_path))
     saved, uninterrupted = ranks[0]["saved"], ranks[0]["uninterrupted"]
     assert len(saved) == 6 * 4, "3 weights and 3 biases, each with step, exp_avg, exp_avg_sq"
@@ -134,7 +151,9 @@ def test_dcp_saved_under_zero3_loads_under_amsp_hsdp_and_one_process(tmp_path):
         for name in LOADERS:
             _assert_equal(out[name, "loaded"], saved, 0, f"rank {rank} {name} loaded")
             _assert_equal(out[name, "resumed"], uninterrupted, TOL, f"rank {rank} {name} resumed")
+        _assert_equal(out["zero3", "loaded", "amsp"], saved, 0, f"rank {rank} zero3 from amsp")
+        _assert_equal(out["amsp", "loaded", "one"], one, 0, f"rank {rank} amsp from one process")
     for name in ("zero3", *LOADERS):
-        loaded, resumed = _one_process(str(tmp_path / name))
+        loaded, resumed = _one_process_load(str(tmp_path / name))
         _assert_equal(loaded, saved, 0, f"one process loading {name}'s checkpoint")
         _assert_equal(resumed, uninterrupted, TOL, f"one process resumed from {name}")
