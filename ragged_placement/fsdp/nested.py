@@ -35,6 +35,10 @@ nothing):
    over ``G \\ P`` into the gradient chunk, then all-reduces that over ``R`` and ``O \\ G``; the
    optimizer chunk's part of it, averaged over the data-parallel world, lands in ``.grad``.
 
+What persists between steps is the optimizer chunk's part of the reduction (``.grad``), whatever
+``grads`` is: sharding gradients over fewer dims than ``optim`` (ZeRO-1) only replaces the
+reduce-scatter over ``optim \\ grads`` with an all-reduce, and the gradient chunk is transient.
+
 Gradient accumulation (``set_requires_gradient_sync(False)``) keeps, as without a
 ``state_sharding``, the unsharded gradients until the synchronizing backward, which runs all
 three reductions once: the gradient shard is never held unreduced.
