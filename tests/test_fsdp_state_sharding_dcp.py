@@ -4,13 +4,15 @@ ranks (a 2x2 mesh) loads with ``set_model_state_dict`` / ``set_optimizer_state_d
 and under hsdp on the same mesh, and into one process (full state dicts): bitwise the saved
 parameters and AdamW state, and training goes on as the uninterrupted run. The other ways round
 too, bitwise: AMSP's and hsdp's saves into one process, AMSP's into zero3, one process's into
-AMSP. Our Muon's state (momentum, its AdamW group's moments) saved under zero3 loads bitwise
-under AMSP and into one process. One gloo spawn for all of it.
+AMSP. Our Muon's state (momentum, its AdamW group's moments) and Shampoo's (each row slab's
+statistics, roots and grafting moments, on the slab's owner) saved under zero3 load bitwise under
+AMSP and into one process. One gloo spawn for all of it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from dist_utils import run_gloo
 from test_fsdp_state_sharding import BATCH, BOTH, MLP, SHARDINGS, STEPS, TOL, _adamw, _data
-from test_fsdp_state_sharding_optim import MUON_ATOL, _muon
+from test_fsdp_state_sharding_optim import MUON_ATOL, OPTIMIZERS, SHAMPOO_ATOL, B
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -45,12 +47,34 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
+def _tensors(prefix: str, obj: object) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors in ``obj`` (nested dicts and lists: Shampoo's slab state) by dotted path."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, _full(obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(f"{prefix}.{k}", v)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _tensors(f"{prefix}.{i}", v)
+
+
 def _snapshot(m: torch.nn.Module, opt: torch.optim.Optimizer) -> State:
-    """Every parameter and every optimizer state tensor (``step`` included), in full, by name."""
+    """Every parameter and every optimizer state tensor (``step`` included) this rank holds, in
+    full (DTensors) or as they are (Shampoo's slab state, on its owner only), by name."""
     out = {f"param.{k}": _full(v) for k, v in m.named_parameters()}
-    for fqn, state in get_optimizer_state_dict(m, opt)["state"].items():
-        out.update({f"optim.{fqn}.{k}": _full(v) for k, v in state.items()
-                    if isinstance(v, torch.Tensor)})
+    out.update(_tensors("optim", get_optimizer_state_dict(m, opt)["state"]))
+    return out
+
+
+def _union(states: Sequence[State]) -> State:
+    """The ranks' snapshots as one: a name on several ranks must hold the same value on each."""
+    out: State = {}
+    for state in states:
+        for k, v in state.items():
+            if k in out:
+                torch.testing.assert_close(v, out[k], atol=0, rtol=0, msg=k)
+            out[k] = v
     return out
 
 
@@ -65,13 +89,13 @@ def _model(
     mesh, sharding: StateSharding | None, optimizer: str = "adamw"
 ) -> tuple[MLP, torch.optim.Optimizer]:
     """A model initialised unlike the checkpoint (a load must overwrite every value) and its
-    optimizer: AdamW, or our Muon (with AdamW on the biases)."""
+    optimizer: AdamW, or ours (``OPTIMIZERS``: Muon with AdamW on the biases, Shampoo)."""
     torch.manual_seed(7)
     m = MLP()
     if sharding is not None:
         for sub in (m.a, m.b, m):
             fully_shard(sub, mesh=mesh, state_sharding=sharding)
-    return m, _adamw(m.parameters()) if optimizer == "adamw" else _muon(m)
+    return m, _adamw(m.parameters()) if optimizer == "adamw" else OPTIMIZERS[optimizer](m)
 
 
 def _save(m: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
@@ -119,7 +143,7 @@ def _load_and_resume(
 
 def _save_and_resume(rank: int, ws: int, ckpt: str):
     """zero3 saves; AMSP and hsdp load and save again, zero3 loads AMSP's checkpoint, AMSP the
-    one-process one (AdamW); with Muon, zero3 saves and AMSP loads."""
+    one-process one (AdamW); with Muon and with Shampoo, zero3 saves and AMSP loads."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=BOTH)
     rows = slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
     out = {}
@@ -135,11 +159,12 @@ def _save_and_resume(rank: int, ws: int, ckpt: str):
         out[name, "loaded", source] = _load_and_resume(
             mesh, SHARDINGS[name], rows, os.path.join(ckpt, source)
         )[0]
-    muon = os.path.join(ckpt, "muon_zero3")
-    out["muon", "saved"], out["muon", "uninterrupted"] = _train_and_save(mesh, rows, muon, "muon")
-    out["muon", "loaded"], out["muon", "resumed"] = _load_and_resume(
-        mesh, SHARDINGS["amsp"], rows, muon, "muon"
-    )
+    for name in OPTIMIZERS:
+        path = os.path.join(ckpt, f"{name}_zero3")
+        out[name, "saved"], out[name, "uninterrupted"] = _train_and_save(mesh, rows, path, name)
+        out[name, "loaded"], out[name, "resumed"] = _load_and_resume(
+            mesh, SHARDINGS["amsp"], rows, path, name
+        )
     return out
 
 
@@ -152,6 +177,10 @@ def _one_process_save(ckpt: str) -> State:
         _step(m, opt, s, slice(None))
     _save(m, opt, ckpt)
     return _snapshot(m, opt)
+
+
+def _weights() -> list[torch.Tensor]:
+    return [p for p in MLP().parameters() if p.ndim == 2]
 
 
 def _assert_equal(got: State, want: State, atol: float, what: str) -> None:
@@ -188,16 +217,23 @@ def test_dcp_across_zero3_amsp_hsdp_and_one_process(runs):
 
 
 @pytest.mark.multiprocess
-def test_dcp_of_muon_across_zero3_amsp_and_one_process(runs):
-    """Muon's momentum (and its AdamW group's moments) saved under zero3 load bitwise under AMSP
-    and into one process, and training goes on as the uninterrupted run."""
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_dcp_of_muon_and_shampoo_across_zero3_amsp_and_one_process(runs, optimizer):
+    """Muon's momentum (and its AdamW group's moments), Shampoo's statistics, roots and grafting
+    moments (each row slab's on its owner rank) saved under zero3 load bitwise under AMSP and
+    into one process, and training goes on as the uninterrupted run."""
     ckpt, _, ranks = runs
-    saved, uninterrupted = ranks[0]["muon", "saved"], ranks[0]["muon", "uninterrupted"]
-    assert len(saved) == 6 + 3 + 3 * 3, "6 parameters, 3 momentum buffers, 3 biases' AdamW state"
-    results = [(f"rank {r}", (out["muon", "loaded"], out["muon", "resumed"]))
-               for r, out in enumerate(ranks)]
-    results.append(("one process",
-                    _load_and_resume(None, None, slice(None), str(ckpt / "muon_zero3"), "muon")))
-    for what, (loaded, resumed) in results:
-        _assert_equal(loaded, saved, 0, f"muon: {what} loaded")
-        _assert_equal(resumed, uninterrupted, MUON_ATOL, f"muon: {what} resumed")
+    saved, uninterrupted, loaded, resumed = (
+        _union([out[optimizer, what] for out in ranks])
+        for what in ("saved", "uninterrupted", "loaded", "resumed")
+    )
+    # Shampoo: per row slab, L, R and their roots per column block, and 2 grafting moments
+    blocks = sum(-(-r // B) * (4 * -(-c // B) + 2) for r, c in (p.shape for p in _weights()))
+    assert sum(".blocks." in k for k in saved) == (0 if optimizer == "muon" else blocks)
+    one = _load_and_resume(None, None, slice(None), str(ckpt / f"{optimizer}_zero3"), optimizer)
+    atol = MUON_ATOL if optimizer == "muon" else SHAMPOO_ATOL
+    for what, (got, after) in (("AMSP", (loaded, resumed)), ("one process", one)):
+        _assert_equal(got, saved, 0, f"{optimizer}: {what} loaded")
+        params = {k: v for k, v in after.items() if k.startswith("param.")}
+        _assert_equal(params, {k: uninterrupted[k] for k in params}, atol,
+                      f"{optimizer}: {what} resumed")
