@@ -17,8 +17,10 @@ identical on every rank, so ranks agree on split sizes without talking.
 Plain tensors and ``Replicate`` DTensors are unsharded (``Layout.group is None``): every rank
 has the full tensor and computes its items itself.
 
-This batched path handles 1-D meshes; parameters on N-D meshes (HSDP, FSDP x TP) take the
-per-matrix DTensor-redistribution path in :mod:`._mesh_nd`.
+This batched path handles parameters sharded over one mesh dim: 1-D meshes, and N-D meshes whose
+other dims are ``Replicate`` (HSDP), where it runs over the sharded dim's process group.
+Parameters sharded over several mesh dims (FSDP x TP) take the per-matrix DTensor-redistribution
+path in :mod:`._mesh_nd`.
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ragged_placement.placement import RaggedShard
 
 __all__ = [
-    "Layout",
-    "Item",
-    "layout_of",
-    "local_tensor",
-    "local_flat",
-    "check_grad_placement",
-    "assign_owners",
     "Exchange",
+    "Item",
+    "Layout",
+    "assign_owners",
+    "check_grad_placement",
+    "layout_of",
+    "local_flat",
+    "local_tensor",
 ]
 
 
@@ -68,27 +70,30 @@ def _whole(shape: tuple[int, ...]) -> Layout:
 
 
 def layout_of(tensor: torch.Tensor) -> Layout:
-    """The :class:`Layout` of a plain tensor or a DTensor on a 1-D mesh.
+    """The :class:`Layout` of a plain tensor or a DTensor sharded over at most one mesh dim.
 
-    Raises ``ValueError`` for placements whose local tensors are not contiguous runs of the
-    flattened full tensor (``Shard(d)`` with ``d > 0``, strided shards, partial) and for meshes
-    with more than one dim.
+    On an N-D mesh whose other dims are ``Replicate`` (HSDP), the layout is the one over the
+    sharded dim's process group: every replica group holds the same ranges. Raises
+    ``ValueError`` for placements whose local tensors are not contiguous runs of the flattened
+    full tensor (``Shard(d)`` with ``d > 0``, strided shards, partial) and for tensors sharded
+    over more than one mesh dim (those go through :mod:`._mesh_nd`).
     """
     shape = tuple(int(s) for s in tensor.shape)
     if not isinstance(tensor, DTensor):
         return _whole(shape)
-    mesh = tensor.device_mesh
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"layout_of handles 1-D meshes; a {mesh.ndim}-D mesh goes through optim._mesh_nd, "
-            f"got placements {tensor.placements}"
-        )
-    (placement,) = tensor.placements
-    if isinstance(placement, Replicate):
+    sharded = [m for m, pl in enumerate(tensor.placements) if not isinstance(pl, Replicate)]
+    if not sharded:
         return _whole(shape)
-    world, rank = mesh.size(0), mesh.get_local_rank(0)
+    if len(sharded) > 1:
+        raise ValueError(
+            f"layout_of handles tensors sharded over one mesh dim; placements "
+            f"{tensor.placements} shard over {len(sharded)} and go through optim._mesh_nd"
+        )
+    (dim,) = sharded
+    placement, mesh = tensor.placements[dim], tensor.device_mesh
+    world, rank = mesh.size(dim), mesh.get_local_rank(dim)
     if isinstance(placement, RaggedShard):
-        placement.check_mesh_size(world, mesh_dim=0)
+        placement.check_mesh_size(world, mesh_dim=dim)
         row_numel = math.prod(placement.row_shape(shape))
         ranges = tuple((a * row_numel, b * row_numel) for a, b in placement.row_ranges(shape))
     elif type(placement) is Shard and placement.dim == 0:
@@ -104,7 +109,7 @@ def layout_of(tensor: torch.Tensor) -> Layout:
             f"placement {placement!r} is not supported: the optimizers need RaggedShard, Shard(0) "
             f"or Replicate (local tensors that are contiguous runs of the flattened tensor)"
         )
-    return Layout(shape, mesh.get_group(0), rank, ranges)
+    return Layout(shape, mesh.get_group(dim), rank, ranges)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
