@@ -22,7 +22,14 @@ Per step, one ``all_to_all_single`` sends every rank's bf16 pieces of every matr
 (NS runs in bf16 on the bf16 cast of ``U``, so bf16 on the wire is exact), owners orthogonalize,
 and one ``all_to_all_single`` returns the pieces, asynchronously, while the AdamW parameters are
 updated. Matrices whole on their owner are orthogonalized while the first collective is in flight.
-When every matrix is whole on some rank no collective is issued at all.
+When every matrix is whole on some rank of a 1-D mesh no collective is issued at all.
+
+On an N-D mesh with one sharded dim (HSDP) each matrix still has one owner in the whole mesh, so
+every Newton-Schulz runs once in the world, not once per replica row; the momentum stays
+replicated. The all-to-alls run inside each replica row and one all-gather per ``Replicate``
+dim brings the other rows' results (:mod:`._sharding`); that all-gather runs even when every
+matrix is whole on a rank. Parameters sharded over several mesh dims (FSDP x TP) move one matrix
+at a time by DTensor redistribution (:mod:`._mesh_nd`).
 """
 
 from __future__ import annotations
@@ -82,15 +89,19 @@ def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
 class MuonStepInfo:
     """What the last :meth:`Muon.step` did (machine-independent counts).
 
-    ``bytes_sent``: bytes this rank put on the wire in its all-to-alls (both directions).
-    ``all_to_all_calls``: collectives this rank issued. ``flops_per_rank``: NS FLOPs assigned to
-    each rank of the (last) process group by the owner plan; ``flops_local``: NS FLOPs of
+    ``bytes_sent``: bytes this rank put on the wire in its all-to-alls (both directions) and its
+    replica all-gathers. ``all_to_all_calls``, ``all_gather_calls``: collectives this rank issued
+    (all-gathers: one per ``Replicate`` mesh dim, see :class:`~._sharding.Exchange`).
+    ``flops_per_rank``: NS FLOPs assigned to each owner slot of the (last) process group by the
+    owner plan (on N-D meshes: slot ``row * group_size + rank`` of each replica row);
+    ``flops_local``: NS FLOPs of
     unsharded (plain / Replicate) matrices, which every rank computes itself. ``nd_matrices``:
     matrices sharded over several mesh dims (FSDP x TP), moved by DTensor redistribution (not counted in the fields above).
     """
 
     bytes_sent: int = 0
     all_to_all_calls: int = 0
+    all_gather_calls: int = 0
     nd_matrices: int = 0
     flops_per_rank: list[float] = field(default_factory=list)
     flops_local: float = 0.0
@@ -285,6 +296,9 @@ class Muon(ShardedStateOptimizer):
             back = ex.start_scatter(res)
             info.all_to_all_calls += back.work is not None
             info.bytes_sent += sum(ex.recv_splits) * 2
+            calls, sent = ex.replica_gather_stats()
+            info.all_gather_calls += calls
+            info.bytes_sent += sent
             returns.append(back)
 
         # 6. meanwhile: weight decay, unsharded parameters, AdamW groups.

@@ -24,7 +24,10 @@ with its state; when the placement cuts only on B-row boundaries (``RaggedShard`
 ``B``-row units, or whole matrices per rank) that is every slab and a step issues no collective.
 Otherwise slabs are gathered to owners (greedy LPT on their FLOPs) with one
 ``all_to_all_single`` and the updates return with one more, as in :mod:`.muon`. Owners are fixed
-at the first step, so slab state stays where it was built.
+at the first step, so slab state stays where it was built. On an N-D mesh with one sharded dim
+(HSDP) every slab has one owner in the whole mesh, so its statistics and roots exist once, not
+once per replica row; the updates reach the other rows by one all-gather per ``Replicate`` dim
+(:mod:`._sharding`), also when every slab is whole on a rank.
 
 Slab state (statistics, roots, grafting moments) lives only on the slab's owner and is saved as
 rank-local tensors under ``state[p]["blocks"]``: it reloads into the same world size and
@@ -120,6 +123,7 @@ class Shampoo(ShardedStateOptimizer):
         self._owners: dict[Any, dict[tuple[int, int, int], int]] = {}
         self._exchanges: dict[tuple, Exchange] = {}
         self.last_step_all_to_all_calls = 0
+        self.last_step_all_gather_calls = 0
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -189,6 +193,7 @@ class Shampoo(ShardedStateOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self.last_step_all_to_all_calls = 0
+        self.last_step_all_gather_calls = 0
         matrices: list[tuple[torch.Tensor, dict[str, Any]]] = []
         for g in self.param_groups:
             for p in g["params"]:
@@ -269,6 +274,7 @@ class Shampoo(ShardedStateOptimizer):
                 )
             back = ex.start_scatter(results)
             self.last_step_all_to_all_calls += 2 if ex.traffic else 0
+            self.last_step_all_gather_calls += ex.replica_gather_stats()[0]
             outs = [torch.empty_like(g) for g in grads]
             ex.finish_scatter(back, results, outs)
         for (p, g), out in zip(entries, outs):
