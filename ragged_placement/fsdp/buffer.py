@@ -64,6 +64,7 @@ from ragged_placement.fsdp.fp8 import FP8UnitGather, is_fp8_weight
 from ragged_placement.fsdp.gather import PlainGather
 from ragged_placement.fsdp.grads import FlatGrads
 from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
+from ragged_placement.fsdp.nested import NestedBuffer, StateShardedMesh
 from ragged_placement.fsdp.offload import OffloadStaging
 from ragged_placement.fsdp.param import (
     ParamLayout,
@@ -268,6 +269,7 @@ class FlatBuffer:
     sharded: torch.Tensor
     grads: FlatGrads
     post_forward_shard: torch.Tensor | None  # see the module docstring
+    nested: NestedBuffer | None  # the nested layout under a state_sharding (fsdp/nested.py)
     mp_dtypes: tuple[torch.dtype | None, torch.dtype | None]  # (param, reduce); None: own dtype
     _gathered_dtype: torch.dtype | None  # the param_dtype the gather was built for
     _ag_send: torch.Tensor | None  # the all-gather's input, alive until it is waited on
@@ -304,6 +306,7 @@ class FlatBuffer:
             split_by_submodule=options.split_by_submodule,
         )
         self.chunk_numel = self.plan.chunk_numel
+        self.nested = NestedBuffer(self, dp) if isinstance(dp, StateShardedMesh) else None
         self.layouts = _param_layouts(
             self.plan, slots, tp_specs, self.rank, self.world_size, self.tp_mesh, self.spmd_mesh
         )
@@ -342,6 +345,8 @@ class FlatBuffer:
         self._ag_send = None
         self.post_forward_shard = None
         self.grads.reset()
+        if self.nested is not None:
+            self.nested.allocate()
 
     @property
     def offload_device(self) -> torch.device | None:
@@ -558,11 +563,15 @@ class FlatBuffer:
                 f"meta device: materialize the model with model.to_empty(device=...) and "
                 f"initialize it (init_weights() / reset_parameters()) before the first forward"
             )
+        if self.nested is not None:
+            gather = self.nested.prepare_unshard()
+            self._ag_send = gather.input
+            return gather
         self.gather.allocate()
         send = self._send_buffer(pf)
         self._ag_send = send
         world_size = self.world_size if pf is None else pf.size
-        gather = self._gather_segments
+        gather = self.gather_segments
         segments = gather if pf is None else pf.coarsen(gather)
         group = self.dp.shard_group if pf is None else pf.group
         return Gather(self.gather.gathered, send, segments, world_size, group, pf is not None)
@@ -587,8 +596,10 @@ class FlatBuffer:
         self.gather.assemble()
 
     def free_unsharded(self) -> None:
-        """Free the unsharded buffer's storage (the unsharded parameters keep their views)."""
-        self.gather.free()
+        """Free the unsharded buffer's storage (the unsharded parameters keep their views),
+        unless a ``state_sharding`` keeps the parameters unsharded (``params=()``)."""
+        if self.nested is None or self.nested.sharded_params:
+            self.gather.free()
 
     def expose_sharded(self) -> None:
         """Register the sharded parameters once a CPU-offload staging copy still reading the
@@ -605,7 +616,7 @@ class FlatBuffer:
 
     # -- reshard after forward to a smaller group (an int reshard_after_forward) ---------------
     @property
-    def _gather_segments(self) -> Sequence[Segment]:
+    def gather_segments(self) -> Sequence[Segment]:
         """The segments of the all-gather: the plan's, or for an FP8 buffer the one segment of
         its send buffers (bytes, in rank order; uneven where they are)."""
         return [self.fp8.segment] if self.fp8 is not None else self.plan.segments
@@ -614,7 +625,7 @@ class FlatBuffer:
         """This rank's place of the gathered buffer (``1/N`` of it, one copy), to keep in
         :attr:`post_forward_shard` once the buffer is freed (FSDP2's
         ``to_sharded_post_forward``)."""
-        segments = pf.coarsen(self._gather_segments)
+        segments = pf.coarsen(self.gather_segments)
         kept = self.unsharded.new_empty(sum(s.chunk_numel for s in segments))
         for seg in segments:
             lo, hi = seg.rank_range(pf.rank)
