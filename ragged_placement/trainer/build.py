@@ -9,54 +9,47 @@ values therefore do not depend on the runtime, the mesh or the world size.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_PREFIX,
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement.models.llama import Llama, LlamaConfig
-from ragged_placement.trainer.config import TrainConfig
+from ragged_placement.trainer.config import VOCAB, TrainConfig
+from ragged_placement.trainer.hf import hf_model
 
 __all__ = ["TokenData", "build_mesh", "build_model", "build_optimizer", "build_scheduler",
            "loss_fn"]
 
-VOCAB = 256  # byte-level data
-
-
 def new_model(cfg: TrainConfig) -> nn.Module:
-    """The unsharded model of ``--model`` (``gpt``, ``llama`` or a Hugging Face ``config.json``)."""
+    """The unsharded model of ``--model``: ``gpt``, ``llama`` or a Hugging Face causal LM
+    (``hf:TYPE`` or a ``config.json``, :mod:`ragged_placement.trainer.hf`)."""
     if cfg.model == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=cfg.seq, n_layer=cfg.layers,
                              n_head=cfg.heads, n_embd=cfg.width))
     if cfg.model == "llama":
         return Llama(LlamaConfig(vocab_size=VOCAB, dim=cfg.width, n_layers=cfg.layers,
                                  n_heads=cfg.heads, hidden_dim=4 * cfg.width))
-    return _hf_model(cfg.model)
-
-
-def _hf_model(path: str) -> nn.Module:
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError(
-            f"--model {path!r}: a Hugging Face config needs the transformers package; "
-            "otherwise use gpt or llama"
-        ) from None
-    with open(path) as f:
-        config = transformers.AutoConfig.for_model(**json.load(f))
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return hf_model(cfg, VOCAB)
 
 
 def _blocks(model: nn.Module) -> nn.Module:
-    """The container of the transformer blocks: ``model.layers`` (GPT, Llama) or
-    ``model.model.layers`` (Hugging Face decoder models)."""
-    for owner in (model, getattr(model, "model", None)):
-        if owner is not None and isinstance(getattr(owner, "layers", None), (nn.ModuleList, nn.ModuleDict)):
-            return owner.layers
+    """The container of the transformer blocks: ``model.layers`` (GPT, Llama),
+    ``model.model.layers`` (Hugging Face Llama-like models) or ``model.transformer.h`` (GPT-2)."""
+    for owner in (model, getattr(model, "model", None), getattr(model, "transformer", None)):
+        for attr in ("layers", "h"):
+            blocks = getattr(owner, attr, None)
+            if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
+                return blocks
     raise ValueError(f"--model: cannot find the transformer blocks of {type(model).__name__}")
 
 
@@ -87,12 +80,6 @@ def _shard_fn(cfg: TrainConfig) -> tuple[Callable, dict]:
 
 def build_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     """The sharded model with the initial weights of ``--seed`` (torchtitan's recipe)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        checkpoint_wrapper,
-    )
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     shard, kwargs = _shard_fn(cfg)
     with torch.device("meta"):
         model = new_model(cfg)
@@ -108,9 +95,21 @@ def build_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> nn.
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        init = new_model(cfg).state_dict()
-    set_model_state_dict(model, init, options=StateDictOptions(full_state_dict=True))
+        init = new_model(cfg)
+    set_model_state_dict(model, init.state_dict(), options=StateDictOptions(full_state_dict=True))
+    _copy_non_persistent_buffers(init, model)
     return model
+
+
+def _copy_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
+    """Buffers outside the state dict (a rotary embedding's ``inv_freq``), which ``to_empty``
+    left uninitialised, from the model built on CPU."""
+    unwrapped = {name.replace(_CHECKPOINT_PREFIX, ""): module
+                 for name, module in target.named_modules()}
+    for name, module in source.named_modules():
+        for buf in module._non_persistent_buffers_set:
+            if getattr(module, buf) is not None:
+                getattr(unwrapped[name], buf).copy_(getattr(module, buf))
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:

@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ragged_placement.trainer.hf import SIZE_FLAGS, hf_config, is_hf
+
 __all__ = ["RUNTIMES", "STATE_SHARDINGS", "TrainConfig", "check_world", "parse_config"]
 
 RUNTIMES = ("ours", "fsdp2")
@@ -26,6 +28,7 @@ _NEEDS_STATE_SHARDING = ("zero1", "zero2", "amsp", "auto")
 OPTIMIZERS = ("adamw", "muon", "shampoo")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+VOCAB = 256  # byte-level data
 
 
 @dataclass
@@ -173,6 +176,10 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
             raise ValueError(f"--config: unknown option {name!r} (flag {_flag(name)} does not exist)")
         kwargs[name] = _convert(name, value, _TYPES.get(str(fields[name].type), str))
     cfg = TrainConfig(**kwargs)
+    sizes = [n for n in SIZE_FLAGS if n in kwargs]
+    if cfg.model.endswith(".json") and sizes:
+        raise ValueError(f"{_flag(sizes[0])}: --model {cfg.model!r} takes its sizes from the file;"
+                         f" drop {_flag(sizes[0])} or use --model hf:TYPE")
     check_config(cfg)
     return cfg
 
@@ -213,6 +220,11 @@ def check_config(cfg: TrainConfig) -> None:
             "runtime that honours it, which fully_shard does not yet; use zero3 or hsdp"
         )
     _check_mesh(cfg)
+    if is_hf(cfg.model):
+        hf_config(cfg, VOCAB)
+    elif cfg.model not in ("gpt", "llama"):
+        raise ValueError(f"--model must be gpt, llama, hf:TYPE or a Hugging Face config.json, "
+                         f"got {cfg.model!r}")
     if cfg.fp8 and cfg.runtime != "ours":
         raise ValueError("--fp8 needs --runtime ours (torch FSDP2 has no block-wise FP8 gather)")
     if cfg.data != "stdlib" and not os.path.isfile(cfg.data):
