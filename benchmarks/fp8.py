@@ -190,7 +190,7 @@ def fake_uneven_gathers() -> Iterator[None]:
     collectives move no data anyway, so the uneven gather becomes a no-op with the same output
     (which :class:`CollectiveMeter` counts)."""
     saved = collectives._all_gather_uneven
-    collectives._all_gather_uneven = lambda *args: collectives._Works([])
+    collectives._all_gather_uneven = lambda *args: collectives.Works([])
     try:
         yield
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -20,6 +21,7 @@ __all__ = [
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
     "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
     "functional_all_gather", "outside_selective_checkpoint", "DataParallelMeshDims",
+    "new_group_in_order",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -39,6 +41,22 @@ def reduce_scatter_single(
 ):
     """Reduce ``input`` over ``group`` and keep this rank's equal chunk in ``output``."""
     return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group whose group rank ``i`` is ``ranks[i]``, created by its members only
+    (``use_local_synchronization``). ``new_group`` sorts the ranks; torch 2.13 keeps the given
+    order with ``sort_ranks=False`` (pytorch/pytorch#176580). Before that only a sorted list
+    can be honoured: ``ValueError`` for another order."""
+    if list(ranks) == sorted(ranks):
+        return dist.new_group(list(ranks), use_local_synchronization=True)
+    if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
+        raise ValueError(
+            f"this state_sharding needs a process group over ranks {list(ranks)} in that order, "
+            f"which needs torch >= 2.13 (new_group(sort_ranks=False)); on torch "
+            f"{torch.__version__} list the params dims before the other optim dims in the mesh"
+        )
+    return dist.new_group(list(ranks), use_local_synchronization=True, sort_ranks=False)
 
 
 # The Partial placement torch uses for pending p-norms (module moved between releases).

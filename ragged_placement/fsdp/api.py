@@ -25,6 +25,7 @@ from ragged_placement.fsdp.common import UnitOptions
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState
 from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
+from ragged_placement.fsdp.nested import check_no_tensor_parallel, state_sharded_mesh
 from ragged_placement.fsdp.module import (
     FSDPModule,
     UnshardHandle,
@@ -34,6 +35,7 @@ from ragged_placement.fsdp.module import (
 )
 from ragged_placement.fsdp.param import ParamSlot, mesh_device
 from ragged_placement.fsdp.spmd import check_dp_mesh_dims, localize_spmd_params
+from ragged_placement.fsdp.state_sharding import StateSharding
 from ragged_placement.fsdp.unit import FSDPUnit
 from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config
@@ -298,6 +300,7 @@ def fully_shard(
     granularity=None,
     quant: BlockFP8Config | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
+    state_sharding: StateSharding | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh`` as one FSDP unit (call on inner modules first).
 
@@ -389,6 +392,17 @@ def fully_shard(
             DDP (no ``shard``) and ``quant`` raise ``ValueError``, an ``int``
             ``reshard_after_forward`` ``TypeError`` (FSDP2 refuses it too). See
             :mod:`ragged_placement.fsdp.spmd`.
+        state_sharding: a :class:`~ragged_placement.fsdp.StateSharding`: the dims of ``mesh``
+            (any number of named dims) that parameters, gradients and optimizer state are each
+            sharded over (AMSP; ``params`` ⊆ ``grads`` ⊆ ``optim``). ``model.parameters()``
+            are then DTensors over this rank's optimizer shard (``1/|optim|`` of each unit), so
+            any optimizer steps and stores ``1/|optim|`` of the state; backward
+            reduce-scatters over ``params`` then ``grads \\ params`` and all-reduces over the
+            rest; after a step the first all-gather refreshes the parameter shards over
+            ``optim \\ params``. See :mod:`ragged_placement.fsdp.nested`. ``None``, or the
+            default of ``mesh`` (:meth:`StateSharding.default`), is the behaviour without it.
+            Not yet with ``quant``, CPU offload, an ``int`` ``reshard_after_forward``,
+            ``dp_mesh_dims`` or tensor-parallel parameters (``ValueError``).
 
     Raises:
         ValueError: ``module`` is not a module (or list of them), was sharded already by this
@@ -402,9 +416,16 @@ def fully_shard(
         )
     ignored = _check_ignored_params(ignored_params)
     mesh = mesh if mesh is not None else _default_mesh()
-    dp = DataParallelMesh.of(mesh if dp_mesh_dims is None else check_dp_mesh_dims(mesh, dp_mesh_dims))
-    _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # checked before building
     offload = _check_offload_policy(offload_policy)
+    nested = state_sharded_mesh(
+        state_sharding, mesh, dp_mesh_dims=dp_mesh_dims, quant=quant, offload=offload,
+        reshard_after_forward=reshard_after_forward,
+    )
+    if nested is None:
+        dp = DataParallelMesh.of(
+            mesh if dp_mesh_dims is None else check_dp_mesh_dims(mesh, dp_mesh_dims)
+        )
+        _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # before building
     device = mesh_device(mesh)
     check_granularity(granularity)
     spmd = None
@@ -414,6 +435,8 @@ def fully_shard(
         mesh = dp.mesh
     slots, params, owned_modules = _collect_params(modules, ignored)
     where = type(modules[0]).__name__
+    if nested is not None:
+        check_no_tensor_parallel(slots, params)
     check_not_managed([s.fqn for s in slots], params, where)
     _check_shard_placements(shard_placement_fn, slots, params, granularity)
     if check_quant(quant) is not None:
@@ -436,7 +459,7 @@ def fully_shard(
         mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
         split_by_submodule=wraps_units, offload_policy=offload, spmd=spmd,
     )
-    unit = FSDPUnit(slots, params, mesh, options)
+    unit = FSDPUnit(slots, params, nested or mesh, options)
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
     state.unmatched_granularity = unmatched_patterns(granularity, modules)
     record_managed([s.fqn for s in slots], originals, where)

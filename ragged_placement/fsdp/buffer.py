@@ -64,6 +64,7 @@ from ragged_placement.fsdp.fp8 import FP8UnitGather, is_fp8_weight
 from ragged_placement.fsdp.gather import PlainGather
 from ragged_placement.fsdp.grads import FlatGrads
 from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
+from ragged_placement.fsdp.nested import NestedBuffer, StateShardedMesh
 from ragged_placement.fsdp.offload import OffloadStaging
 from ragged_placement.fsdp.param import (
     ParamLayout,
@@ -268,6 +269,7 @@ class FlatBuffer:
     sharded: torch.Tensor
     grads: FlatGrads
     post_forward_shard: torch.Tensor | None  # see the module docstring
+    nested: NestedBuffer | None  # the nested layout under a state_sharding (fsdp/nested.py)
     mp_dtypes: tuple[torch.dtype | None, torch.dtype | None]  # (param, reduce); None: own dtype
     _gathered_dtype: torch.dtype | None  # the param_dtype the gather was built for
     _ag_send: torch.Tensor | None  # the all-gather's input, alive until it is waited on
@@ -304,6 +306,7 @@ class FlatBuffer:
             split_by_submodule=options.split_by_submodule,
         )
         self.chunk_numel = self.plan.chunk_numel
+        self.nested = NestedBuffer(self, dp) if isinstance(dp, StateShardedMesh) else None
         self.layouts = _param_layouts(
             self.plan, slots, tp_specs, self.rank, self.world_size, self.tp_mesh, self.spmd_mesh
         )
@@ -342,6 +345,8 @@ class FlatBuffer:
         self._ag_send = None
         self.post_forward_shard = None
         self.grads.reset()
+        if self.nested is not None:
+            self.nested.allocate()
 
     @property
     def offload_device(self) -> torch.device | None:
@@ -558,6 +563,10 @@ class FlatBuffer:
                 f"meta device: materialize the model with model.to_empty(device=...) and "
                 f"initialize it (init_weights() / reset_parameters()) before the first forward"
             )
+        if self.nested is not None:
+            gather = self.nested.prepare_unshard()
+            self._ag_send = gather.input
+            return gather
         self.gather.allocate()
         send = self._send_buffer(pf)
         self._ag_send = send
@@ -587,8 +596,10 @@ class FlatBuffer:
         self.gather.assemble()
 
     def free_unsharded(self) -> None:
-        """Free the unsharded buffer's storage (the unsharded parameters keep their views)."""
-        self.gather.free()
+        """Free the unsharded buffer's storage (the unsharded parameters keep their views),
+        unless a ``state_sharding`` keeps the parameters unsharded (``params=()``)."""
+        if self.nested is None or self.nested.sharded_params:
+            self.gather.free()
 
     def expose_sharded(self) -> None:
         """Register the sharded parameters once a CPU-offload staging copy still reading the

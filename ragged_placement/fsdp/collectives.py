@@ -29,7 +29,7 @@ from ragged_placement.fsdp.common import CommStats
 from ragged_placement.planner.plan import Segment
 
 __all__ = [
-    "Gather", "Reduction", "all_gather_parts", "all_gather_segments", "issue_all_gather",
+    "Gather", "Reduction", "Works", "all_gather_parts", "all_gather_segments", "issue_all_gather",
     "issue_reduce_scatter", "reduce_scatter_parts", "reduce_scatter_segments",
 ]
 
@@ -48,7 +48,7 @@ def _coalesced(calls, group, async_op: bool):
     return None
 
 
-class _Works:
+class Works:
     """Several in-flight collectives waited on as one (``wait`` waits for all, in order)."""
 
     def __init__(self, works) -> None:
@@ -84,7 +84,7 @@ def _all_gather_uneven(output: torch.Tensor, input: torch.Tensor, starts, group,
                        group=group, async_op=True)
         for r, v in enumerate(views) if v.numel()
     ]
-    out = _Works(works)
+    out = Works(works)
     if async_op:
         return out
     out.wait()
@@ -104,7 +104,7 @@ def _run(equal, uneven, group, async_op: bool):
         return _coalesced(equal, group, async_op)
     works = [_coalesced(equal, group, True)] if equal else []
     works += [call(True) for call in uneven]
-    out = _Works(works)
+    out = Works(works)
     if async_op:
         return out
     out.wait()
@@ -122,7 +122,7 @@ def _run_parts(calls, group, async_op: bool, custom: bool = False):
                 "a custom all-gather / reduce-scatter (FSDPModule.set_custom_all_gather / "
                 "set_custom_reduce_scatter) moves equal chunks; this unit has uneven ones"
             )
-        works = _Works([call(True) for call in equal])
+        works = Works([call(True) for call in equal])
         if async_op:
             return works
         works.wait()
@@ -298,9 +298,11 @@ class Gather:
 class Reduction:
     """One flat buffer's share of a unit's reduce-scatter
     (:meth:`~ragged_placement.fsdp.grads.FlatGrads.prepare_reduce`): ``inputs`` (one per
-    segment) summed over ``group`` of ``world_size`` ranks into ``output``."""
+    segment) summed over ``group`` of ``world_size`` ranks into ``output``. ``output`` is
+    ``None`` for a reduction that issues nothing here (a ``state_sharding`` with unsharded
+    parameters: :mod:`ragged_placement.fsdp.nested` reduces ``inputs`` later)."""
 
-    output: torch.Tensor
+    output: torch.Tensor | None
     inputs: list[torch.Tensor]
     segments: Sequence[Segment]
     world_size: int

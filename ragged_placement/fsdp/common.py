@@ -4,7 +4,7 @@ communication counters (torch FSDP2's ``_fsdp_common.py``)."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -21,7 +21,9 @@ class CommStats:
     gathered buffer); the ``post_forward_`` ones count those of them that ran over the
     post-forward group (an ``int`` ``reshard_after_forward``) instead of the shard group. The
     ``h2d_`` / ``d2h_`` ones count the CPU-offload staging copies: host-to-device before each
-    all-gather, device-to-host after each reduction (zero without offload)."""
+    all-gather, device-to-host after each reduction (zero without offload). Under a
+    ``state_sharding`` (:mod:`ragged_placement.fsdp.nested`) ``by_dims`` also counts every
+    collective by the mesh dims it runs over (:meth:`count_dims`)."""
 
     all_gathers: int = 0
     reduce_scatters: int = 0
@@ -35,10 +37,19 @@ class CommStats:
     d2h_copies: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    # with a state_sharding (fsdp/nested.py): (collective, mesh dims) -> [count, bytes]
+    by_dims: dict[tuple[str, tuple[str, ...]], list[int]] = field(default_factory=dict)
 
     def reset(self) -> None:
         for f in fields(self):
-            setattr(self, f.name, 0)
+            setattr(self, f.name, {} if f.name == "by_dims" else 0)
+
+    def count_dims(self, kind: str, dims: tuple[str, ...], nbytes: int) -> None:
+        """Count one ``kind`` collective (``"all_gather"``, ``"reduce_scatter"``,
+        ``"all_reduce"``) over the mesh ``dims`` moving ``nbytes`` (as the totals above)."""
+        entry = self.by_dims.setdefault((kind, tuple(dims)), [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
 
 
 class UnitState(enum.Enum):

@@ -38,7 +38,7 @@ class FlatGrads:
     sharded: torch.Tensor | None
     segment_of: list[int]  # slot index -> plan segment
     _buffer: FlatBuffer
-    _rs_output: torch.Tensor | None  # the reduce-scatter's output, until it lands
+    _reduction: Reduction | None  # the reduce-scatter in flight, until it lands
     # FSDPModule.set_separate_reduce_scatter_group: the reduce-scatter's own group over the
     # shard ranks; None: the shard group (the all-gather's)
     reduce_group: dist.ProcessGroup | None
@@ -53,7 +53,7 @@ class FlatGrads:
         """No gradients (new buffers: each segment's is allocated at its first gradient)."""
         self.unsharded = [None] * len(self._buffer.plan.segments)
         self.sharded = None
-        self._rs_output = None
+        self._reduction = None
 
     def release_dropped(self) -> None:
         """Free the flat sharded gradient once ``zero_grad()`` has dropped every ``.grad`` viewing
@@ -72,7 +72,7 @@ class FlatGrads:
     @property
     def reducing(self) -> bool:
         """Whether a reduce-scatter of this buffer's gradients has not landed yet."""
-        return self._rs_output is not None
+        return self._reduction is not None
 
     def buffer_of(self, index: int) -> tuple[torch.Tensor | None, int]:
         """The gradient buffer of slot ``index``'s segment and the slot's offset in it."""
@@ -104,9 +104,12 @@ class FlatGrads:
     def prepare_reduce(self) -> Reduction:
         """Release the unsharded gradients into the reduce-scatter inputs (cast to
         ``reduce_dtype``; a segment no gradient reached contributes zeros) and allocate its
-        output; returns what to reduce-scatter. The unit issues it with its other buffers'."""
+        output; returns what to reduce-scatter. The unit issues it with its other buffers'.
+        Under a ``state_sharding`` it is the reduce-scatter over the ``params`` dims
+        (:meth:`~ragged_placement.fsdp.nested.NestedBuffer.params_reduction`; none, and no
+        output, for ``params=()``)."""
         b = self._buffer
-        assert self.pending and self._rs_output is None
+        assert self.pending and self._reduction is None
         for p in b.unsharded_params:
             p.grad = None
         rs_in = [
@@ -117,15 +120,18 @@ class FlatGrads:
         ]
         self.unsharded = [None] * len(rs_in)
         rs_in = [g.to(b.reduce_dtype) for g in rs_in]  # the mixed-precision cast, if any
+        if b.nested is not None:
+            self._reduction = b.nested.params_reduction(rs_in)
+            return self._reduction
         out = torch.empty(b.chunk_numel, dtype=b.reduce_dtype, device=b.device)
-        self._rs_output = out
         group = b.dp.shard_group if self.reduce_group is None else self.reduce_group
-        return Reduction(out, rs_in, b.plan.segments, b.world_size, group)
+        self._reduction = Reduction(out, rs_in, b.plan.segments, b.world_size, group)
+        return self._reduction
 
-    def take_reduced(self) -> torch.Tensor | None:
-        """The reduce-scatter's output once the unit waited on it (``None`` if this buffer had
-        no gradients to reduce)."""
-        out, self._rs_output = self._rs_output, None
+    def take_reduced(self) -> Reduction | None:
+        """The reduce-scatter (its ``output`` holds the result) once the unit waited on it
+        (``None`` if this buffer had no gradients to reduce)."""
+        out, self._reduction = self._reduction, None
         return out
 
     def land(self, out: torch.Tensor, scale: float, divisor: float) -> None:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Placement, Replicate
 from ragged_placement.placement import RaggedShard
 from ragged_placement.planner.plan import Segment
 
-__all__ = ["DataParallelMesh", "PostForwardMesh"]
+__all__ = ["DataParallelMesh", "PostForwardMesh", "coarsen_segments"]
 
 
 @dataclass(frozen=True)
@@ -142,17 +142,24 @@ class PostForwardMesh:
         return PostForwardMesh(size, dp.shard_rank % size, world // size, group)
 
     def coarsen(self, segments: Sequence[Segment]) -> list[Segment]:
-        """A flat buffer's plan ``segments`` coarsened to the ``N`` places: place ``j`` owns, in
-        each segment, the chunks of shard ranks ``j * factor`` to ``(j + 1) * factor - 1``
-        (equal: ``factor * chunk_numel`` elements; uneven: ``rank_starts[::factor]``), at
-        ``chunk_offset`` in the buffer's post-forward shard."""
-        out, offset = [], 0
-        for seg in segments:
-            if seg.rank_starts is None:
-                starts, numel = None, seg.chunk_numel * self.factor
-            else:
-                starts = seg.rank_starts[:: self.factor]
-                numel = max(b - a for a, b in zip(starts, starts[1:]))
-            out.append(replace(seg, chunk_offset=offset, chunk_numel=numel, rank_starts=starts))
-            offset += numel
-        return out
+        """A flat buffer's plan ``segments`` coarsened to the ``N`` places
+        (:func:`coarsen_segments` by ``factor``)."""
+        return coarsen_segments(segments, self.factor)
+
+
+def coarsen_segments(segments: Sequence[Segment], factor: int) -> list[Segment]:
+    """A flat buffer's plan ``segments`` over ``W`` ranks seen over ``W // factor`` places:
+    place ``j`` owns, in each segment, the chunks of ranks ``j * factor`` to
+    ``(j + 1) * factor - 1`` (equal: ``factor * chunk_numel`` elements; uneven:
+    ``rank_starts[::factor]``), at ``chunk_offset`` in a place's buffer (the segments in order,
+    each as large as its largest place)."""
+    out, offset = [], 0
+    for seg in segments:
+        if seg.rank_starts is None:
+            starts, numel = None, seg.chunk_numel * factor
+        else:
+            starts = seg.rank_starts[::factor]
+            numel = max(b - a for a, b in zip(starts, starts[1:]))
+        out.append(replace(seg, chunk_offset=offset, chunk_numel=numel, rank_starts=starts))
+        offset += numel
+    return out

@@ -47,6 +47,7 @@ takes full tensors directly.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -54,11 +55,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ragged_placement.fsdp.buffer import FlatBuffer
-from ragged_placement.fsdp.collectives import issue_all_gather, issue_reduce_scatter
+from ragged_placement.fsdp.collectives import (
+    Gather,
+    Works,
+    issue_all_gather,
+    issue_reduce_scatter,
+)
 from ragged_placement.fsdp.common import CommStats, UnitOptions, UnitState
 from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
+from ragged_placement.fsdp.nested import StateShardedMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 
 __all__ = ["FSDPUnit"]
@@ -87,6 +95,23 @@ def _by_dtype(params: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
+def _out_bytes(gathers: list[Gather]) -> int:
+    return sum(g.output.numel() * g.output.element_size() for g in gathers)
+
+
+# the live units under a state_sharding, marked stale by every optimizer step in the process
+_STATE_SHARDED_UNITS: weakref.WeakSet[FSDPUnit] = weakref.WeakSet()
+
+
+def _mark_stale_after_step(optimizer, args, kwargs) -> None:
+    del optimizer, args, kwargs
+    for unit in list(_STATE_SHARDED_UNITS):
+        unit.mark_stale()
+
+
+register_optimizer_step_post_hook(_mark_stale_after_step)
+
+
 class FSDPUnit:
     """One ``fully_shard`` unit: a :class:`~ragged_placement.fsdp.buffer.FlatBuffer` per
     parameter dtype, one coalesced all-gather per pass and one reduce-scatter per backward for
@@ -102,13 +127,15 @@ class FSDPUnit:
             not copied (the unit stays on the meta device until ``to_empty``).
         mesh: a 1-D device mesh (the unit shards over it) or a 2-D ``(replicate, shard)`` one
             (HSDP). Parameters may be DTensors on a tensor-parallel sibling mesh, see
-            :mod:`ragged_placement.fsdp.param`.
+            :mod:`ragged_placement.fsdp.param`. A
+            :class:`~ragged_placement.fsdp.nested.StateShardedMesh` shards each state over its
+            own dims (``fully_shard(state_sharding=...)``).
         options: the unit's settings (dtypes, granularity, FP8, CPU offload).
     """
 
     slots: list[ParamSlot]
     mesh: DeviceMesh
-    dp: DataParallelMesh
+    dp: DataParallelMesh | StateShardedMesh
     rank: int
     world_size: int
     buffers: list[FlatBuffer]
@@ -130,17 +157,26 @@ class FSDPUnit:
     _post_forward: PostForwardMesh | None  # set in SHARDED_POST_FORWARD
     _ag_work: object | None  # the all-gather in flight (UNSHARDING)
     _rs_work: object | None  # the reduce-scatter in flight, until finish_reduce
+    # under a state_sharding: whether the optimizer chunks may have changed since the last
+    # refresh of the parameter chunks, and the sharded chunks' versions at that refresh
+    _stale: bool
+    _synced_versions: list[int]
 
     def __init__(
         self,
         slots: list[ParamSlot],
         params: list[nn.Parameter],
-        mesh: DeviceMesh,
+        mesh: DeviceMesh | StateShardedMesh,
         options: UnitOptions,
     ) -> None:
         self.slots = slots
-        self.mesh = mesh
-        self.dp = DataParallelMesh.of(mesh)
+        if isinstance(mesh, StateShardedMesh):
+            self.dp, self.mesh = mesh, mesh.source
+            _STATE_SHARDED_UNITS.add(self)
+        else:
+            self.dp, self.mesh = DataParallelMesh.of(mesh), mesh
+        self._stale = True
+        self._synced_versions = []
         self.rank = self.dp.shard_rank
         self.world_size = self.dp.shard_size
         self.stats = CommStats()
@@ -149,7 +185,7 @@ class FSDPUnit:
         self.all_reduce_hook = None
         self.custom_all_gather = self.custom_reduce_scatter = None
         self.requires_all_reduce = True
-        self._empty_device = torch.device(mesh.device_type)
+        self._empty_device = torch.device(self.mesh.device_type)
         self._post_forward = None
         self._ag_work = None
         self._rs_work = None
@@ -231,6 +267,7 @@ class FSDPUnit:
                     f"reduce_gradients() or run a backward with sync on first"
                 )
             b.apply_(fn)
+        self._stale = True
 
     # -- all-gather ------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool) -> None:
@@ -238,13 +275,41 @@ class FSDPUnit:
         sharded chunks, or over the post-forward group from the post-forward shards."""
         if self.state not in (UnitState.SHARDED, UnitState.SHARDED_POST_FORWARD):
             return
-        if self.buffers:
+        nested = isinstance(self.dp, StateShardedMesh)
+        if self.buffers and nested:
+            self._refresh_if_stale()
+        if self.buffers and nested and self.dp.params.size == 1:
+            self.state = UnitState.UNSHARDED  # params=(): the refresh filled the buffer
+        elif self.buffers:
             pf = self._post_forward if self.state is UnitState.SHARDED_POST_FORWARD else None
             gathers = [b.prepare_unshard(pf) for b in self.buffers]
             self._ag_work = issue_all_gather(gathers, self.stats, self.custom_all_gather)
+            if nested:
+                self.stats.count_dims("all_gather", self.dp.params.dims, _out_bytes(gathers))
             self.state = UnitState.UNSHARDING
         if not async_op:
             self.wait_unshard()
+
+    def _refresh_if_stale(self) -> None:
+        """Under a ``state_sharding``: all-gather the optimizer chunks over ``optim \\
+        params`` into the parameter chunks if they changed since the last refresh (see
+        :mod:`ragged_placement.fsdp.nested`); blocks until done."""
+        versions = [b.sharded._version for b in self.buffers]
+        if not self._stale and versions == self._synced_versions:
+            return
+        refreshes = [b.nested.prepare_refresh() for b in self.buffers if b.nested.refreshes]
+        if refreshes:
+            issue_all_gather(refreshes, self.stats).wait()
+            self.stats.count_dims("all_gather", self.dp.refresh.dims, _out_bytes(refreshes))
+            for b in self.buffers:
+                b.nested.finish_refresh()
+        self._stale = False
+        self._synced_versions = versions
+
+    def mark_stale(self) -> None:
+        """The sharded parameters changed (an optimizer step, a move): refresh the parameter
+        chunks before the next all-gather (under a ``state_sharding``; else nothing to do)."""
+        self._stale = True
 
     def wait_unshard(self) -> None:
         """Wait for an issued all-gather; afterwards the unsharded parameters hold the full
@@ -310,8 +375,14 @@ class FSDPUnit:
         """Issue one coalesced reduce-scatter (a sum, async) of every buffer with gradients;
         :meth:`finish_reduce` completes it. The unsharded gradient buffers are released here."""
         ready = [b.grads.prepare_reduce() for b in self.buffers if b.grads.pending]
-        if ready:
-            self._rs_work = issue_reduce_scatter(ready, self.stats, self.custom_reduce_scatter)
+        issued = [r for r in ready if r.output is not None]  # params=(): reduced later
+        if issued:
+            self._rs_work = issue_reduce_scatter(issued, self.stats, self.custom_reduce_scatter)
+            if isinstance(self.dp, StateShardedMesh):
+                nbytes = sum(g.numel() * g.element_size() for r in issued for g in r.inputs)
+                self.stats.count_dims("reduce_scatter", self.dp.params.dims, nbytes)
+        elif ready:
+            self._rs_work = Works([])
 
     def finish_reduce(self, scale: float = 1.0) -> None:
         """Wait for the reduce-scatter, sum each buffer's over the replicas (HSDP), average
@@ -322,22 +393,34 @@ class FSDPUnit:
         self._rs_work = None
         divisor = self.gradient_divide_factor or self.world_size * self.dp.replicate_size
         for k, b in enumerate(self.buffers):
-            out = b.grads.take_reduced()
+            reduction = b.grads.take_reduced()
+            if reduction is None:
+                continue
+            if b.nested is not None:
+                out = b.nested.reduce_rest(reduction, self.stats)
+            else:
+                out = self._sum_replicas(k, reduction.output)
             if out is None:
                 continue
-            if self.dp.hsdp and self.unreplicated_grads[k] is not None:
-                out += self.unreplicated_grads[k]
-                self.unreplicated_grads[k] = None
-            if self.dp.hsdp and not self.requires_all_reduce:
-                self.unreplicated_grads[k] = out  # lands after a later all-reduce
-                continue
-            if self.dp.hsdp:  # HSDP: sum the replicas' reduced shards
-                dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dp.replicate_group)
-                self.stats.all_reduces += 1
-                self.stats.all_reduce_bytes += out.numel() * out.element_size()
             if self.all_reduce_hook is not None:
                 self.all_reduce_hook(out)
             b.grads.land(out, scale, divisor)
+
+    def _sum_replicas(self, k: int, out: torch.Tensor) -> torch.Tensor | None:
+        """HSDP: buffer ``k``'s reduce-scatter output summed over the replicas (``None``: kept
+        for a later all-reduce, ``set_requires_all_reduce(False)``); else ``out`` itself."""
+        if not self.dp.hsdp:
+            return out
+        if self.unreplicated_grads[k] is not None:
+            out += self.unreplicated_grads[k]
+            self.unreplicated_grads[k] = None
+        if not self.requires_all_reduce:
+            self.unreplicated_grads[k] = out  # lands after a later all-reduce
+            return None
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dp.replicate_group)
+        self.stats.all_reduces += 1
+        self.stats.all_reduce_bytes += out.numel() * out.element_size()
+        return out
 
     def wait_offload_copies(self) -> None:
         """Block the host until the CPU-offload staging copies are complete."""

@@ -1,0 +1,490 @@
+"""Per-state sharding in the runtime: ``fully_shard(..., state_sharding=StateSharding(...))``.
+
+A :class:`~ragged_placement.fsdp.state_sharding.StateSharding` names the mesh dims each state is
+sharded over, ``params`` ⊆ ``grads`` ⊆ ``optim`` (AMSP's ``s_P <= s_G <= s_OS``). Write ``P``,
+``G``, ``O`` for those dim sets, ``R`` for the dims outside ``O`` (everything replicated), and
+``|X|`` for the number of ranks a set spans.
+
+**The nested layout.** A unit's flat buffer is planned over the ``|O|`` optimizer ranks
+(:func:`~ragged_placement.planner.plan_segmented`, block-aligned and with the flat plan's padding
+targets), with those ranks ordered *params-major*: optimizer rank
+``o = (p * |G \\ P| + g) * |O \\ G| + z`` for the coordinates ``p`` over ``P``, ``g`` over
+``G \\ P`` and ``z`` over ``O \\ G`` (each row-major in mesh order). Then every level is a
+contiguous run of optimizer chunks, in every plan segment:
+
+* the *parameter chunk* of ``p``: the ``|O \\ P|`` optimizer chunks ``p * |O \\ P|`` onwards
+  (:func:`~ragged_placement.fsdp.mesh.coarsen_segments` by ``|O \\ P|``);
+* the *gradient chunk* of ``(p, g)``: the ``|O \\ G|`` chunks from ``(p * |G \\ P| + g) *
+  |O \\ G|``, inside the parameter chunk;
+* the *optimizer chunk* ``o``: inside the gradient chunk.
+
+So each rank keeps, persistently: its optimizer chunk (``FlatBuffer.sharded``, in the
+parameters' dtype: the sharded parameters, ``model.parameters()``, are RaggedShard DTensors over
+it on a ``(R, O)`` mesh whose ``O`` dim lists the ranks in the order above), its parameter chunk
+in ``param_dtype`` (:attr:`NestedBuffer.chunk`; for ``P = ()`` the unsharded buffer itself) and,
+after backward, its gradient chunk's optimizer part (the sharded ``.grad``).
+
+**Per step**, per unit (one collective per pass and per dim set; a set spanning one rank costs
+nothing):
+
+1. *refresh*: after the parameters changed (an optimizer step, a load, a move), the first
+   unshard all-gathers the optimizer chunks over ``O \\ P`` into the parameter chunk;
+2. forward and backward all-gather the parameter chunks over ``P`` (``reshard_after_forward``
+   as without a ``state_sharding``);
+3. backward reduce-scatters the gradients over ``P`` into a parameter-chunk-sized buffer, then
+   over ``G \\ P`` into the gradient chunk, then all-reduces that over ``R`` and ``O \\ G``; the
+   optimizer chunk's part of it, averaged over the data-parallel world, lands in ``.grad``.
+
+Gradient accumulation (``set_requires_gradient_sync(False)``) keeps, as without a
+``state_sharding``, the unsharded gradients until the synchronizing backward, which runs all
+three reductions once: the gradient shard is never held unreduced.
+
+**Staleness.** A unit refreshes before an unshard when the optimizer chunk changed since its
+last refresh: any ``torch.optim`` step in the process (a global step post-hook), or a write
+into the sharded parameters (their version counter: ``copy_``, ``load_state_dict``, an
+initializer), or a move. Every rank of an ``O \\ P`` group must take the same decision, as for
+any SPMD code: write sharded parameters on every rank or none.
+
+**Process groups.** Created once per ``(mesh, state_sharding)``, by their members only; the
+``O \\ P`` and ``O`` groups list their ranks in the order above, which needs
+``new_group(sort_ranks=False)`` (torch >= 2.13) unless that order is the mesh's
+(:func:`ragged_placement._compat.new_group_in_order`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate
+
+from ragged_placement._compat import new_group_in_order
+from ragged_placement.fsdp.collectives import Gather, Reduction, reduce_scatter_parts
+from ragged_placement.fsdp.common import CommStats
+from ragged_placement.fsdp.mesh import coarsen_segments
+from ragged_placement.fsdp.state_sharding import StateSharding
+from ragged_placement.placement import RaggedShard
+from ragged_placement.planner.plan import Segment
+
+if TYPE_CHECKING:
+    from ragged_placement.fsdp.buffer import FlatBuffer
+
+__all__ = [
+    "Level", "NestedBuffer", "StateShardedMesh", "check_no_tensor_parallel", "nest_segments",
+    "state_sharded_mesh",
+]
+
+
+@dataclass(frozen=True)
+class Level:
+    """One dim set of the nested layout: ``size`` ranks, this rank's index ``rank`` among them,
+    their process group (``None`` when ``size`` is 1) and the mesh dims it spans (in mesh
+    order; the group's rank order is the nested layout's, see the module docstring)."""
+
+    size: int
+    rank: int
+    group: dist.ProcessGroup | None
+    dims: tuple[str, ...]
+
+
+def _rank_grid(mesh: DeviceMesh, sharding: StateSharding) -> tuple[torch.Tensor, list[tuple[str, ...]]]:
+    """``mesh``'s global ranks as a ``(R, P, G \\ P, O \\ G)`` tensor and those four dim sets."""
+    names = list(mesh.mesh_dim_names)
+    params = sharding.params
+    grads = tuple(d for d in sharding.grads if d not in params)
+    zero = tuple(d for d in sharding.optim if d not in sharding.grads)
+    replicate = tuple(d for d in names if d not in sharding.optim)
+    sets = [replicate, params, grads, zero]
+    order = [names.index(d) for dims in sets for d in dims]
+    sizes = [int(torch.tensor([mesh.shape[names.index(d)] for d in dims]).prod()) for dims in sets]
+    return mesh.mesh.permute(*order).reshape(sizes), sets
+
+
+class _Groups:
+    """Creates each group once by its ranks, in their order (members only)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+    def level(self, ranks: torch.Tensor, dims: tuple[str, ...]) -> Level:
+        order = tuple(int(r) for r in ranks.reshape(-1).tolist())
+        if order not in self._made:
+            self._made[order] = new_group_in_order(list(order)) if len(order) > 1 else None
+        return Level(len(order), order.index(dist.get_rank()), self._made[order], dims)
+
+
+@dataclass(frozen=True, eq=False)
+class StateShardedMesh:
+    """The process groups and the parameter mesh of a unit under a ``state_sharding`` that is
+    not ``fully_shard``'s default (see the module docstring). It offers the interface of
+    :class:`~ragged_placement.fsdp.mesh.DataParallelMesh` over the optimizer ranks (``mesh`` is
+    the ``(R, O)`` mesh of the sharded parameters, ``shard_*`` its ``O`` dim), so that the flat
+    buffer is planned over ``|O|`` ranks, and adds the levels of the nested layout.
+
+    Build with :meth:`of` (cached per mesh and sharding: group creation is collective over each
+    group's members)."""
+
+    sharding: StateSharding
+    source: DeviceMesh  # the user's data-parallel mesh
+    mesh: DeviceMesh  # the (R, O) mesh of the sharded parameters ((O,) when R is empty)
+    params: Level  # P: the all-gather of forward and backward, the first reduce-scatter
+    grads: Level  # G \ P: the second reduce-scatter
+    refresh: Level  # O \ P: the all-gather of updated optimizer chunks
+    reduce: Level  # R and O \ G: the all-reduce of the gradient chunk
+    optim: Level  # O
+    replicate: Level  # R
+
+    @staticmethod
+    def of(mesh: DeviceMesh, sharding: StateSharding) -> StateShardedMesh:
+        """The state-sharded mesh of ``sharding`` on ``mesh`` (validated by the caller)."""
+        key = id(mesh)
+        entry = _MESHES.get(key)
+        if entry is None or entry[0]() is not mesh:
+            entry = (weakref.ref(mesh), {})
+            _MESHES[key] = entry
+        if sharding not in entry[1]:
+            entry[1][sharding] = StateShardedMesh._build(mesh, sharding)
+        return entry[1][sharding]
+
+    @staticmethod
+    def _build(mesh: DeviceMesh, sharding: StateSharding) -> StateShardedMesh:
+        grid, (rep, params, grads, zero) = _rank_grid(mesh, sharding)
+
+        def in_mesh_order(*dims: tuple[str, ...]) -> tuple[str, ...]:  # a Level's dims
+            return tuple(d for d in mesh.mesh_dim_names if any(d in ds for ds in dims))
+
+        r, p, g, z = (int(i) for i in (grid == dist.get_rank()).nonzero()[0])
+        groups = _Groups()
+        optim = groups.level(grid[r], sharding.optim)
+        replicate = groups.level(grid[:, p, g, z], rep)
+        levels = {
+            "params": groups.level(grid[r, :, g, z], params),
+            "grads": groups.level(grid[r, p, :, z], grads),
+            "refresh": groups.level(grid[r, p], in_mesh_order(grads, zero)),
+            "reduce": groups.level(grid[:, p, g, :], in_mesh_order(rep, zero)),
+        }
+        flat = grid.reshape(replicate.size, optim.size)
+        if replicate.size == 1:
+            pmesh = DeviceMesh.from_group(
+                optim.group, mesh.device_type, mesh=flat[0].tolist(), mesh_dim_names=("optim",)
+            )
+        else:
+            pmesh = DeviceMesh.from_group(
+                [replicate.group, optim.group], mesh.device_type, mesh=flat,
+                mesh_dim_names=("replicate", "optim"),
+            )
+        return StateShardedMesh(sharding, mesh, pmesh, optim=optim, replicate=replicate, **levels)
+
+    # -- the DataParallelMesh interface, over the optimizer ranks ------------------------------
+    @property
+    def hsdp(self) -> bool:
+        return self.replicate.size > 1
+
+    @property
+    def shard_dim(self) -> int:
+        return self.mesh.ndim - 1
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        return self.optim.group
+
+    @property
+    def shard_rank(self) -> int:
+        return self.optim.rank
+
+    @property
+    def shard_size(self) -> int:
+        return self.optim.size
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        return self.replicate.group
+
+    @property
+    def replicate_size(self) -> int:
+        return self.replicate.size
+
+    def placements(self, fsdp: RaggedShard) -> tuple[Placement, ...]:
+        """The placements of a sharded parameter: ``(Replicate(),)`` over ``R`` if any, then
+        ``fsdp`` over the optimizer ranks."""
+        return (Replicate(), fsdp) if self.hsdp else (fsdp,)
+
+    # -- the nested layout ----------------------------------------------------------------------
+    @property
+    def params_factor(self) -> int:
+        """Optimizer chunks per parameter chunk, ``|O \\ P|``."""
+        return self.refresh.size
+
+    @property
+    def grads_factor(self) -> int:
+        """Optimizer chunks per gradient chunk, ``|O \\ G|``."""
+        return self.optim.size // (self.params.size * self.grads.size)
+
+    @property
+    def grads_index(self) -> int:
+        """This rank's gradient chunk among the ``|G|`` of them."""
+        return self.params.rank * self.grads.size + self.grads.rank
+
+
+def state_sharded_mesh(
+    state_sharding: object,
+    mesh: DeviceMesh,
+    *,
+    dp_mesh_dims: object,
+    quant: object,
+    offload: object,
+    reshard_after_forward: object,
+) -> StateShardedMesh | None:
+    """``fully_shard``'s ``state_sharding`` checked against its other arguments: ``None`` for
+    none or ``mesh``'s default (:meth:`StateSharding.is_default`: the runtime without nesting),
+    else the unit's :class:`StateShardedMesh` (collective over its groups the first time).
+
+    Raises:
+        TypeError: ``state_sharding`` is not a ``StateSharding``.
+        ValueError: it does not fit ``mesh`` (:meth:`StateSharding.validate`), shards nothing,
+            or comes with an option the nested runtime does not support yet.
+    """
+    if state_sharding is None:
+        return None
+    if not isinstance(state_sharding, StateSharding):
+        raise TypeError(
+            f"state_sharding must be a ragged_placement.fsdp.StateSharding, got "
+            f"{type(state_sharding).__name__}"
+        )
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a DeviceMesh with mesh_dim_names, got {mesh!r}")
+    state_sharding.validate(mesh)
+    if state_sharding.is_default(mesh):
+        return None
+    if not state_sharding.optim:
+        raise ValueError(
+            f"state_sharding={state_sharding} shards no state: name at least one mesh dim in "
+            f"optim (replicating everything is DDP: torch.nn.parallel.DistributedDataParallel)"
+        )
+    unsupported = {
+        "dp_mesh_dims": dp_mesh_dims is not None,
+        "quant": quant is not None,
+        "offload_policy=CPUOffloadPolicy()": offload is not None,
+        f"reshard_after_forward={reshard_after_forward!r}": not isinstance(
+            reshard_after_forward, (bool, type(None))
+        ),
+    }
+    for name, given in unsupported.items():
+        if given:
+            raise ValueError(
+                f"{name} with state_sharding={state_sharding} is not supported yet: drop one "
+                f"of them (state_sharding=None or StateSharding.default(mesh) keeps it)"
+            )
+    return StateShardedMesh.of(mesh, state_sharding)
+
+
+def check_no_tensor_parallel(slots: Sequence[object], params: Sequence[torch.Tensor]) -> None:
+    """``ValueError`` naming the first tensor-parallel (DTensor) parameter of a unit with a
+    ``state_sharding``, which does not compose with tensor parallel yet."""
+    for slot, p in zip(slots, params):
+        if isinstance(p, DTensor):
+            raise ValueError(
+                f"parameter {slot.fqn} is a DTensor (tensor parallel): a state_sharding does "
+                f"not compose with tensor-parallel parameters yet; shard without state_sharding"
+            )
+
+
+# id(mesh) -> (a weak reference to the mesh, {sharding: its StateShardedMesh})
+_MESHES: dict[int, tuple[weakref.ref, dict[StateSharding, StateShardedMesh]]] = {}
+
+
+def level_layout(segments: Sequence[Segment], factor: int, world_size: int) -> list[Segment]:
+    """Where each segment's chunk of a level of ``factor`` optimizer chunks sits in that level's
+    buffer: the plan's own layout for ``factor`` 1, the unsharded buffer's for ``world_size``,
+    else :func:`~ragged_placement.fsdp.mesh.coarsen_segments`."""
+    if factor == 1:
+        return list(segments)
+    if factor == world_size:
+        return [
+            Segment(s.buffer_offset, s.buffer_offset, s.buffer_numel(world_size)) for s in segments
+        ]
+    return coarsen_segments(segments, factor)
+
+
+def nest_segments(
+    segments: Sequence[Segment], world_size: int, outer: int, inner: int, index: int
+) -> list[Segment]:
+    """The segments of a collective among the ``outer // inner`` chunks of ``inner`` optimizer
+    chunks that make up chunk ``index`` of ``outer`` optimizer chunks: each segment's "buffer"
+    is its run of the outer chunk (at its place in the outer level's buffer,
+    :func:`level_layout`), split in member order; each member's "chunk" is its run at its place
+    in the inner level's buffer. All-gathering over them assembles the outer chunk from the
+    inner ones; reduce-scattering splits it."""
+    outer_layout = level_layout(segments, outer, world_size)
+    inner_layout = level_layout(segments, inner, world_size)
+    members = outer // inner
+    out = []
+    for seg, o, i in zip(segments, outer_layout, inner_layout):
+        if seg.rank_starts is None:
+            out.append(Segment(i.chunk_offset, o.chunk_offset, seg.chunk_numel * inner))
+            continue
+        base = index * outer
+        starts = tuple(
+            seg.rank_starts[base + j * inner] - seg.rank_starts[base] for j in range(members + 1)
+        )
+        numel = max(b - a for a, b in zip(starts, starts[1:]))
+        out.append(Segment(i.chunk_offset, o.chunk_offset, numel, starts))
+    return out
+
+
+def _layout_numel(layout: Sequence[Segment]) -> int:
+    return max((s.chunk_offset + s.chunk_numel for s in layout), default=0)
+
+
+class NestedBuffer:
+    """The nested layout of one flat buffer (see the module docstring): its parameter chunk and
+    the segments of its four collectives.
+
+    Args:
+        buffer: the flat buffer, planned over the optimizer ranks of ``mesh``.
+        mesh: the unit's state-sharded mesh.
+    """
+
+    mesh: StateShardedMesh
+    chunk: torch.Tensor | None  # the parameter chunk in param_dtype (None for P = ())
+    params_segments: list[Segment]  # the all-gather / reduce-scatter over P
+    refresh_segments: list[Segment]  # the all-gather over O \ P
+    grads_segments: list[Segment]  # the reduce-scatter over G \ P
+    optim_segments: list[Segment]  # the optimizer chunk inside the gradient chunk
+    params_numel: int
+    grads_numel: int
+    _buffer: FlatBuffer
+    _send: torch.Tensor | None  # the refresh's input, alive until it is waited on
+
+    def __init__(self, buffer: FlatBuffer, mesh: StateShardedMesh) -> None:
+        self._buffer = buffer
+        self.mesh = mesh
+        segs, world = buffer.plan.segments, mesh.optim.size
+        fp, fg = mesh.params_factor, mesh.grads_factor
+        self.params_segments = list(segs) if fp == 1 else coarsen_segments(segs, fp)
+        self.refresh_segments = nest_segments(segs, world, fp, 1, mesh.params.rank)
+        self.grads_segments = nest_segments(segs, world, fp, fg, mesh.params.rank)
+        self.optim_segments = nest_segments(segs, world, fg, 1, mesh.grads_index)
+        self.params_numel = _layout_numel(level_layout(segs, fp, world))
+        self.grads_numel = _layout_numel(level_layout(segs, fg, world))
+        self.chunk = None
+        self._send = None
+
+    @property
+    def refreshes(self) -> bool:
+        """Whether updated optimizer chunks must be all-gathered into a parameter chunk of
+        their own: ``optim`` spans more ranks than ``params``, or ``params=()`` (the unsharded
+        buffer is then the parameter chunk). Else (``params == optim``) the all-gather over
+        ``P`` sends the optimizer chunk itself, as without a ``state_sharding``."""
+        return self.mesh.params_factor > 1 or not self.sharded_params
+
+    @property
+    def sharded_params(self) -> bool:
+        """Whether the parameters are sharded (``P`` spans ranks): else the unsharded buffer is
+        the parameter chunk and stays allocated."""
+        return self.mesh.params.size > 1
+
+    def allocate(self) -> None:
+        """Allocate the parameter chunk (or the persistent unsharded buffer) on the buffer's
+        device in ``param_dtype`` (after :meth:`FlatBuffer.allocate`; nothing on meta)."""
+        b = self._buffer
+        if b.gather is None:
+            self.chunk = None
+            return
+        if not self.sharded_params:
+            b.gather.allocate()
+        elif self.refreshes:
+            self.chunk = torch.empty(self.params_numel, dtype=b.param_dtype, device=b.device)
+
+    # -- refresh: the updated optimizer chunks into the parameter chunk -------------------------
+    def prepare_refresh(self) -> Gather:
+        """The all-gather over ``O \\ P`` of this rank's optimizer chunk (cast to
+        ``param_dtype``) into the parameter chunk."""
+        b = self._buffer
+        out = self.chunk if self.sharded_params else b.gather.gathered
+        self._send = b.sharded if b.sharded.dtype == b.param_dtype else b.sharded.to(b.param_dtype)
+        level = self.mesh.refresh
+        return Gather(out, self._send, self.refresh_segments, level.size, level.group, False)
+
+    def finish_refresh(self) -> None:
+        """Release the refresh's send buffer once it is waited on."""
+        self._send = None
+
+    def prepare_unshard(self) -> Gather:
+        """The all-gather over ``P`` of the parameter chunks into the unsharded buffer."""
+        b = self._buffer
+        b.gather.allocate()
+        send = self.chunk
+        if send is None:  # params == optim: the optimizer chunk, cast as without nesting
+            send = b.gather.pack(b.rank, b.sharded)
+        level = self.mesh.params
+        return Gather(b.gather.gathered, send, self.params_segments, level.size, level.group,
+                      False)
+
+    # -- gradients ------------------------------------------------------------------------------
+    def params_reduction(self, inputs: list[torch.Tensor]) -> Reduction:
+        """The reduce-scatter over ``P`` of the per-segment unsharded gradients ``inputs`` into
+        a parameter-chunk-sized buffer; for ``P = ()`` a reduction with no output, which the
+        unit does not issue (:meth:`reduce_rest` takes its inputs)."""
+        level = self.mesh.params
+        if not self.sharded_params:
+            return Reduction(None, inputs, self.params_segments, 1, None)
+        out = inputs[0].new_empty(self.params_numel)
+        return Reduction(out, inputs, self.params_segments, level.size, level.group)
+
+    def reduce_rest(self, reduction: Reduction, stats: CommStats) -> torch.Tensor:
+        """The gradient sum over the whole data-parallel world of this rank's optimizer chunk,
+        in the plan's chunk layout, from the finished reduce-scatter over ``P``
+        (:meth:`params_reduction`): reduce-scattered over ``G \\ P``, all-reduced over ``R``
+        and ``O \\ G``."""
+        mesh = self.mesh
+        reduced, inputs = reduction.output, reduction.inputs
+        if reduced is not None:
+            src = [reduced[s.buffer_offset:s.buffer_offset + s.buffer_numel(mesh.grads.size)]
+                   for s in self.grads_segments]
+        else:
+            src = list(inputs)
+        if mesh.grads.size == 1 and reduced is not None:
+            chunk = reduced  # G = P: the parameter chunk's layout is the gradient chunk's
+        else:
+            chunk = self._grads_chunk(src, stats)
+        if mesh.reduce.size > 1:
+            dist.all_reduce(chunk, group=mesh.reduce.group)
+            _count(stats, "all_reduce", mesh.reduce.dims, chunk)
+        if mesh.grads_factor == 1:
+            return chunk
+        return self._optim_part(chunk)
+
+    def _grads_chunk(self, src: list[torch.Tensor], stats: CommStats) -> torch.Tensor:
+        """The gradient chunk (in the gradient level's layout) from the parameter chunk's
+        segments ``src``: reduce-scattered over ``G \\ P``, or laid out as it is."""
+        level = self.mesh.grads
+        out = src[0].new_empty(self.grads_numel)
+        if level.size > 1:
+            reduce_scatter_parts([(out, src, self.grads_segments)], level.size,
+                                 group=level.group)
+            _count(stats, "reduce_scatter", level.dims, *src)
+            return out
+        for s, x in zip(self.grads_segments, src):
+            out[s.chunk_offset:s.chunk_offset + x.numel()].copy_(x)
+        return out
+
+    def _optim_part(self, chunk: torch.Tensor) -> torch.Tensor:
+        """This rank's optimizer chunk (the plan's chunk layout) out of its gradient chunk."""
+        z = self.mesh.optim.rank % self.mesh.grads_factor
+        out = chunk.new_zeros(self._buffer.chunk_numel)
+        for s in self.optim_segments:
+            lo, hi = s.rank_range(z)
+            out[s.chunk_offset:s.chunk_offset + hi - lo].copy_(
+                chunk[s.buffer_offset + lo:s.buffer_offset + hi]
+            )
+        return out
+
+
+def _count(stats: CommStats, kind: str, dims: tuple[str, ...], *tensors: torch.Tensor) -> None:
+    stats.count_dims(kind, dims, sum(t.numel() * t.element_size() for t in tensors))

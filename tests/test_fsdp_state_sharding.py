@@ -1,0 +1,173 @@
+"""``fully_shard(state_sharding=...)`` (issue 25's runtime) on 4 gloo ranks as a 2x2 mesh: every
+named point and AMSP train to one process's parameters (and FSDP2's, where FSDP2 has the
+configuration), hold 1/|state dims| of each state, never read a stale parameter, and issue the
+collectives of :mod:`ragged_placement.fsdp.nested` per mesh dim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_gloo
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+from ragged_placement.fsdp import StateSharding, fully_shard
+
+D, H, BATCH, STEPS = 24, 40, 8, 5
+TOL = 1e-5
+BOTH = ("inter", "intra")
+SHARDINGS = {
+    "zero1": StateSharding(params=(), grads=(), optim=BOTH),
+    "zero2": StateSharding(params=(), grads=BOTH, optim=BOTH),
+    "zero3": StateSharding(params=BOTH, grads=BOTH, optim=BOTH),
+    "hsdp": StateSharding(params=("intra",), grads=("intra",), optim=("intra",)),
+    "hsdp_inter": StateSharding(params=("inter",), grads=("inter",), optim=("inter",)),
+    "amsp": StateSharding(params=("intra",), grads=BOTH, optim=BOTH),
+    # optim ranks out of mesh order (params-major: intra before inter), grads replicated on inter
+    "amsp_zero1": StateSharding(params=("intra",), grads=("intra",), optim=BOTH),
+    "grads_intra": StateSharding(params=(), grads=("intra",), optim=BOTH),
+}
+
+
+class MLP(nn.Module):
+    """Three linears of shapes that do not split evenly over 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(D, H), nn.Linear(H, H), nn.Linear(H, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _data() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)
+    init = MLP().state_dict()
+    x = torch.randn(STEPS + 1, BATCH, D, generator=g)
+    return init, x, torch.randn(STEPS, BATCH, D, generator=g)
+
+
+def _adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _reference() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One process on the whole batch: the parameters after ``STEPS`` steps and the eval output
+    on ``x[STEPS]``."""
+    init, x, y = _data()
+    m = MLP()
+    m.load_state_dict(init)
+    opt = _adamw(m.parameters())
+    for s in range(STEPS):
+        F.mse_loss(m(x[s]), y[s]).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        return {k: v.detach().clone() for k, v in m.named_parameters()}, m(x[STEPS])
+
+
+def _shard(m: MLP, mesh, runtime: str, sharding: StateSharding | None) -> None:
+    for sub in (m.a, m.b, m):
+        if runtime == "ours":
+            fully_shard(sub, mesh=mesh, state_sharding=sharding)
+        else:
+            fsdp2_fully_shard(sub, mesh=mesh)
+
+
+def _train(rank: int, ws: int, mesh, runtime: str, sharding: StateSharding | None):
+    """``STEPS`` AdamW steps on this rank's share of the batch, then, with no backward: the
+    eval output on ``x[STEPS]`` and the full state dict (both right after ``step()``)."""
+    init, x, y = _data()
+    m = MLP()
+    m.load_state_dict(init)
+    _shard(m, mesh, runtime, sharding)
+    opt = _adamw(m.parameters())
+    per = BATCH // ws
+    rows = slice(rank * per, (rank + 1) * per)
+    for s in range(STEPS):
+        F.mse_loss(m(x[s, rows]), y[s, rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        out = m(x[STEPS])
+    full = {k: v.full_tensor() for k, v in m.state_dict().items()}
+    local = {k: v.to_local().numel() for k, v in m.named_parameters()}
+    return m, opt, out, full, local
+
+
+def _counts(m: MLP) -> dict[tuple[str, tuple[str, ...]], int]:
+    """Collectives per mesh-dim set over the whole run, summed over the units."""
+    out: dict[tuple[str, tuple[str, ...]], int] = {}
+    for unit in (m.a._fsdp_state.unit, m.b._fsdp_state.unit, m._fsdp_state.unit):
+        for key, (n, _) in unit.stats.by_dims.items():
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+def _every_point(rank: int, ws: int):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=BOTH)
+    results = {}
+    for name, sharding in SHARDINGS.items():
+        m, opt, out, full, local = _train(rank, ws, mesh, "ours", sharding)
+        state = [t.to_local().numel() for st in opt.state.values() for t in st.values() if t.ndim]
+        results[name] = (out, full, local, sum(state), _counts(m))
+    results["fsdp2"] = _train(rank, ws, init_device_mesh("cpu", (4,)), "fsdp2", None)[2:5]
+    results["fsdp2_hsdp"] = _train(rank, ws, mesh, "fsdp2", None)[2:5]
+    return results
+
+
+def _expected_counts(sharding: StateSharding) -> dict[tuple[str, tuple[str, ...]], int]:
+    """Collectives per dim set over ``STEPS`` steps plus one eval forward, for the 3 units:
+    all-gathers over params in forward and backward (none for params=(); the root keeps its
+    parameters for backward), a refresh over optim \\ params before each step's first forward
+    and the eval forward, and the reductions once per step."""
+    p = sharding.params
+    g = tuple(d for d in sharding.grads if d not in p)
+    refresh = tuple(d for d in sharding.optim if d not in p)
+    rest = tuple(d for d in BOTH if d not in sharding.grads)
+    out = {}
+    if p:
+        out[("all_gather", p)] = (2 * 2 + 1) * STEPS + 3  # a, b twice, root once; eval: 3
+        out[("reduce_scatter", p)] = 3 * STEPS
+    if refresh:
+        out[("all_gather", refresh)] = 3 * (STEPS + 1)
+    if g:
+        out[("reduce_scatter", g)] = 3 * STEPS
+    if rest:
+        out[("all_reduce", rest)] = 3 * STEPS
+    return out
+
+
+def test_expected_counts_cover_every_point():
+    # a non-default point records what it issues (checked on 4 ranks by the test below)
+    assert _expected_counts(SHARDINGS["amsp"]) == {
+        ("all_gather", ("intra",)): 28, ("reduce_scatter", ("intra",)): 15,
+        ("all_gather", ("inter",)): 18, ("reduce_scatter", ("inter",)): 15,
+    }
+
+
+@pytest.mark.multiprocess
+def test_every_point_matches_one_process_and_fsdp2_on_2x2():
+    """Parameters after 5 AdamW steps, an eval forward and the state dict right after
+    step(), the optimizer shard's size and the collectives per mesh dim, for every point."""
+    ref, ref_out = _reference()
+    numel = sum(v.numel() for v in ref.values())
+    ranks = run_gloo(_every_point, 4)
+    for name in [*SHARDINGS, "fsdp2", "fsdp2_hsdp"]:
+        for rank, results in enumerate(ranks):
+            out, full, *_ = results[name]
+            torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0, msg=f"{name} eval out")
+            for k, v in ref.items():
+                torch.testing.assert_close(full[k], v, atol=TOL, rtol=0, msg=f"{name} {k}")
+    # each rank's optimizer shard: a 1/|optim| share of the parameters (summed over the ranks
+    # of one optim group: every element once); AdamW's two moments per element
+    for name, sharding in SHARDINGS.items():
+        groups = 4 // (2 ** len(sharding.optim))
+        local = sum(sum(r[name][2].values()) for r in ranks)
+        assert local == numel * groups, name
+        assert sum(r[name][3] for r in ranks) == 2 * numel * groups, name
+        if not sharding.is_default({"inter": 2, "intra": 2}):
+            assert all(r[name][4] == _expected_counts(sharding) for r in ranks), name
