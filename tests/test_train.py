@@ -82,11 +82,11 @@ def run_command(cmd: list[str], *, env: dict[str, str] | None = None,
     return proc.returncode, out
 
 
-def torchrun(args: list[str], *, restarts: int = 0, env: dict[str, str] | None = None
-             ) -> tuple[int, str, float]:
+def torchrun(args: list[str], *, restarts: int = 0, env: dict[str, str] | None = None,
+             nproc: int = 2) -> tuple[int, str, float]:
     t0 = time.monotonic()
     rc, out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "--max-restarts", str(restarts), "-m",
+                           "--nproc-per-node", str(nproc), "--max-restarts", str(restarts), "-m",
                            "ragged_placement.train", *args], env=env)
     return rc, out, time.monotonic() - t0
 
@@ -148,7 +148,12 @@ def _reference(model: str = "gpt") -> dict[str, torch.Tensor]:
 
 
 def _assert_matches_reference(trained: dict[str, torch.Tensor], model: str = "gpt") -> None:
-    for name, value in _reference(model).items():
+    _assert_weights_close(trained, _reference(model))
+
+
+def _assert_weights_close(trained: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+                          ) -> None:
+    for name, value in expected.items():
         got = trained[name]
         if name.endswith("attn.qkv.bias"):
             # The key bias cancels in the softmax: its gradient is rounding noise, which Adam
@@ -231,6 +236,43 @@ def test_hugging_face_model_errors_name_the_flag(tmp_path, monkeypatch):
         parse_config(["--model", "hf:llama"])
 
 
+def _one_sequence_per_rank() -> list[str]:
+    """``SMALL`` with one sequence per rank: 4 ranks make the reference's global batch of 4."""
+    return [a if a != "2" or prev != "--batch" else "1" for prev, a in zip(["", *SMALL], SMALL)]
+
+
+@pytest.mark.multiprocess
+def test_state_sharding_zero2_amsp_auto_match_zero3_and_one_process(tmp_path):
+    """``--state-sharding`` through fully_shard's ``state_sharding`` on 4 ranks as a 2x2 mesh
+    (inter, intra): zero2, AMSP and the partitioner's choice (the bandwidths given, so the choice
+    is known: AMSP, reshard_after_forward False) end with zero3's weights and one process's;
+    every point keeps 1/4 of AdamW's state per rank, AMSP also a parameter chunk of 1/2."""
+    weights, state = {}, {}
+    for sharding in ("zero3", "zero2", "amsp", "auto"):
+        extra = ["--bandwidth", "inter=1e8,intra=1e10"] if sharding == "auto" else []
+        rc, out, _ = torchrun([*_one_sequence_per_rank(), "--mesh", "2x2", "--mesh-dim-names",
+                               "inter,intra", "--state-sharding", sharding, *extra,
+                               "--output", str(tmp_path / f"{sharding}.pt"),
+                               "--metrics", str(tmp_path / f"{sharding}.json")], nproc=4)
+        assert rc == 0, out[-4000:]
+        weights[sharding] = torch.load(tmp_path / f"{sharding}.pt")
+        _assert_matches_reference(weights[sharding])
+        state[sharding] = json.loads((tmp_path / f"{sharding}.json").read_text())["per_rank"]
+    assert "the partitioner chose P(intra) G(inter,intra) OS(inter,intra), " \
+           "reshard_after_forward=False" in out and "comm s" in out
+    for sharding in ("zero2", "amsp", "auto"):
+        _assert_weights_close(weights[sharding], weights["zero3"])
+    with torch.device("meta"):  # parameters() counts the tied embedding once
+        unique = list(_one_process_model("gpt")[0].parameters())
+    numel = sum(p.numel() for p in unique)
+    zero3_adam = [r["state_bytes"]["optimizer"] for r in state["zero3"]]
+    assert 8 * numel <= sum(zero3_adam) <= 1.1 * (8 * numel) + 4 * 4 * len(unique)
+    for sharding in ("zero2", "amsp", "auto"):
+        assert [r["state_bytes"]["optimizer"] for r in state[sharding]] == zero3_adam, sharding
+    params = {s: sum(r["state_bytes"]["params"] for r in ranks) for s, ranks in state.items()}
+    assert params["amsp"] == pytest.approx(3 * params["zero3"], rel=0.05)  # + a chunk of 1/2
+
+
 def _tree(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
 
@@ -254,8 +296,19 @@ def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsy
         (["--steps", "ten"], "--steps must be int, got 'ten'"),
         (["--lr", "fast"], "--lr must be float"),
         (["--runtime", "deepspeed"], "--runtime must be one of ours, fsdp2, got 'deepspeed'"),
-        (["--state-sharding", "zero2"], "--state-sharding zero2: per-state sharding .* issue 25"),
-        (["--state-sharding", "auto"], "--state-sharding auto: per-state sharding"),
+        (["--state-sharding", "zero2", "--runtime", "fsdp2"],
+         "--state-sharding zero2 needs --runtime ours"),
+        (["--state-sharding", "auto", "--runtime", "fsdp2"], "--state-sharding auto needs --runtime ours"),
+        (["--state-sharding", "amsp"], "--state-sharding amsp needs a 2-D --mesh"),
+        (["--fp8", "--state-sharding", "zero1"], "--fp8 with --state-sharding zero1"),
+        (["--bandwidth", "dp=1e9"], "--bandwidth is the partitioner's input: it needs --state-sharding auto"),
+        (["--memory-budget", "1e9", "--state-sharding", "amsp", "--mesh", "2x2"],
+         "--memory-budget is the partitioner's input"),
+        (["--state-sharding", "auto", "--memory-budget", "-1"], "--memory-budget must be >= 0"),
+        (["--state-sharding", "auto", "--bandwidth", "dp=fast"],
+         "--bandwidth must be 'profile' or one positive bytes/s per mesh dim \\(dp=...\\)"),
+        (["--state-sharding", "auto", "--mesh", "2x2", "--mesh-dim-names", "inter,intra",
+          "--bandwidth", "inter=1e9"], "--bandwidth must be .* \\(inter=...,intra=...\\)"),
         (["--state-sharding", "hsdp"], "--state-sharding hsdp needs a 2-D --mesh"),
         (["--mesh", "2x"], "--mesh must look like 4 or 2x2, got '2x'"),
         (["--mesh", "2x2", "--mesh-dim-names", "a"], "--mesh-dim-names must give 2 distinct"),
