@@ -14,10 +14,14 @@ at ``W_optim`` ranks; the ``grads`` and ``params`` chunks are ``W_optim / W_grad
 lies inside its gradient shard inside its parameter shard, every level cut on the plan's
 granularity boundaries). ``c_X`` is the largest such chunk, padding included:
 
-* ``params``: ``sum_units c_params * s``: the runtime stores parameters in their own dtype (no
-  separate fp32 master copy; mixed precision casts at the gather), and the optimizer steps a
-  view of this shard;
-* ``grads``: ``sum_units c_grads * s`` (the reduced gradient lands in the parameters' dtype);
+* ``params``: ``sum_units c_optim * s + c_params * P``: the optimizer steps its chunk in the
+  parameters' own dtype (no separate fp32 master copy), and where ``optim`` spans more ranks than
+  ``params`` the runtime keeps the parameter chunk it all-gathers from in ``P``, refreshed after
+  each step (for ``params=()`` the whole unsharded buffer, kept between steps);
+* ``grads``: ``sum_units c_optim * s``: the reduced gradient that persists (``.grad``) is the
+  optimizer chunk's part, whatever ``grads`` is; sharding ``grads`` over fewer dims than
+  ``optim`` changes the communication (an all-reduce over ``optim \ grads`` instead of a
+  reduce-scatter), and the transient ``c_grads * R`` gradient chunk (in ``buffers``);
 * ``optim``: ``sum_units c_optim * (state bytes of the unit / elements of the unit)``:
   ``"adamw"`` 2 moments in ``s`` (``torch.optim.AdamW`` and ours allocate ``zeros_like(param)``),
   ``"sgd"`` (with momentum) 1 buffer in ``s``, ``"muon"`` 1 momentum buffer in ``s`` for
@@ -48,7 +52,7 @@ with ``reshard_after_forward=False``)
 reduce-scatter grads over ``params`` dims           ``g_params R``                 ``n - 1``
 reduce-scatter over ``grads \ params`` dims         ``g_grads R`` (region: c_P)    ``n - 1``
 all-reduce over the dims outside ``grads``          ``2 (n - 1) / n c_grads R``    ``2 (n - 1)``
-all-gather updated params over ``optim \ params``   ``g_optim s`` (region: c_P)    ``n - 1``
+all-gather updated params over ``optim \ params``   ``g_optim P`` (region: c_P)    ``n - 1``
 ==================================================  =============================  ============
 
 A collective over several dims is one ring over their ranks: its bytes and steps are charged to
@@ -465,18 +469,22 @@ def _unit_cost(parts: tuple[_Part, ...], degrees: tuple[int, int, int], replicas
         s, p, r = part.dtype.itemsize, gather_dt.itemsize, reduce_dt.itemsize
         buffer = _layout(part, w_o)[0]
         c_p, c_g, c_o = _chunk(part, w_o, k_p), _chunk(part, w_o, k_g), _chunk(part, w_o, 1)
-        cost.states["params"] += c_p * s
-        cost.states["grads"] += c_g * s
+        cast = gather_dt != part.dtype
+        # the optimizer's chunk in s, and a parameter chunk in P where it holds more (for
+        # params=() the whole unsharded buffer, kept between steps)
+        cost.states["params"] += c_o * s + (c_p * p if k_p > 1 else 0)
+        cost.states["grads"] += c_o * s  # .grad: the optimizer chunk's part of the reduction
         cost.states["optim"] += math.ceil(_optim_bytes(part, m.optimizer) * c_o / max(part.numel, 1))
-        cost.gathered += buffer * p
-        cost.send += c_p * p if gather_dt != part.dtype else 0
-        cost.grad_buffers += buffer * p + (buffer * r if reduce_dt != gather_dt else 0) + c_p * r
+        cost.gathered += buffer * p if w_p > 1 else 0
+        cost.send += (c_o if k_p > 1 else c_p) * p if cast else 0
+        cost.grad_buffers += (buffer * p + (buffer * r if reduce_dt != gather_dt else 0)
+                              + c_p * r + (c_g * r if k_g > 1 and k_g < w_o else 0))
         unit_from_params = _traffic(part, w_o, w_o, k_p)
         cost.traffic["ag"] += unit_from_params * p * (2 if reshard else 1)
         cost.traffic["rs_p"] += unit_from_params * r
         cost.traffic["rs_g"] += _traffic(part, w_o, k_p, k_g) * r
         cost.traffic["ar"] += 2 * (replicas - 1) / replicas * c_g * r
-        cost.traffic["ag_o"] += _traffic(part, w_o, k_p, 1) * s
+        cost.traffic["ag_o"] += _traffic(part, w_o, k_p, 1) * p
     return cost
 
 

@@ -401,7 +401,7 @@ def fully_shard(
             rest; after a step the first all-gather refreshes the parameter shards over
             ``optim \\ params``. See :mod:`ragged_placement.fsdp.nested`. ``None``, or the
             default of ``mesh`` (:meth:`StateSharding.default`), is the behaviour without it.
-            Not yet with ``quant``, CPU offload, an ``int`` ``reshard_after_forward``,
+            Not yet with CPU offload, an ``int`` ``reshard_after_forward``,
             ``dp_mesh_dims`` or tensor-parallel parameters (``ValueError``).
 
     Raises:
@@ -418,7 +418,7 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh()
     offload = _check_offload_policy(offload_policy)
     nested = state_sharded_mesh(
-        state_sharding, mesh, dp_mesh_dims=dp_mesh_dims, quant=quant, offload=offload,
+        state_sharding, mesh, dp_mesh_dims=dp_mesh_dims, offload=offload,
         reshard_after_forward=reshard_after_forward,
     )
     if nested is None:

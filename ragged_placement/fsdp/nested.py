@@ -35,6 +35,10 @@ nothing):
    over ``G \\ P`` into the gradient chunk, then all-reduces that over ``R`` and ``O \\ G``; the
    optimizer chunk's part of it, averaged over the data-parallel world, lands in ``.grad``.
 
+What persists between steps is the optimizer chunk's part of the reduction (``.grad``), whatever
+``grads`` is: sharding gradients over fewer dims than ``optim`` (ZeRO-1) only replaces the
+reduce-scatter over ``optim \\ grads`` with an all-reduce, and the gradient chunk is transient.
+
 Gradient accumulation (``set_requires_gradient_sync(False)``) keeps, as without a
 ``state_sharding``, the unsharded gradients until the synchronizing backward, which runs all
 three reductions once: the gradient shard is never held unreduced.
@@ -236,7 +240,6 @@ def state_sharded_mesh(
     mesh: DeviceMesh,
     *,
     dp_mesh_dims: object,
-    quant: object,
     offload: object,
     reshard_after_forward: object,
 ) -> StateShardedMesh | None:
@@ -268,7 +271,6 @@ def state_sharded_mesh(
         )
     unsupported = {
         "dp_mesh_dims": dp_mesh_dims is not None,
-        "quant": quant is not None,
         "offload_policy=CPUOffloadPolicy()": offload is not None,
         f"reshard_after_forward={reshard_after_forward!r}": not isinstance(
             reshard_after_forward, (bool, type(None))
@@ -337,6 +339,12 @@ def nest_segments(
     return out
 
 
+def _level_segments(segments: Sequence[Segment], factor: int) -> list[Segment]:
+    """The segments of a collective over ``P`` (parameter chunks of ``factor`` optimizer
+    chunks each): the plan's own for ``factor`` 1, else coarsened."""
+    return list(segments) if factor == 1 else coarsen_segments(segments, factor)
+
+
 def _layout_numel(layout: Sequence[Segment]) -> int:
     return max((s.chunk_offset + s.chunk_numel for s in layout), default=0)
 
@@ -351,12 +359,16 @@ class NestedBuffer:
     """
 
     mesh: StateShardedMesh
-    chunk: torch.Tensor | None  # the parameter chunk in param_dtype (None for P = ())
-    params_segments: list[Segment]  # the all-gather / reduce-scatter over P
+    # the parameter side, laid out as the all-gather's segments (the plan's, or an FP8 buffer's
+    # one segment of send buffers), set by allocate() once the gather exists
+    chunk: torch.Tensor | None  # the parameter chunk (None for P = (), or params == optim)
+    gather_segments: list[Segment]  # the all-gather over P
     refresh_segments: list[Segment]  # the all-gather over O \ P
+    # the gradient side, laid out as the plan's segments (in reduce_dtype)
+    reduce_segments: list[Segment]  # the reduce-scatter over P
     grads_segments: list[Segment]  # the reduce-scatter over G \ P
     optim_segments: list[Segment]  # the optimizer chunk inside the gradient chunk
-    params_numel: int
+    reduced_numel: int  # the reduce-scatter over P's output
     grads_numel: int
     _buffer: FlatBuffer
     _send: torch.Tensor | None  # the refresh's input, alive until it is waited on
@@ -366,14 +378,14 @@ class NestedBuffer:
         self.mesh = mesh
         segs, world = buffer.plan.segments, mesh.optim.size
         fp, fg = mesh.params_factor, mesh.grads_factor
-        self.params_segments = list(segs) if fp == 1 else coarsen_segments(segs, fp)
-        self.refresh_segments = nest_segments(segs, world, fp, 1, mesh.params.rank)
+        self.reduce_segments = _level_segments(segs, fp)
         self.grads_segments = nest_segments(segs, world, fp, fg, mesh.params.rank)
         self.optim_segments = nest_segments(segs, world, fg, 1, mesh.grads_index)
-        self.params_numel = _layout_numel(level_layout(segs, fp, world))
+        self.reduced_numel = _layout_numel(level_layout(segs, fp, world))
         self.grads_numel = _layout_numel(level_layout(segs, fg, world))
         self.chunk = None
         self._send = None
+        self.gather_segments = self.refresh_segments = []
 
     @property
     def refreshes(self) -> bool:
@@ -390,30 +402,39 @@ class NestedBuffer:
         return self.mesh.params.size > 1
 
     def allocate(self) -> None:
-        """Allocate the parameter chunk (or the persistent unsharded buffer) on the buffer's
-        device in ``param_dtype`` (after :meth:`FlatBuffer.allocate`; nothing on meta)."""
+        """Lay out the parameter side after the all-gather's segments and allocate the
+        parameter chunk (or the persistent unsharded buffer) on the buffer's device in the
+        all-gather's dtype (after :meth:`FlatBuffer.allocate`; nothing on meta)."""
         b = self._buffer
+        self.chunk = None
         if b.gather is None:
-            self.chunk = None
             return
+        segs, world, fp = b.gather_segments, self.mesh.optim.size, self.mesh.params_factor
+        self.gather_segments = _level_segments(segs, fp)
+        self.refresh_segments = nest_segments(segs, world, fp, 1, self.mesh.params.rank)
         if not self.sharded_params:
             b.gather.allocate()
         elif self.refreshes:
-            self.chunk = torch.empty(self.params_numel, dtype=b.param_dtype, device=b.device)
+            numel = _layout_numel(level_layout(segs, fp, world))
+            self.chunk = b.gather.gathered.new_empty(numel)
 
     # -- refresh: the updated optimizer chunks into the parameter chunk -------------------------
     def prepare_refresh(self) -> Gather:
-        """The all-gather over ``O \\ P`` of this rank's optimizer chunk (cast to
-        ``param_dtype``) into the parameter chunk."""
+        """The all-gather over ``O \\ P`` of this rank's optimizer chunk, packed as the
+        all-gather sends it (cast to ``param_dtype``, or FP8 blocks and scales), into the
+        parameter chunk."""
         b = self._buffer
         out = self.chunk if self.sharded_params else b.gather.gathered
-        self._send = b.sharded if b.sharded.dtype == b.param_dtype else b.sharded.to(b.param_dtype)
+        self._send = b.gather.pack(b.rank, b.sharded)
         level = self.mesh.refresh
         return Gather(out, self._send, self.refresh_segments, level.size, level.group, False)
 
     def finish_refresh(self) -> None:
-        """Release the refresh's send buffer once it is waited on."""
+        """Once the refresh is waited on: release its send buffer; with ``params=()`` the
+        refresh filled the unsharded buffer, so assemble the FP8 weights from it."""
         self._send = None
+        if not self.sharded_params:
+            self._buffer.gather.assemble()
 
     def prepare_unshard(self) -> Gather:
         """The all-gather over ``P`` of the parameter chunks into the unsharded buffer."""
@@ -423,7 +444,7 @@ class NestedBuffer:
         if send is None:  # params == optim: the optimizer chunk, cast as without nesting
             send = b.gather.pack(b.rank, b.sharded)
         level = self.mesh.params
-        return Gather(b.gather.gathered, send, self.params_segments, level.size, level.group,
+        return Gather(b.gather.gathered, send, self.gather_segments, level.size, level.group,
                       False)
 
     # -- gradients ------------------------------------------------------------------------------
@@ -433,9 +454,9 @@ class NestedBuffer:
         unit does not issue (:meth:`reduce_rest` takes its inputs)."""
         level = self.mesh.params
         if not self.sharded_params:
-            return Reduction(None, inputs, self.params_segments, 1, None)
-        out = inputs[0].new_empty(self.params_numel)
-        return Reduction(out, inputs, self.params_segments, level.size, level.group)
+            return Reduction(None, inputs, self.reduce_segments, 1, None)
+        out = inputs[0].new_empty(self.reduced_numel)
+        return Reduction(out, inputs, self.reduce_segments, level.size, level.group)
 
     def reduce_rest(self, reduction: Reduction, stats: CommStats) -> torch.Tensor:
         """The gradient sum over the whole data-parallel world of this rank's optimizer chunk,
