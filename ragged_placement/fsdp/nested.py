@@ -50,9 +50,9 @@ initializer), or a move. Every rank of an ``O \\ P`` group must take the same de
 any SPMD code: write sharded parameters on every rank or none.
 
 **Process groups.** Created once per ``(mesh, state_sharding)``, by their members only; the
-``O \\ P`` and ``O`` groups list their ranks in the order above, which needs
-``new_group(sort_ranks=False)`` (torch >= 2.13) unless that order is the mesh's
-(:func:`ragged_placement._compat.new_group_in_order`).
+``O \\ P`` and ``O`` groups list their ranks in the order above, not sorted where it is not the
+mesh's (:func:`ragged_placement._compat.new_group_in_order`: ``new_group(sort_ranks=False)`` on
+torch 2.13, checked emulation on 2.11).
 """
 
 from __future__ import annotations
