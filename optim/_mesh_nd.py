@@ -27,19 +27,27 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from ragged_placement.placement import RaggedShard
 from ragged_placement.regions import contiguous_stride
 
-__all__ = ["is_nd", "assign_nd_owners", "owner_placements", "gather_to_owner", "scatter_from_owner"]
+__all__ = [
+    "assign_nd_owners",
+    "gather_to_owner",
+    "owner_placements",
+    "scatter_from_owner",
+    "sharded_on_several_dims",
+]
 
 
-def is_nd(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor on a mesh of more than one dim."""
-    return isinstance(tensor, DTensor) and tensor.device_mesh.ndim > 1
+def sharded_on_several_dims(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor sharded over more than one mesh dim (FSDP x TP)."""
+    return isinstance(tensor, DTensor) and len(_sharded_dims(tensor)) > 1
 
 
 def _sharded_dims(p: DTensor) -> list[int]:
     dims = []
     for m, pl in enumerate(p.placements):
         if isinstance(pl, Partial):
-            raise ValueError(f"parameter placements must not be Partial, got {p.placements}")
+            raise ValueError(  # noqa: TRY004 - a bad placement value, not a bad type
+                f"parameter placements must not be Partial, got {p.placements}"
+            )
         if not isinstance(pl, Replicate):
             dims.append(m)
     return dims

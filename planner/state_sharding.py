@@ -14,14 +14,14 @@ at ``W_optim`` ranks; the ``grads`` and ``params`` chunks are ``W_optim / W_grad
 lies inside its gradient shard inside its parameter shard, every level cut on the plan's
 granularity boundaries). ``c_X`` is the largest such chunk, padding included:
 
-* ``params``: ``sum_units c_optim * s + c_params * P``, as the runtime holds them
-  (:mod:`ragged_placement.fsdp.nested`): the optimizer chunk in the parameters' own dtype (the
-  sharded parameters the optimizer steps; no separate fp32 master copy) and, where ``optim``
-  spans more ranks than ``params``, the parameter chunk it is all-gathered into after a step,
-  in ``P`` (for ``params=()`` the unsharded buffer, kept allocated); where ``params == optim``
-  only ``c_optim * s``;
-* ``grads``: ``sum_units c_optim * s``: ``.grad`` is the optimizer chunk's part of the reduced
-  gradient, in the parameters' dtype (the gradient chunk is a transient of the reduction);
+* ``params``: ``sum_units c_optim * s + c_params * P``: the optimizer steps its chunk in the
+  parameters' own dtype (no separate fp32 master copy), and where ``optim`` spans more ranks than
+  ``params`` the runtime keeps the parameter chunk it all-gathers from in ``P``, refreshed after
+  each step (for ``params=()`` the whole unsharded buffer, kept between steps);
+* ``grads``: ``sum_units c_optim * s``: the reduced gradient that persists (``.grad``) is the
+  optimizer chunk's part, whatever ``grads`` is; sharding ``grads`` over fewer dims than
+  ``optim`` changes the communication (an all-reduce over ``optim \ grads`` instead of a
+  reduce-scatter), and the transient ``c_grads * R`` gradient chunk (in ``buffers``);
 * ``optim``: ``sum_units c_optim * (state bytes of the unit / elements of the unit)``:
   ``"adamw"`` 2 moments in ``s`` (``torch.optim.AdamW`` and ours allocate ``zeros_like(param)``),
   ``"sgd"`` (with momentum) 1 buffer in ``s``, ``"muon"`` 1 momentum buffer in ``s`` for
@@ -31,9 +31,8 @@ granularity boundaries). ``c_X`` is the largest such chunk, padding included:
   chunk's padding); for muon and shampoo the unit's state is spread in proportion to chunk size;
 * ``buffers``: the unsharded buffers held at once: the two largest units' all-gather outputs
   (``buffer * P``: the unit and the prefetched next one; with ``reshard_after_forward=False``
-  every unit's, held from forward to backward; none for ``params=()``, whose unsharded buffers
-  are its parameter chunks), the largest ``c_optim * P`` send buffer (when ``P != s``: the
-  optimizer chunk cast for the all-gather or the refresh), and the largest unit's gradient buffers (``buffer * P``, its ``R`` cast when
+  every unit's, held from forward to backward), the largest ``c_params * P`` send buffer (when
+  ``P != s``), and the largest unit's gradient buffers (``buffer * P``, its ``R`` cast when
   ``R != P``, the ``c_params * R`` reduce-scatter output).
 
 Activations are not modelled: pass as ``memory_budget`` what is left for these states.
@@ -470,14 +469,16 @@ def _unit_cost(parts: tuple[_Part, ...], degrees: tuple[int, int, int], replicas
         s, p, r = part.dtype.itemsize, gather_dt.itemsize, reduce_dt.itemsize
         buffer = _layout(part, w_o)[0]
         c_p, c_g, c_o = _chunk(part, w_o, k_p), _chunk(part, w_o, k_g), _chunk(part, w_o, 1)
-        # the optimizer chunk, and the parameter chunk it is refreshed into (params=(): the
-        # unsharded buffer, kept allocated) where optim spans more ranks than params
+        cast = gather_dt != part.dtype
+        # the optimizer's chunk in s, and a parameter chunk in P where it holds more (for
+        # params=() the whole unsharded buffer, kept between steps)
         cost.states["params"] += c_o * s + (c_p * p if k_p > 1 else 0)
-        cost.states["grads"] += c_o * s  # .grad: the optimizer chunk's part of the gradient
+        cost.states["grads"] += c_o * s  # .grad: the optimizer chunk's part of the reduction
         cost.states["optim"] += math.ceil(_optim_bytes(part, m.optimizer) * c_o / max(part.numel, 1))
         cost.gathered += buffer * p if w_p > 1 else 0
-        cost.send += c_o * p if gather_dt != part.dtype else 0
-        cost.grad_buffers += buffer * p + (buffer * r if reduce_dt != gather_dt else 0) + c_p * r
+        cost.send += (c_o if k_p > 1 else c_p) * p if cast else 0
+        cost.grad_buffers += (buffer * p + (buffer * r if reduce_dt != gather_dt else 0)
+                              + c_p * r + (c_g * r if k_g > 1 and k_g < w_o else 0))
         unit_from_params = _traffic(part, w_o, w_o, k_p)
         cost.traffic["ag"] += unit_from_params * p * (2 if reshard else 1)
         cost.traffic["rs_p"] += unit_from_params * r

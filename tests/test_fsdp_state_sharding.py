@@ -171,3 +171,82 @@ def test_every_point_matches_one_process_and_fsdp2_on_2x2():
         assert sum(r[name][3] for r in ranks) == 2 * numel * groups, name
         if not sharding.is_default({"inter": 2, "intra": 2}):
             assert all(r[name][4] == _expected_counts(sharding) for r in ranks), name
+
+
+# -- FP8 units: the refresh and the all-gathers move FP8 blocks and scales ----------------------
+def _fp8_rank(rank: int, ws: int, steps: int) -> dict[str, tuple[list[float], dict]]:
+    from test_fsdp_fp8 import QUANT, SEQ, _corpus, _gpt, _rows
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=BOTH)
+    out = {}
+    for name in ("amsp", "zero2"):
+        m = _gpt()
+        for sub in (*m.layers, m):
+            fully_shard(sub, mesh=mesh, quant=QUANT, state_sharding=SHARDINGS[name])
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        losses = []
+        for s in range(steps):
+            x, y = _corpus().batch(s, 8, SEQ)
+            loss = m(_rows(x, rank, ws), _rows(y, rank, ws))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            torch.distributed.all_reduce(total)
+            losses.append(total.item() / ws)
+        unit = m.layers[0]._fsdp_state.unit
+        b = unit.buffers[0]
+        chunk = b.nested.chunk.numel() if b.nested.chunk is not None else None
+        out[name] = (losses, dict(unit.stats.by_dims), b.fp8.gathered_nbytes, chunk)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_fp8_units_under_amsp_and_zero2_match_one_process_fp8():
+    from test_fsdp_fp8 import GRAD_TOL, LOSS_TOL, _fp8_reference
+
+    steps = 4
+    ref, _ = _fp8_reference(steps, 8)
+    for results in run_gloo(_fp8_rank, 4, steps):
+        for name, (losses, by_dims, nbytes, chunk) in results.items():
+            assert losses[0] == pytest.approx(ref[0], abs=GRAD_TOL), name  # same FP8 weights
+            assert losses == pytest.approx(ref, abs=LOSS_TOL), name
+            # every parameter all-gather of the block moves its FP8 bytes and scales: over
+            # intra (forward, backward) for AMSP, and the refreshes (one per step) assemble a
+            # parameter chunk (AMSP: half of the sends, as large as the larger half; uneven
+            # chunks) or the whole buffer (zero2)
+            gathers = {dims: v for (kind, dims), v in by_dims.items() if kind == "all_gather"}
+            if name == "amsp":
+                assert gathers[("intra",)] == [2 * steps, 2 * steps * nbytes]
+                assert gathers[("inter",)] == [steps, steps * chunk]
+                assert nbytes // 2 <= chunk <= 1.01 * nbytes / 2
+            else:
+                assert gathers == {BOTH: [steps, steps * nbytes]}
+
+
+# -- process groups in the nested layout's rank order on torch without sort_ranks (2.11) --------
+def _group_in_order_without_sort_ranks(rank: int, ws: int) -> tuple[list[int], list[int]]:
+    import torch.distributed as dist
+
+    from ragged_placement import _compat
+
+    real = dist.new_group
+
+    def old_new_group(ranks=None, use_local_synchronization=False):  # torch 2.11's signature
+        return real(ranks, use_local_synchronization=use_local_synchronization)
+
+    dist.new_group = old_new_group
+    try:
+        group = _compat.new_group_in_order([0, 2, 1, 3])
+    finally:
+        dist.new_group = real
+    out = [torch.zeros(1) for _ in range(ws)]
+    dist.all_gather(out, torch.tensor([float(rank)]), group=group)
+    return dist.get_process_group_ranks(group), [int(x) for x in out]
+
+
+@pytest.mark.multiprocess
+def test_groups_keep_the_given_rank_order_without_sort_ranks():
+    for ranks, gathered in run_gloo(_group_in_order_without_sort_ranks, 4):
+        assert ranks == gathered == [0, 2, 1, 3]

@@ -571,7 +571,7 @@ class FlatBuffer:
         send = self._send_buffer(pf)
         self._ag_send = send
         world_size = self.world_size if pf is None else pf.size
-        gather = self._gather_segments
+        gather = self.gather_segments
         segments = gather if pf is None else pf.coarsen(gather)
         group = self.dp.shard_group if pf is None else pf.group
         return Gather(self.gather.gathered, send, segments, world_size, group, pf is not None)
@@ -616,7 +616,7 @@ class FlatBuffer:
 
     # -- reshard after forward to a smaller group (an int reshard_after_forward) ---------------
     @property
-    def _gather_segments(self) -> Sequence[Segment]:
+    def gather_segments(self) -> Sequence[Segment]:
         """The segments of the all-gather: the plan's, or for an FP8 buffer the one segment of
         its send buffers (bytes, in rank order; uneven where they are)."""
         return [self.fp8.segment] if self.fp8 is not None else self.plan.segments
@@ -625,7 +625,7 @@ class FlatBuffer:
         """This rank's place of the gathered buffer (``1/N`` of it, one copy), to keep in
         :attr:`post_forward_shard` once the buffer is freed (FSDP2's
         ``to_sharded_post_forward``)."""
-        segments = pf.coarsen(self._gather_segments)
+        segments = pf.coarsen(self.gather_segments)
         kept = self.unsharded.new_empty(sum(s.chunk_numel for s in segments))
         for seg in segments:
             lo, hi = seg.rank_range(pf.rank)

@@ -35,6 +35,10 @@ nothing):
    over ``G \\ P`` into the gradient chunk, then all-reduces that over ``R`` and ``O \\ G``; the
    optimizer chunk's part of it, averaged over the data-parallel world, lands in ``.grad``.
 
+What persists between steps is the optimizer chunk's part of the reduction (``.grad``), whatever
+``grads`` is: sharding gradients over fewer dims than ``optim`` (ZeRO-1) only replaces the
+reduce-scatter over ``optim \\ grads`` with an all-reduce, and the gradient chunk is transient.
+
 Gradient accumulation (``set_requires_gradient_sync(False)``) keeps, as without a
 ``state_sharding``, the unsharded gradients until the synchronizing backward, which runs all
 three reductions once: the gradient shard is never held unreduced.
@@ -46,24 +50,25 @@ initializer), or a move. Every rank of an ``O \\ P`` group must take the same de
 any SPMD code: write sharded parameters on every rank or none.
 
 **Process groups.** Created once per ``(mesh, state_sharding)``, by their members only; the
-``O \\ P`` and ``O`` groups list their ranks in the order above, which needs
-``new_group(sort_ranks=False)`` (torch >= 2.13) unless that order is the mesh's
-(:func:`ragged_placement._compat.new_group_in_order`).
+``O \\ P`` and ``O`` groups list their ranks in the order above, not sorted where it is not the
+mesh's (:func:`ragged_placement._compat.new_group_in_order`: ``new_group(sort_ranks=False)`` on
+torch 2.13, checked emulation on 2.11).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import Placement, Replicate
 
-from ragged_placement._compat import new_group_in_order
+from ragged_placement._compat import concatenate_meshes, new_group_in_order
 from ragged_placement.fsdp.collectives import Gather, Reduction, reduce_scatter_parts
 from ragged_placement.fsdp.common import CommStats
 from ragged_placement.fsdp.mesh import coarsen_segments
@@ -75,7 +80,7 @@ if TYPE_CHECKING:
     from ragged_placement.fsdp.buffer import FlatBuffer
 
 __all__ = [
-    "Level", "NestedBuffer", "StateShardedMesh", "check_no_tensor_parallel", "nest_segments",
+    "Level", "NestedBuffer", "StateShardedMesh", "nest_segments",
     "state_sharded_mesh",
 ]
 
@@ -92,17 +97,22 @@ class Level:
     dims: tuple[str, ...]
 
 
-def _rank_grid(mesh: DeviceMesh, sharding: StateSharding) -> tuple[torch.Tensor, list[tuple[str, ...]]]:
-    """``mesh``'s global ranks as a ``(R, P, G \\ P, O \\ G)`` tensor and those four dim sets."""
+def _rank_grid(
+    mesh: DeviceMesh, sharding: StateSharding, ranks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[tuple[str, ...]]]:
+    """``mesh``'s global ranks as a ``(R, P, G \\ P, O \\ G)`` tensor and those four dim
+    sets; ``ranks``: the ranks of ``mesh`` and trailing dims beside it (kept last)."""
     names = list(mesh.mesh_dim_names)
+    ranks = mesh.mesh if ranks is None else ranks
     params = sharding.params
     grads = tuple(d for d in sharding.grads if d not in params)
     zero = tuple(d for d in sharding.optim if d not in sharding.grads)
     replicate = tuple(d for d in names if d not in sharding.optim)
     sets = [replicate, params, grads, zero]
     order = [names.index(d) for dims in sets for d in dims]
-    sizes = [int(torch.tensor([mesh.shape[names.index(d)] for d in dims]).prod()) for dims in sets]
-    return mesh.mesh.permute(*order).reshape(sizes), sets
+    sizes = [math.prod(mesh.shape[names.index(d)] for d in dims) for dims in sets]
+    trailing = list(range(len(names), ranks.ndim))
+    return ranks.permute(*order, *trailing).reshape(*sizes, *ranks.shape[len(names):]), sets
 
 
 class _Groups:
@@ -138,6 +148,8 @@ class StateShardedMesh:
     reduce: Level  # R and O \ G: the all-reduce of the gradient chunk
     optim: Level  # O
     replicate: Level  # R
+    # id(tp mesh) -> (the tp mesh, kept alive; the (R, O, tp) mesh): with_tp's
+    _with_tp: dict[int, tuple[DeviceMesh, DeviceMesh]] = field(default_factory=dict)
 
     @staticmethod
     def of(mesh: DeviceMesh, sharding: StateSharding) -> StateShardedMesh:
@@ -179,6 +191,26 @@ class StateShardedMesh:
                 mesh_dim_names=("replicate", "optim"),
             )
         return StateShardedMesh(sharding, mesh, pmesh, optim=optim, replicate=replicate, **levels)
+
+    def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh of the sharded parameters beside ``tp_mesh`` (a sibling of ``source`` in
+        one root mesh): ``mesh``'s dims, then ``tp_mesh``'s, built once per ``tp_mesh`` from
+        the groups of this rank (the tensor-parallel one is ``tp_mesh``'s)."""
+        key = id(tp_mesh)
+        if key not in self._with_tp:
+            full = concatenate_meshes([self.source, tp_mesh]).mesh
+            grid, _ = _rank_grid(self.source, self.sharding, full)
+            ranks = grid.reshape(self.replicate.size, self.optim.size, tp_mesh.size())
+            groups = [self.optim.group, tp_mesh.get_group()]
+            names = ("optim", *tp_mesh.mesh_dim_names)
+            if self.hsdp:
+                groups, names = [self.replicate.group, *groups], ("replicate", *names)
+            else:
+                ranks = ranks[0]
+            self._with_tp[key] = (tp_mesh, DeviceMesh.from_group(
+                groups, self.source.device_type, mesh=ranks, mesh_dim_names=names
+            ))
+        return self._with_tp[key][1]
 
     # -- the DataParallelMesh interface, over the optimizer ranks ------------------------------
     @property
@@ -236,7 +268,6 @@ def state_sharded_mesh(
     mesh: DeviceMesh,
     *,
     dp_mesh_dims: object,
-    quant: object,
     offload: object,
     reshard_after_forward: object,
 ) -> StateShardedMesh | None:
@@ -268,7 +299,6 @@ def state_sharded_mesh(
         )
     unsupported = {
         "dp_mesh_dims": dp_mesh_dims is not None,
-        "quant": quant is not None,
         "offload_policy=CPUOffloadPolicy()": offload is not None,
         f"reshard_after_forward={reshard_after_forward!r}": not isinstance(
             reshard_after_forward, (bool, type(None))
@@ -281,17 +311,6 @@ def state_sharded_mesh(
                 f"of them (state_sharding=None or StateSharding.default(mesh) keeps it)"
             )
     return StateShardedMesh.of(mesh, state_sharding)
-
-
-def check_no_tensor_parallel(slots: Sequence[object], params: Sequence[torch.Tensor]) -> None:
-    """``ValueError`` naming the first tensor-parallel (DTensor) parameter of a unit with a
-    ``state_sharding``, which does not compose with tensor parallel yet."""
-    for slot, p in zip(slots, params):
-        if isinstance(p, DTensor):
-            raise ValueError(
-                f"parameter {slot.fqn} is a DTensor (tensor parallel): a state_sharding does "
-                f"not compose with tensor-parallel parameters yet; shard without state_sharding"
-            )
 
 
 # id(mesh) -> (a weak reference to the mesh, {sharding: its StateShardedMesh})
@@ -337,6 +356,12 @@ def nest_segments(
     return out
 
 
+def _level_segments(segments: Sequence[Segment], factor: int) -> list[Segment]:
+    """The segments of a collective over ``P`` (parameter chunks of ``factor`` optimizer
+    chunks each): the plan's own for ``factor`` 1, else coarsened."""
+    return list(segments) if factor == 1 else coarsen_segments(segments, factor)
+
+
 def _layout_numel(layout: Sequence[Segment]) -> int:
     return max((s.chunk_offset + s.chunk_numel for s in layout), default=0)
 
@@ -351,12 +376,16 @@ class NestedBuffer:
     """
 
     mesh: StateShardedMesh
-    chunk: torch.Tensor | None  # the parameter chunk in param_dtype (None for P = ())
-    params_segments: list[Segment]  # the all-gather / reduce-scatter over P
+    # the parameter side, laid out as the all-gather's segments (the plan's, or an FP8 buffer's
+    # one segment of send buffers), set by allocate() once the gather exists
+    chunk: torch.Tensor | None  # the parameter chunk (None for P = (), or params == optim)
+    gather_segments: list[Segment]  # the all-gather over P
     refresh_segments: list[Segment]  # the all-gather over O \ P
+    # the gradient side, laid out as the plan's segments (in reduce_dtype)
+    reduce_segments: list[Segment]  # the reduce-scatter over P
     grads_segments: list[Segment]  # the reduce-scatter over G \ P
     optim_segments: list[Segment]  # the optimizer chunk inside the gradient chunk
-    params_numel: int
+    reduced_numel: int  # the reduce-scatter over P's output
     grads_numel: int
     _buffer: FlatBuffer
     _send: torch.Tensor | None  # the refresh's input, alive until it is waited on
@@ -366,14 +395,14 @@ class NestedBuffer:
         self.mesh = mesh
         segs, world = buffer.plan.segments, mesh.optim.size
         fp, fg = mesh.params_factor, mesh.grads_factor
-        self.params_segments = list(segs) if fp == 1 else coarsen_segments(segs, fp)
-        self.refresh_segments = nest_segments(segs, world, fp, 1, mesh.params.rank)
+        self.reduce_segments = _level_segments(segs, fp)
         self.grads_segments = nest_segments(segs, world, fp, fg, mesh.params.rank)
         self.optim_segments = nest_segments(segs, world, fg, 1, mesh.grads_index)
-        self.params_numel = _layout_numel(level_layout(segs, fp, world))
+        self.reduced_numel = _layout_numel(level_layout(segs, fp, world))
         self.grads_numel = _layout_numel(level_layout(segs, fg, world))
         self.chunk = None
         self._send = None
+        self.gather_segments = self.refresh_segments = []
 
     @property
     def refreshes(self) -> bool:
@@ -390,30 +419,39 @@ class NestedBuffer:
         return self.mesh.params.size > 1
 
     def allocate(self) -> None:
-        """Allocate the parameter chunk (or the persistent unsharded buffer) on the buffer's
-        device in ``param_dtype`` (after :meth:`FlatBuffer.allocate`; nothing on meta)."""
+        """Lay out the parameter side after the all-gather's segments and allocate the
+        parameter chunk (or the persistent unsharded buffer) on the buffer's device in the
+        all-gather's dtype (after :meth:`FlatBuffer.allocate`; nothing on meta)."""
         b = self._buffer
+        self.chunk = None
         if b.gather is None:
-            self.chunk = None
             return
+        segs, world, fp = b.gather_segments, self.mesh.optim.size, self.mesh.params_factor
+        self.gather_segments = _level_segments(segs, fp)
+        self.refresh_segments = nest_segments(segs, world, fp, 1, self.mesh.params.rank)
         if not self.sharded_params:
             b.gather.allocate()
         elif self.refreshes:
-            self.chunk = torch.empty(self.params_numel, dtype=b.param_dtype, device=b.device)
+            numel = _layout_numel(level_layout(segs, fp, world))
+            self.chunk = b.gather.gathered.new_empty(numel)
 
     # -- refresh: the updated optimizer chunks into the parameter chunk -------------------------
     def prepare_refresh(self) -> Gather:
-        """The all-gather over ``O \\ P`` of this rank's optimizer chunk (cast to
-        ``param_dtype``) into the parameter chunk."""
+        """The all-gather over ``O \\ P`` of this rank's optimizer chunk, packed as the
+        all-gather sends it (cast to ``param_dtype``, or FP8 blocks and scales), into the
+        parameter chunk."""
         b = self._buffer
         out = self.chunk if self.sharded_params else b.gather.gathered
-        self._send = b.sharded if b.sharded.dtype == b.param_dtype else b.sharded.to(b.param_dtype)
+        self._send = b.gather.pack(b.rank, b.sharded)
         level = self.mesh.refresh
         return Gather(out, self._send, self.refresh_segments, level.size, level.group, False)
 
     def finish_refresh(self) -> None:
-        """Release the refresh's send buffer once it is waited on."""
+        """Once the refresh is waited on: release its send buffer; with ``params=()`` the
+        refresh filled the unsharded buffer, so assemble the FP8 weights from it."""
         self._send = None
+        if not self.sharded_params:
+            self._buffer.gather.assemble()
 
     def prepare_unshard(self) -> Gather:
         """The all-gather over ``P`` of the parameter chunks into the unsharded buffer."""
@@ -423,7 +461,7 @@ class NestedBuffer:
         if send is None:  # params == optim: the optimizer chunk, cast as without nesting
             send = b.gather.pack(b.rank, b.sharded)
         level = self.mesh.params
-        return Gather(b.gather.gathered, send, self.params_segments, level.size, level.group,
+        return Gather(b.gather.gathered, send, self.gather_segments, level.size, level.group,
                       False)
 
     # -- gradients ------------------------------------------------------------------------------
@@ -433,9 +471,9 @@ class NestedBuffer:
         unit does not issue (:meth:`reduce_rest` takes its inputs)."""
         level = self.mesh.params
         if not self.sharded_params:
-            return Reduction(None, inputs, self.params_segments, 1, None)
-        out = inputs[0].new_empty(self.params_numel)
-        return Reduction(out, inputs, self.params_segments, level.size, level.group)
+            return Reduction(None, inputs, self.reduce_segments, 1, None)
+        out = inputs[0].new_empty(self.reduced_numel)
+        return Reduction(out, inputs, self.reduce_segments, level.size, level.group)
 
     def reduce_rest(self, reduction: Reduction, stats: CommStats) -> torch.Tensor:
         """The gradient sum over the whole data-parallel world of this rank's optimizer chunk,
