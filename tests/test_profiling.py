@@ -20,9 +20,8 @@ def _floats(nbytes: int) -> torch.Tensor:
 
 def test_heap_peak_counts_what_is_allocated_after_entering_and_nothing_before():
     for _ in range(2):  # warm up the dispatch mode and the allocator's thresholds
-        with HeapPeakMeter() as mem:
-            with mem.measure():
-                _floats(MiB)
+        with HeapPeakMeter() as mem, mem.measure():
+            _floats(MiB)
     before = _floats(16 * MiB)  # alive before entering: not counted
     with HeapPeakMeter() as mem:
         kept = _floats(4 * MiB)  # allocated after entering, alive through the window: counted

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from typing_extensions import Self  # a dependency of torch
 
 import ragged_placement._compat as compat
 from ragged_placement.fsdp import collectives
@@ -109,6 +110,7 @@ class CollectiveMeter:
     def _wrap(self, kind: str, fn):
         signature = inspect.signature(fn)
 
+        @functools.wraps(fn)  # keeps the signature for a wrapper around this one
         def counted(*args, **kwargs):
             arguments = signature.bind(*args, **kwargs).arguments
             tensors = list(arguments.values())
@@ -144,7 +146,7 @@ class CollectiveMeter:
 
         return counted
 
-    def __enter__(self) -> CollectiveMeter:
+    def __enter__(self) -> Self:
         targets = [
             (dist, "all_gather_single", "all_gather"),
             (dist, "all_gather_into_tensor", "all_gather"),
@@ -316,7 +318,7 @@ class HeapPeakMeter:
         self.peak = 0
         self._base = 0
 
-    def __enter__(self) -> HeapPeakMeter:
+    def __enter__(self) -> Self:
         gc.collect()
         self._base = heap_in_use()
         return self
