@@ -294,7 +294,7 @@ class FSDPUnit:
         """Under a ``state_sharding``: all-gather the optimizer chunks over ``optim \\
         params`` into the parameter chunks if they changed since the last refresh (see
         :mod:`ragged_placement.fsdp.nested`); blocks until done."""
-        versions = [b.sharded._version for b in self.buffers]
+        versions = self._versions()
         if not self._stale and versions == self._synced_versions:
             return
         refreshes = [b.nested.prepare_refresh() for b in self.buffers if b.nested.refreshes]
@@ -305,6 +305,15 @@ class FSDPUnit:
                 b.nested.finish_refresh()
         self._stale = False
         self._synced_versions = versions
+
+    def _versions(self) -> list[int]:
+        """The version counters of the sharded chunks, of the sharded parameters and of their
+        local tensors: each has its own (``nn.Parameter(DTensor)`` detaches, and DTensor ops
+        run below the counters' bump), so an op on a parameter (``copy_``, ``mul_``, an
+        ``nn.init``) bumps only the parameter's, a write into its local tensor
+        (``load_state_dict``) only that one's."""
+        params = [(p._version, p._local_tensor._version) for p in self.sharded_params]
+        return [b.sharded._version for b in self.buffers] + [v for pv in params for v in pv]
 
     def mark_stale(self) -> None:
         """The sharded parameters changed (an optimizer step, a move): refresh the parameter
