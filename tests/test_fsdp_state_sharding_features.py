@@ -14,11 +14,13 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from dist_utils import run_gloo, run_threaded
 from test_fsdp_state_sharding import BATCH, BOTH, MLP, SHARDINGS, STEPS, TOL, _adamw, _data
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -304,7 +306,7 @@ def _scaled(init: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Ten
     return {k: v * factor + 0.01 for k, v in init.items()}
 
 
-def _writes(rank: int, ws: int, mesh: DeviceMesh):
+def _writes(rank: int, ws: int, mesh: DeviceMesh, checkpoint_dir: str):
     """AMSP: the eval output and the refreshes (all-gathers over inter) of each forward after
     each way of writing the sharded parameters, and of a second forward with no write."""
     init, x, _ = _data()
@@ -331,6 +333,11 @@ def _writes(rank: int, ws: int, mesh: DeviceMesh):
     m.to_empty(device="cpu")
     m.load_state_dict(_scaled(init, 0.25))
     out["to_empty"] = forward()
+    dcp.save(get_model_state_dict(m), checkpoint_id=checkpoint_dir)
+    m.load_state_dict(_scaled(init, 2.0))
+    forward()
+    dcp.load(get_model_state_dict(m), checkpoint_id=checkpoint_dir)  # in place, as documented
+    out["dcp.load"] = forward()
     out["again_after"] = forward()
     return out
 
@@ -405,7 +412,7 @@ def _bad_input(mesh: DeviceMesh) -> dict[str, tuple[str, str, int, int]]:
 # -- the 4-rank spawn --------------------------------------------------------------------------
 
 
-def _every_feature(rank: int, ws: int):
+def _every_feature(rank: int, ws: int, checkpoint_dir: str):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=BOTH)
     r = {"accumulate": {}, "checkpoint": {}, "meta": {}, "bf16": {}}
     for name in ACCUMULATED:
@@ -422,14 +429,14 @@ def _every_feature(rank: int, ws: int):
     swapped = DeviceMesh("cpu", mesh.mesh.T, mesh_dim_names=("intra", "inter"))
     r["bf16"]["fsdp2_hsdp_inter"] = _bf16(rank, ws, swapped, "fsdp2", None)
     r["comm"] = _comm_debug(rank, ws, mesh)
-    r["writes"] = _writes(rank, ws, mesh)
+    r["writes"] = _writes(rank, ws, mesh, checkpoint_dir)
     r["bad"] = _bad_input(mesh)
     return r
 
 
 @pytest.fixture(scope="module")
-def every_feature():
-    return run_gloo(_every_feature, 4)
+def every_feature(tmp_path_factory):
+    return run_gloo(_every_feature, 4, str(tmp_path_factory.mktemp("dcp")))
 
 
 def _assert_params(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str,
@@ -528,9 +535,10 @@ def test_comm_debug_mode_sees_by_dims_and_the_formula_per_step(every_feature):
 
 @pytest.mark.multiprocess
 def test_parameters_written_outside_the_optimizer_are_refreshed(every_feature):
-    """``load_state_dict``, ``copy_`` and an in-place op on the sharded parameters, and
-    ``to_empty`` then a load: the next forward sees the new values (one refresh over inter per
-    unit); a forward with no write in between refreshes nothing."""
+    """``load_state_dict``, ``copy_`` and an in-place op on the sharded parameters,
+    ``to_empty`` then a load, and ``dcp.load`` into ``get_model_state_dict``'s tensors: the
+    next forward sees the new values (one refresh over inter per unit); a forward with no
+    write in between refreshes nothing."""
     init, x, _ = _data()
     ref = MLP()
 
@@ -545,6 +553,7 @@ def test_parameters_written_outside_the_optimizer_are_refreshed(every_feature):
         "copy_": (expected(_scaled(init, -1.0)), 3),
         "mul_": (expected({k: 2 * v for k, v in _scaled(init, -1.0).items()}), 3),
         "to_empty": (expected(_scaled(init, 0.25)), 3),
+        "dcp.load": (expected(_scaled(init, 0.25)), 3),
         "again_after": (expected(_scaled(init, 0.25)), 0),
     }
     for rank in every_feature:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,14 @@ def _mark_stale_after_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_mark_stale_after_step)
 
 
+def _stale_after_state_dict(unit: FSDPUnit, module, state_dict, prefix, local_metadata) -> None:
+    """A state dict holds detached views of the sharded parameters, which may be written in
+    place past every version counter the unit reads (``dcp.load``): refresh ``unit`` before its
+    next all-gather."""
+    del module, state_dict, prefix, local_metadata
+    unit.mark_stale()
+
+
 class FSDPUnit:
     """One ``fully_shard`` unit: a :class:`~ragged_placement.fsdp.buffer.FlatBuffer` per
     parameter dtype, one coalesced all-gather per pass and one reduce-scatter per backward for
@@ -173,6 +182,8 @@ class FSDPUnit:
         if isinstance(mesh, StateShardedMesh):
             self.dp, self.mesh = mesh, mesh.source
             _STATE_SHARDED_UNITS.add(self)
+            for module in {id(m): m for slot in slots for m, _ in slot.owners}.values():
+                module.register_state_dict_post_hook(partial(_stale_after_state_dict, self))
         else:
             self.dp, self.mesh = DataParallelMesh.of(mesh), mesh
         self._stale = True
