@@ -33,6 +33,8 @@ from torch.utils.checkpoint import checkpoint
 from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement.fsdp import StateSharding, fully_shard
 
+# drawn once (threaded ranks must not race on the global RNG that _data seeds)
+INIT, X, Y = _data()
 ACCUMULATED = ("amsp", "zero2", "zero1")
 SEED = 11
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -58,16 +60,15 @@ def _one_process(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One process on the whole batch from ``init``: the parameters after ``steps`` AdamW steps
     and the output on ``x[STEPS]``."""
-    _, x, y = _data()
     m = MLP()
     m.load_state_dict(init)
     opt = _adamw(m.parameters())
     for s in range(steps):
-        F.mse_loss(m(x[s]), y[s]).backward()
+        F.mse_loss(m(X[s]), Y[s]).backward()
         opt.step()
         opt.zero_grad()
     with torch.no_grad():
-        return {k: v.detach().clone() for k, v in m.named_parameters()}, m(x[STEPS])
+        return {k: v.detach().clone() for k, v in m.named_parameters()}, m(X[STEPS])
 
 
 def _seeded_init() -> dict[str, torch.Tensor]:
@@ -83,9 +84,8 @@ def _seeded_init() -> dict[str, torch.Tensor]:
 
 
 def _sharded(mesh: DeviceMesh, sharding: StateSharding, **kwargs) -> MLP:
-    init, _, _ = _data()
     m = MLP()
-    m.load_state_dict(init)
+    m.load_state_dict(INIT)
     for sub in (m.a, m.b, m):
         fully_shard(sub, mesh=mesh, state_sharding=sharding, **kwargs)
     return m
@@ -117,15 +117,14 @@ def _rows(rank: int, ws: int) -> slice:
 
 def _train(m: nn.Module, rank: int, ws: int, steps: int = STEPS) -> torch.Tensor:
     """``steps`` AdamW steps on this rank's rows; the eval output on ``x[STEPS]``."""
-    _, x, y = _data()
     opt = _adamw(m.parameters())
     rows = _rows(rank, ws)
     for s in range(steps):
-        F.mse_loss(m(x[s, rows]), y[s, rows]).backward()
+        F.mse_loss(m(X[s, rows]), Y[s, rows]).backward()
         opt.step()
         opt.zero_grad()
     with torch.no_grad():
-        return m(x[STEPS])
+        return m(X[STEPS])
 
 
 # -- 1. gradient accumulation ----------------------------------------------------------------
@@ -135,9 +134,9 @@ def _accumulate(rank: int, ws: int, mesh: DeviceMesh, sharding: StateSharding, l
     """``STEPS`` steps of two micro-batches (halves of this rank's rows, losses halved), sync
     off on the first (and ``set_is_last_backward(False)`` where ``last``). Returns the full
     parameters, the collectives per dim set, and what the first micro-batch of step 0 left:
-    reductions issued, whether every unit holds unsharded gradients, sharded ``.grad`` set."""
+    reductions issued, the unsharded gradient elements held, whether a sharded ``.grad`` is
+    set."""
     m = _sharded(mesh, sharding)
-    _, x, y = _data()
     opt = _adamw(m.parameters())
     rows = _rows(rank, ws)
     half = (rows.stop - rows.start) // 2
@@ -148,10 +147,11 @@ def _accumulate(rank: int, ws: int, mesh: DeviceMesh, sharding: StateSharding, l
             if last:
                 m.set_is_last_backward(micro == 1)
             lo = rows.start + micro * half
-            (F.mse_loss(m(x[s, lo:lo + half]), y[s, lo:lo + half]) / 2).backward()
+            (F.mse_loss(m(X[s, lo:lo + half]), Y[s, lo:lo + half]) / 2).backward()
             if s == 0 and micro == 0:
                 reduced = {k: v[0] for k, v in _counts(m).items() if k[0] != "all_gather"}
-                held = all(u.has_unsharded_grads for u in _units(m))
+                held = sum(g.numel() for u in _units(m) for b in u.buffers
+                           for g in b.grads.unsharded if g is not None)
                 graded = any(p.grad is not None for p in m.parameters())
                 between = (reduced, held, graded)
         opt.step()
@@ -172,9 +172,8 @@ class CheckpointedMLP(MLP):
 
 
 def _checkpointed(rank: int, ws: int, mesh: DeviceMesh, how: str):
-    init, _, _ = _data()
     m = CheckpointedMLP() if how == "utils" else MLP()
-    m.load_state_dict(init)
+    m.load_state_dict(INIT)
     if how == "wrapper":
         m.a, m.b = checkpoint_wrapper(m.a), checkpoint_wrapper(m.b)
     for sub in (m.a, m.b, m):
@@ -203,9 +202,8 @@ def _meta_init(rank: int, ws: int, mesh: DeviceMesh, sharding: StateSharding):
 
 
 def _bf16(rank: int, ws: int, mesh: DeviceMesh, runtime: str, sharding: StateSharding | None):
-    init, _, _ = _data()
     m = MLP()
-    m.load_state_dict(init)
+    m.load_state_dict(INIT)
     for sub in (m.a, m.b, m):
         if runtime == "ours":
             fully_shard(sub, mesh=mesh, state_sharding=sharding, mp_policy=BF16)
@@ -281,14 +279,13 @@ def _comm_debug(rank: int, ws: int, mesh: DeviceMesh):
         for level in (sm.params, sm.grads, sm.refresh, sm.reduce, sm.optim, sm.replicate)
         if level.group is not None
     }
-    _, x, y = _data()
     opt = _adamw(m.parameters())
     rows = _rows(rank, ws)
     steps = []
     for s in range(STEPS):
         before = _counts(m)
         with DimsCommMode(dims_of) as mode:
-            F.mse_loss(m(x[s, rows]), y[s, rows]).backward()
+            F.mse_loss(m(X[s, rows]), Y[s, rows]).backward()
             opt.step()
             opt.zero_grad()
         after = _counts(m)
@@ -309,32 +306,31 @@ def _scaled(init: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Ten
 def _writes(rank: int, ws: int, mesh: DeviceMesh, checkpoint_dir: str):
     """AMSP: the eval output and the refreshes (all-gathers over inter) of each forward after
     each way of writing the sharded parameters, and of a second forward with no write."""
-    init, x, _ = _data()
     m = _sharded(mesh, SHARDINGS["amsp"])
     refresh = ("all_gather", ("inter",))
 
     def forward() -> tuple[torch.Tensor, int]:
         before = _counts(m).get(refresh, [0])[0]
         with torch.no_grad():
-            out = m(x[STEPS])
+            out = m(X[STEPS])
         return out, _counts(m).get(refresh, [0])[0] - before
 
     out = {"init": forward(), "again": forward()}
-    m.load_state_dict(_scaled(init, 0.5))
+    m.load_state_dict(_scaled(INIT, 0.5))
     out["load_state_dict"] = forward()
     with torch.no_grad(), implicit_replication():
         for k, p in m.named_parameters():
-            p.copy_(_scaled(init, -1.0)[k])
+            p.copy_(_scaled(INIT, -1.0)[k])
     out["copy_"] = forward()
     with torch.no_grad():
         for p in m.parameters():
             p.mul_(2.0)
     out["mul_"] = forward()
     m.to_empty(device="cpu")
-    m.load_state_dict(_scaled(init, 0.25))
+    m.load_state_dict(_scaled(INIT, 0.25))
     out["to_empty"] = forward()
     dcp.save(get_model_state_dict(m), checkpoint_id=checkpoint_dir)
-    m.load_state_dict(_scaled(init, 2.0))
+    m.load_state_dict(_scaled(INIT, 2.0))
     forward()
     dcp.load(get_model_state_dict(m), checkpoint_id=checkpoint_dir)  # in place, as documented
     out["dcp.load"] = forward()
@@ -346,9 +342,8 @@ def _writes(rank: int, ws: int, mesh: DeviceMesh, checkpoint_dir: str):
 
 
 def _fresh() -> MLP:
-    init, _, _ = _data()
     m = MLP()
-    m.load_state_dict(init)
+    m.load_state_dict(INIT)
     return m
 
 
@@ -449,9 +444,11 @@ def _assert_params(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], 
 @pytest.mark.multiprocess
 def test_gradient_accumulation_reduces_once_per_step(every_feature):
     """Two micro-batches per step, sync off on the first: parameters as one process on the
-    whole batch; every reduction once per step, none after the first micro-batch, whose
-    unsharded gradients every unit holds (nested.py's docstring)."""
-    ref, _ = _one_process(_data()[0])
+    whole batch; every reduction once per step, none after the first micro-batch, which leaves
+    the whole model's unsharded gradients held (this plan pads nothing) and no ``.grad``
+    (nested.py's docstring)."""
+    ref, _ = _one_process(INIT)
+    numel = sum(v.numel() for v in ref.values())
     for rank in every_feature:
         for name, (full, counts, between) in rank["accumulate"].items():
             sharding = SHARDINGS[name.removesuffix("_last")]
@@ -470,13 +467,12 @@ def test_gradient_accumulation_reduces_once_per_step(every_feature):
                 want[("all_reduce", rest)] = 3 * STEPS
             assert counts == want, name
             reduced, held, graded = between
-            assert reduced == {} and held and not graded, name
+            assert reduced == {} and held == numel and not graded, name
 
 
 @pytest.mark.multiprocess
 def test_activation_checkpointing_under_amsp_equals_no_checkpointing(every_feature):
-    init, _, _ = _data()
-    ref, ref_out = _one_process(init)
+    ref, ref_out = _one_process(INIT)
     for rank in every_feature:
         plain = rank["checkpoint"]["none"]
         torch.testing.assert_close(plain, ref_out, atol=TOL, rtol=0)
@@ -505,7 +501,7 @@ def test_bf16_mixed_precision_matches_fsdp2_hsdp(every_feature):
     """``param_dtype=bf16, reduce_dtype=fp32``: AMSP and hsdp-over-inter bitwise equal to
     FSDP2 HSDP with the same policy (sharded over intra, and over inter on the swapped mesh);
     all of them within bf16's rounding of one fp32 process."""
-    ref, ref_out = _one_process(_data()[0])
+    ref, ref_out = _one_process(INIT)
     for rank in every_feature:
         theirs_out, theirs = rank["bf16"]["fsdp2_hsdp"]
         for name in ("amsp", "hsdp_inter", "fsdp2_hsdp_inter"):
@@ -539,22 +535,21 @@ def test_parameters_written_outside_the_optimizer_are_refreshed(every_feature):
     ``to_empty`` then a load, and ``dcp.load`` into ``get_model_state_dict``'s tensors: the
     next forward sees the new values (one refresh over inter per unit); a forward with no
     write in between refreshes nothing."""
-    init, x, _ = _data()
     ref = MLP()
 
     def expected(state: dict[str, torch.Tensor]) -> torch.Tensor:
         ref.load_state_dict(state)
         with torch.no_grad():
-            return ref(x[STEPS])
+            return ref(X[STEPS])
 
     want = {
-        "init": (expected(init), 3), "again": (expected(init), 0),
-        "load_state_dict": (expected(_scaled(init, 0.5)), 3),
-        "copy_": (expected(_scaled(init, -1.0)), 3),
-        "mul_": (expected({k: 2 * v for k, v in _scaled(init, -1.0).items()}), 3),
-        "to_empty": (expected(_scaled(init, 0.25)), 3),
-        "dcp.load": (expected(_scaled(init, 0.25)), 3),
-        "again_after": (expected(_scaled(init, 0.25)), 0),
+        "init": (expected(INIT), 3), "again": (expected(INIT), 0),
+        "load_state_dict": (expected(_scaled(INIT, 0.5)), 3),
+        "copy_": (expected(_scaled(INIT, -1.0)), 3),
+        "mul_": (expected({k: 2 * v for k, v in _scaled(INIT, -1.0).items()}), 3),
+        "to_empty": (expected(_scaled(INIT, 0.25)), 3),
+        "dcp.load": (expected(_scaled(INIT, 0.25)), 3),
+        "again_after": (expected(_scaled(INIT, 0.25)), 0),
     }
     for rank in every_feature:
         assert rank["writes"].keys() == want.keys()
@@ -615,8 +610,7 @@ def test_partial_points_on_2x2x2_match_one_process():
     out of mesh order: parameters, eval output, and 1/8 of the parameters per rank. Threaded
     ranks (2 s; 8 gloo processes take minutes on 2 busy cores): the groups and their rank
     order are what is new here, the gloo collectives are the 2x2 tests'."""
-    init, _, _ = _data()
-    ref, ref_out = _one_process(init)
+    ref, ref_out = _one_process(INIT)
     numel = sum(v.numel() for v in ref.values())
     ranks = run_threaded(_partial_points, 8)
     for name in PARTIAL_8:
