@@ -348,3 +348,30 @@ def _assert_state_sharding_matches_one_process(results, steps: int) -> None:
                 for k in want:
                     torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
             assert sum(r[optimizer, name][1] for r in results) == ref_counts[0], (optimizer, name)
+
+
+def _train_mesh_and_submesh(rank: int, world_size: int, optimizer: str, steps: int):
+    """Parameters on a 3-D mesh and on its 2-D submesh share the sharded dim's process group
+    but not the replica rows: two exchanges."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+    meshes = [mesh, mesh["b", "c"], mesh, mesh["b", "c"]]
+    units = RaggedShard((0,), (1, 3))
+    params = []
+    for f, m, dims in zip(_fulls(0), meshes, [(0,), (0,), (0,), (0, 1)]):
+        pl = [Replicate()] * (m.ndim - 1) + [RaggedShard(dims, units.local_units)]
+        params.append(torch.nn.Parameter(distribute_tensor(f, m, pl)))
+    opt = _make(optimizer, params)
+    for step in range(steps):
+        for p, g in zip(params, _fulls(100 + step)):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        opt.step()
+    return [p.full_tensor() for p in params]
+
+
+def test_parameters_on_a_mesh_and_its_submesh_threaded():
+    """8 threaded ranks: a 2x2x2 mesh and its (b, c) submesh in one optimizer, Muon and
+    Shampoo, 2 steps, equal one process (before: ``ValueError``, one exchange for both)."""
+    for optimizer in ("muon", "shampoo"):
+        want, _ = _reference(optimizer, 2)
+        for got in run_threaded(_train_mesh_and_submesh, 8, optimizer, 2):
+            _assert_matches_reference(optimizer, got, want)
