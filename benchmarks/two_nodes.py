@@ -1,4 +1,5 @@
-"""Two emulated nodes x 2 ranks over a 1 Gbit/s link: ours and torch FSDP2, ZeRO-3 and HSDP.
+"""Two emulated nodes x 2 ranks over a 1 Gbit/s link: ours (the partitioner's choice, ZeRO-3,
+HSDP) and torch FSDP2 (full shard, HSDP).
 
 Each configuration is one ``scripts/two_nodes.sh`` job (two network namespaces joined by a
 tbf-shaped veth pair, ``torchrun`` with c10d rendezvous in each) of
@@ -10,12 +11,21 @@ the table gives
 * bytes per link class, per step: what the node's network interfaces sent during the training
   loop (``/sys/class/net/*/statistics/tx_bytes`` inside each namespace; ``lo``: inside a node,
   the veth: across), summed over both nodes, from the first run;
-* peak memory per rank, split by state: local parameter, gradient and optimizer-state bytes, and
-  the heap peak of the measured step above the heap before the model was built (everything:
-  states, activations, buffers), max over ranks.
+* communication seconds per step, predicted and measured. Predicted: ``plan_state_sharding``'s
+  ``comm_seconds`` (summed over mesh dims) for the row's sharding, from the partitioner run
+  (``--state-sharding auto`` with ``--bandwidth``, default ``profile``: the bandwidth and
+  latency of each group of mesh dims measured on the emulated link by
+  ``planner.profile.profile_mesh`` inside the job); zero3 and FSDP2 full shard are
+  ``P(inter,intra) G(inter,intra) OS(inter,intra)``, HSDP ``P(intra) G(intra) OS(intra)``, both
+  with ``reshard_after_forward=True``. Measured: the trainer's ``comm_seconds``, the wall time a
+  rank spends inside a collective call or a wait on an asynchronous one per timed step (what it
+  was blocked on; overlapped communication is not counted), mean over ranks, median over runs;
+* memory per rank, split by state: local parameter (the optimizer shard plus the parameter chunk
+  a ``state_sharding`` keeps), gradient and optimizer-state bytes, and the heap peak of the
+  measured step above the heap before the model was built (everything: states, activations,
+  buffers), max over ranks.
 
-``ours, the partitioner's choice`` (per-state sharding, ``--state-sharding auto``) needs the
-StateSharding runtime of issue 25; its row is printed as a gap. Needs root (network namespaces).
+Then each target of issue 27 §5, met or not. Needs root (network namespaces).
 Run: ``.venv/bin/python benchmarks/two_nodes.py`` (``--help`` for the knobs).
 """
 
@@ -32,15 +42,20 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MESH_2X2 = ["--mesh", "2x2", "--mesh-dim-names", "inter,intra"]
+AUTO = "ours, the partitioner's choice"
+FULL, HSDP = "torch FSDP2 full shard", "torch FSDP2 HSDP"
+# The planner's candidate of each fixed configuration (sharding, reshard_after_forward)
+ZERO3 = ("P(inter,intra) G(inter,intra) OS(inter,intra)", True)
+HSDP_POINT = ("P(intra) G(intra) OS(intra)", True)
 CONFIGS = [
-    ("ours, the partitioner's choice", None),
+    (AUTO, ["--runtime", "ours", "--state-sharding", "auto", *MESH_2X2]),
     ("ours zero3", ["--runtime", "ours", "--state-sharding", "zero3", "--mesh", "4"]),
-    ("ours hsdp", ["--runtime", "ours", "--state-sharding", "hsdp", "--mesh", "2x2",
-                           "--mesh-dim-names", "inter,intra"]),
-    ("torch FSDP2 full shard", ["--runtime", "fsdp2", "--state-sharding", "zero3", "--mesh", "4"]),
-    ("torch FSDP2 HSDP", ["--runtime", "fsdp2", "--state-sharding", "hsdp", "--mesh", "2x2",
-                           "--mesh-dim-names", "inter,intra"]),
+    ("ours hsdp", ["--runtime", "ours", "--state-sharding", "hsdp", *MESH_2X2]),
+    (FULL, ["--runtime", "fsdp2", "--state-sharding", "zero3", "--mesh", "4"]),
+    (HSDP, ["--runtime", "fsdp2", "--state-sharding", "hsdp", *MESH_2X2]),
 ]
+POINTS = {"ours zero3": ZERO3, "ours hsdp": HSDP_POINT, FULL: ZERO3, HSDP: HSDP_POINT}
 MiB = 2.0**20
 
 
@@ -48,7 +63,8 @@ def _job(args: argparse.Namespace, config: list[str], metrics: str) -> dict:
     cmd = ["bash", "scripts/two_nodes.sh", "--rate", args.rate, "--", "--layers", str(args.layers),
            "--width", str(args.width), "--heads", str(args.heads), "--seq", str(args.seq),
            "--batch", str(args.batch), "--steps", str(args.steps), "--log-every", str(args.steps),
-           *config, "--metrics", metrics]
+           *config, *(["--bandwidth", args.bandwidth] if "auto" in config else []),
+           "--metrics", metrics]
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=args.timeout, check=False)
@@ -70,14 +86,59 @@ def _link_bytes(metrics: dict, steps: int) -> tuple[float, float]:
     return inside / steps, across / steps
 
 
-def _row(label: str, runs: list[dict], steps: int) -> str:
-    tps = statistics.median(r["tokens_per_s"] for r in runs)
-    inside, across = _link_bytes(runs[0], steps)
+def _predicted(label: str, auto: dict) -> float:
+    """Predicted communication seconds per step of ``label``'s sharding, from the partitioner
+    run's candidates."""
+    plan = auto["state_sharding"]
+    point = (plan["choice"], plan["reshard_after_forward"]) if label == AUTO else POINTS[label]
+    for c in plan["candidates"]:
+        if (c["sharding"], c["reshard_after_forward"]) == point:
+            return sum(c["comm_seconds"].values())
+    raise ValueError(f"no candidate {point} in the partitioner's table")
+
+
+def _summary(label: str, runs: list[dict], steps: int, auto: dict) -> dict:
     ranks = runs[0]["per_rank"]
-    states = [max(r["state_bytes"][k] for r in ranks) / MiB for k in ("params", "grads", "optimizer")]
-    peak = max(r["peak"] for r in ranks) / MiB
-    return (f"| {label} | {tps:,.0f} | {inside / MiB:.2f} | {across / MiB:.2f} | "
-            + " | ".join(f"{s:.2f}" for s in states) + f" | {peak:.1f} |")
+    inside, across = _link_bytes(runs[0], steps)
+    return {
+        "label": label,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        "inside": inside / MiB, "across": across / MiB,
+        "predicted": _predicted(label, auto),
+        "measured": statistics.median(statistics.mean(p["comm_seconds"] for p in r["per_rank"])
+                                      for r in runs),
+        **{k: max(r["state_bytes"][k] for r in ranks) / MiB
+           for k in ("params", "grads", "optimizer")},
+        "peak": max(r["peak"] for r in ranks) / MiB,
+    }
+
+
+def _row(r: dict) -> str:
+    return (f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['inside']:.2f} | {r['across']:.2f} | "
+            f"{r['predicted']:.3f} | {r['measured']:.3f} | {r['params']:.2f} | {r['grads']:.2f} | "
+            f"{r['optimizer']:.2f} | {r['peak']:.1f} |")
+
+
+def _targets(rows: dict[str, dict]) -> list[str]:
+    """Issue 27 §5's targets for the partitioner's choice, each met or not."""
+    a, full, hsdp = rows[AUTO], rows[FULL], rows[HSDP]
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    lines = []
+    for name, ref, speed, memory_bound in (("FSDP2 full shard", full, 1.5, 1.05 * full["optimizer"]),
+                                           ("FSDP2 HSDP", hsdp, 0.95, 0.5 * hsdp["optimizer"])):
+        ratio = a["tokens_per_s"] / ref["tokens_per_s"]
+        lines.append(f"- vs {name}: tokens/s {ratio:.2f}x (target >= {speed}x: "
+                     f"{met(ratio >= speed)}); optimizer state {a['optimizer']:.2f} MiB per rank "
+                     f"(target <= {memory_bound:.2f}: {met(a['optimizer'] <= memory_bound)})")
+    for r in rows.values():
+        err = r["predicted"] / r["measured"] - 1
+        lines.append(f"- {r['label']}: predicted communication {r['predicted']:.3f} s/step, "
+                     f"measured {r['measured']:.3f} s/step ({err:+.0%}; target within 25%: "
+                     f"{met(abs(err) <= 0.25)})")
+    return lines
 
 
 def main() -> None:
@@ -90,22 +151,33 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     ap.add_argument("--rate", default="1gbit", help="the link's rate (tc tbf)")
+    ap.add_argument("--bandwidth", default="profile",
+                    help="the partitioner's bytes/s per mesh dim (inter=...,intra=...) or profile")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per job (hang guard)")
     args = ap.parse_args()
     params = 12 * args.layers * args.width**2 + (256 + args.seq) * args.width
     print(f"GPT {args.layers} x {args.width} (~{params / 1e6:.1f} M parameters), seq {args.seq}, "
           f"batch {args.batch} per rank, fp32, AdamW; 2 nodes x 2 ranks, link {args.rate}; "
           f"{args.steps} steps, {args.runs} runs per row")
-    print("\n| run | tokens/s | MiB/step inside nodes | MiB/step across | params MiB | grads MiB "
-          "| optimizer MiB | peak MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| run | tokens/s | MiB/step inside nodes | MiB/step across | predicted comm s/step "
+          "| measured comm s/step | params MiB | grads MiB | optimizer MiB | peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     tmp = tempfile.mkdtemp(prefix="two_nodes_")  # kept when a job fails: its log is there
+    rows, auto = {}, None
     for label, config in CONFIGS:
-        if config is None:
-            print(f"| {label} | - | - | - | - | - | - | - |  (needs issue 25's StateSharding)")
-            continue
         runs = [_job(args, config, f"{tmp}/{i}.json") for i in range(args.runs)]
-        print(_row(label, runs, args.steps), flush=True)
+        auto = auto or runs[0]  # the first row: its plan predicts every row
+        chosen = {r["state_sharding"]["choice"] for r in runs if r["state_sharding"]}
+        if len(chosen) > 1:  # a profile that differs between runs
+            print(f"(the partitioner's runs chose differently: {sorted(chosen)})")
+        rows[label] = _summary(label, runs, args.steps, auto)
+        print(_row(rows[label]), flush=True)
+    plan = auto["state_sharding"]
+    print(f"\nThe partitioner chose {plan['choice']}, reshard_after_forward="
+          f"{plan['reshard_after_forward']}; bandwidth "
+          + ", ".join(f"{d} {b:.4g} B/s" for d, b in plan["bandwidth"].items())
+          + ", latency " + ", ".join(f"{d} {t:.3g} s" for d, t in plan["latency"].items()))
+    print("\n".join(["Targets (issue 27 §5):", *_targets(rows)]))
     shutil.rmtree(tmp)
 
 if __name__ == "__main__":

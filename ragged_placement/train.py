@@ -43,6 +43,7 @@ from ragged_placement.fsdp.profiling import (
     heap_in_use,
 )
 from ragged_placement.launch import exit_without_finalization
+from ragged_placement.planner import StateShardingPlan
 from ragged_placement.trainer.build import (
     TokenData,
     build_mesh,
@@ -122,11 +123,27 @@ def _local_bytes(tensors) -> int:
     return total
 
 
+def _param_chunk_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameter chunks a ``state_sharding`` keeps beside the optimizer shard
+    (the local tensors of ``model.parameters()``): the chunk over ``params`` when ``optim``
+    spans more ranks, the unsharded buffer when ``params=()``; 0 otherwise."""
+    units = getattr(model, "fsdp_units", None)
+    total = 0
+    for _, unit in units() if units is not None else ():
+        for b in unit.buffers:
+            held = None
+            if b.nested is not None:
+                held = b.nested.chunk if b.nested.sharded_params else b.gather.gathered
+            total += 0 if held is None else held.numel() * held.element_size()
+    return total
+
+
 def _state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's bytes of parameters, gradients and optimizer state."""
+    """This rank's bytes of parameters (the sharded parameters and any parameter chunk of a
+    ``state_sharding``), gradients and optimizer state."""
     params = list(model.parameters())
     states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {"params": _local_bytes(params),
+    return {"params": _local_bytes(params) + _param_chunk_bytes(model),
             "grads": _local_bytes(p.grad for p in params if p.grad is not None),
             "optimizer": _local_bytes(states)}
 
@@ -219,6 +236,27 @@ def _validate(model, data: TokenData, cfg: TrainConfig, env: DistributedEnv) -> 
     return val.item() / env.world_size
 
 
+def _show_plan(plan: StateShardingPlan | None, env: DistributedEnv) -> None:
+    if plan is not None and env.rank == 0:
+        print(f"--state-sharding auto: the partitioner chose {plan.sharding}, "
+              f"reshard_after_forward={plan.reshard_after_forward}; predicted communication "
+              f"{sum(plan.comm_seconds.values()):.4g} s/step "
+              f"({', '.join(f'{d} {t:.4g} s' for d, t in plan.comm_seconds.items())}) at "
+              f"{', '.join(f'{d} {b:.4g} B/s' for d, b in plan.bandwidth.items())}:\n"
+              f"{plan.table()}", flush=True)
+
+
+def _plan_metrics(plan: StateShardingPlan | None) -> dict[str, Any] | None:
+    """The partitioner's choice and every candidate's predictions (``--metrics``)."""
+    if plan is None:
+        return None
+    return {"choice": str(plan.sharding), "reshard_after_forward": plan.reshard_after_forward,
+            "bandwidth": plan.bandwidth, "latency": plan.latency,
+            "candidates": [{"sharding": str(c.sharding), "reshard_after_forward": c.reshard_after_forward,
+                            "comm_seconds": c.comm_seconds, "comm_bytes": c.comm_bytes,
+                            "memory_per_rank": c.memory_per_rank} for c in plan.candidates]}
+
+
 def _unit_plans(model) -> list[str]:
     units = getattr(model, "fsdp_units", None)
     if units is None:
@@ -234,7 +272,8 @@ def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[s
     data = TokenData(cfg)
     meter = _CudaPeakMeter(env.device) if env.device.type == "cuda" else HeapPeakMeter()
     with meter as mem:
-        model = build_model(cfg, mesh, env.device)
+        model, plan = build_model(cfg, mesh, env.device)
+        _show_plan(plan, env)
         opt, ckpt = build_optimizer(cfg, model), None
         sched = build_scheduler(cfg, opt)
         start = 0
@@ -248,7 +287,8 @@ def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[s
             if env.rank == 0:
                 print(f"resumed from {resume} at step {start}", flush=True)
         out = _loop(cfg, env, model, opt, sched, data, ckpt, start, mem)
-    out.update(val_loss=_validate(model, data, cfg, env), plans=_unit_plans(model))
+    out.update(val_loss=_validate(model, data, cfg, env), plans=_unit_plans(model),
+               state_sharding=_plan_metrics(plan))
     if cfg.output:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if env.rank == 0:
@@ -258,13 +298,13 @@ def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[s
 
 def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]:
     progress, losses, last = _Progress(cfg, env, start), [], cfg.steps - 1
-    copies, net0, timed = LayoutCopyMeter(), _net_bytes(), (0.0, 0)
+    copies, net0, timed = LayoutCopyMeter(), _net_bytes(), (0.0, 0, 0.0)
     with CollectiveWatch(env) as watch, CollectiveMeter() as meter:
         for step in range(start, cfg.steps):
             watch.step = step
             _inject_fault(env.rank, step)
             measured = step == last and step > start  # memory and copies; not timed
-            t0 = time.perf_counter()
+            t0, comm0 = time.perf_counter(), watch.seconds
             try:
                 idle = contextlib.nullcontext()
                 with mem.measure() if measured else idle, copies if measured else idle:
@@ -272,7 +312,8 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
             except (RuntimeError, dist.DistBackendError) as e:
                 raise watch.failure(e) from e
             if start < step and not measured:  # the first step warms up
-                timed = (timed[0] + time.perf_counter() - t0, timed[1] + 1)
+                timed = (timed[0] + time.perf_counter() - t0, timed[1] + 1,
+                         timed[2] + watch.seconds - comm0)
             sent = meter.all_gather_bytes + meter.reduce_scatter_bytes
             progress.update(step, losses[-1], sched.get_last_lr()[0], sent)
             if ckpt is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
@@ -285,6 +326,7 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
         "losses": losses, "start": start,
         "tokens_per_s": cfg.batch * cfg.seq * env.world_size * timed[1] / timed[0] if timed[1] else None,
         "comm_bytes": (meter.all_gather_bytes + meter.reduce_scatter_bytes) / n,
+        "comm_seconds": timed[2] / timed[1] if timed[1] else None,
         "collectives": (meter.counts["all_gather"] + meter.counts["reduce_scatter"]) / n,
         "copy_bytes": copies.total, "peak": mem.peak, "state_bytes": _state_bytes(model, opt),
         "net_bytes": {k: net1[k] - net0.get(k, 0) for k in net1} if env.local_rank == 0 else {},
@@ -314,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     _header(cfg, env)
     out = _train(cfg, env, resume)
     per_rank = [None] * env.world_size
-    dist.all_gather_object(per_rank, {k: out[k] for k in ("peak", "state_bytes", "net_bytes")})
+    dist.all_gather_object(per_rank, {k: out[k] for k in ("peak", "state_bytes", "net_bytes",
+                                                          "comm_seconds", "tokens_per_s")})
     if env.rank == 0 and cfg.metrics:
         out.update(per_rank=per_rank, world_size=env.world_size, config=vars(cfg))
         Path(cfg.metrics).write_text(json.dumps(out, indent=1))

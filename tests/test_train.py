@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -81,11 +82,11 @@ def run_command(cmd: list[str], *, env: dict[str, str] | None = None,
     return proc.returncode, out
 
 
-def torchrun(args: list[str], *, restarts: int = 0, env: dict[str, str] | None = None
-             ) -> tuple[int, str, float]:
+def torchrun(args: list[str], *, restarts: int = 0, env: dict[str, str] | None = None,
+             nproc: int = 2) -> tuple[int, str, float]:
     t0 = time.monotonic()
     rc, out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "--max-restarts", str(restarts), "-m",
+                           "--nproc-per-node", str(nproc), "--max-restarts", str(restarts), "-m",
                            "ragged_placement.train", *args], env=env)
     return rc, out, time.monotonic() - t0
 
@@ -106,12 +107,28 @@ def runs(request, tmp_path_factory) -> dict:
     return {"runtime": runtime, "dir": tmp, "out": out, "failed_out": out2, "elapsed": elapsed}
 
 
+def _one_process_model(model: str) -> tuple[torch.nn.Module, Callable]:
+    """The reference's model of ``--model`` (seeded by the caller) and its loss."""
+    if model == "gpt":
+        net = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32))
+        return net, net
+    transformers = pytest.importorskip("transformers")
+    net = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=16, tie_word_embeddings=False))
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(net(x).logits.view(-1, 256), y.view(-1))
+
+    return net, loss
+
+
 @functools.cache
-def _reference() -> dict[str, torch.Tensor]:
+def _reference(model: str = "gpt") -> dict[str, torch.Tensor]:
     """One process, the concatenated batch of both ranks, the same schedule (warmup, cosine)."""
     torch.manual_seed(3)
-    model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    net, loss_of = _one_process_model(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
 
     def factor(s: int) -> float:
         if s < 2:
@@ -121,17 +138,22 @@ def _reference() -> dict[str, torch.Tensor]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     corpus = StdlibCorpus(max_bytes=65536)
     for s in range(STEPS):
-        loss = model(*corpus.batch(s, 4, 16, seed=3))
+        loss = loss_of(*corpus.batch(s, 4, 16, seed=3))
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         sched.step()
-    return model.state_dict()
+    return net.state_dict()
 
 
-def _assert_matches_reference(trained: dict[str, torch.Tensor]) -> None:
-    for name, value in _reference().items():
+def _assert_matches_reference(trained: dict[str, torch.Tensor], model: str = "gpt") -> None:
+    _assert_weights_close(trained, _reference(model))
+
+
+def _assert_weights_close(trained: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+                          ) -> None:
+    for name, value in expected.items():
         got = trained[name]
         if name.endswith("attn.qkv.bias"):
             # The key bias cancels in the softmax: its gradient is rounding noise, which Adam
@@ -178,6 +200,79 @@ def test_flipped_byte_is_refused_naming_the_file(runs, tmp_path, capsys):
     assert e.value.code == 2 and str(shard) in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
+def test_hugging_face_llama_ours_and_fsdp2_match_one_process(tmp_path):
+    """``--model hf:llama``: a transformers LlamaForCausalLM, one fully_shard per decoder layer
+    then the root, under both runtimes; the rotary embedding's non-persistent ``inv_freq`` must
+    survive the meta-device build (the one-process reference has the real one)."""
+    pytest.importorskip("transformers")
+    losses = {}
+    for runtime in ("ours", "fsdp2"):
+        out_pt, metrics = tmp_path / f"{runtime}.pt", tmp_path / f"{runtime}.json"
+        rc, out, _ = torchrun([*SMALL, "--model", "hf:llama", "--heads", "4", "--runtime", runtime,
+                               "--output", str(out_pt), "--metrics", str(metrics)])
+        assert rc == 0, out[-4000:]
+        _assert_matches_reference(torch.load(out_pt), "hf:llama")
+        losses[runtime] = json.loads(metrics.read_text())["losses"]
+    assert len(losses["ours"]) == STEPS
+    torch.testing.assert_close(losses["ours"], losses["fsdp2"], atol=1e-5, rtol=1e-5)
+
+
+def test_hugging_face_model_errors_name_the_flag(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match="--model 'hf:nonsense': 'nonsense' is not a causal LM"):
+        parse_config(["--model", "hf:nonsense"])
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 16}))
+    with pytest.raises(ValueError, match="--seq 64 > max_position_embeddings 16"):
+        parse_config(["--model", str(config)])
+    with pytest.raises(ValueError, match="--layers: --model .*config.json' takes its sizes"):
+        parse_config(["--model", str(config), "--layers", "4"])
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="needs a \"model_type\" key"):
+        parse_config(["--model", str(tmp_path / "bad.json")])
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    with pytest.raises(ValueError, match="--model 'hf:llama': .* pip install transformers"):
+        parse_config(["--model", "hf:llama"])
+
+
+def _one_sequence_per_rank() -> list[str]:
+    """``SMALL`` with one sequence per rank: 4 ranks make the reference's global batch of 4."""
+    return [a if a != "2" or prev != "--batch" else "1" for prev, a in zip(["", *SMALL], SMALL)]
+
+
+@pytest.mark.multiprocess
+def test_state_sharding_zero2_amsp_auto_match_zero3_and_one_process(tmp_path):
+    """``--state-sharding`` through fully_shard's ``state_sharding`` on 4 ranks as a 2x2 mesh
+    (inter, intra): zero2, AMSP and the partitioner's choice (the bandwidths given, so the choice
+    is known: AMSP, reshard_after_forward False) end with zero3's weights and one process's;
+    every point keeps 1/4 of AdamW's state per rank, AMSP also a parameter chunk of 1/2."""
+    weights, state = {}, {}
+    for sharding in ("zero3", "zero2", "amsp", "auto"):
+        extra = ["--bandwidth", "inter=1e8,intra=1e10"] if sharding == "auto" else []
+        rc, out, _ = torchrun([*_one_sequence_per_rank(), "--mesh", "2x2", "--mesh-dim-names",
+                               "inter,intra", "--state-sharding", sharding, *extra,
+                               "--output", str(tmp_path / f"{sharding}.pt"),
+                               "--metrics", str(tmp_path / f"{sharding}.json")], nproc=4)
+        assert rc == 0, out[-4000:]
+        weights[sharding] = torch.load(tmp_path / f"{sharding}.pt")
+        _assert_matches_reference(weights[sharding])
+        state[sharding] = json.loads((tmp_path / f"{sharding}.json").read_text())["per_rank"]
+    assert "the partitioner chose P(intra) G(inter,intra) OS(inter,intra), " \
+           "reshard_after_forward=False" in out and "comm s" in out
+    for sharding in ("zero2", "amsp", "auto"):
+        _assert_weights_close(weights[sharding], weights["zero3"])
+    with torch.device("meta"):  # parameters() counts the tied embedding once
+        unique = list(_one_process_model("gpt")[0].parameters())
+    numel = sum(p.numel() for p in unique)
+    zero3_adam = [r["state_bytes"]["optimizer"] for r in state["zero3"]]
+    assert 8 * numel <= sum(zero3_adam) <= 1.1 * (8 * numel) + 4 * 4 * len(unique)
+    for sharding in ("zero2", "amsp", "auto"):
+        assert [r["state_bytes"]["optimizer"] for r in state[sharding]] == zero3_adam, sharding
+    params = {s: sum(r["state_bytes"]["params"] for r in ranks) for s, ranks in state.items()}
+    assert params["amsp"] == pytest.approx(3 * params["zero3"], rel=0.05)  # + a chunk of 1/2
+
+
 def _tree(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
 
@@ -201,14 +296,26 @@ def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsy
         (["--steps", "ten"], "--steps must be int, got 'ten'"),
         (["--lr", "fast"], "--lr must be float"),
         (["--runtime", "deepspeed"], "--runtime must be one of ours, fsdp2, got 'deepspeed'"),
-        (["--state-sharding", "zero2"], "--state-sharding zero2: per-state sharding .* issue 25"),
-        (["--state-sharding", "auto"], "--state-sharding auto: per-state sharding"),
+        (["--state-sharding", "zero2", "--runtime", "fsdp2"],
+         "--state-sharding zero2 needs --runtime ours"),
+        (["--state-sharding", "auto", "--runtime", "fsdp2"], "--state-sharding auto needs --runtime ours"),
+        (["--state-sharding", "amsp"], "--state-sharding amsp needs a 2-D --mesh"),
+        (["--fp8", "--state-sharding", "zero1"], "--fp8 with --state-sharding zero1"),
+        (["--bandwidth", "dp=1e9"], "--bandwidth is the partitioner's input: it needs --state-sharding auto"),
+        (["--memory-budget", "1e9", "--state-sharding", "amsp", "--mesh", "2x2"],
+         "--memory-budget is the partitioner's input"),
+        (["--state-sharding", "auto", "--memory-budget", "-1"], "--memory-budget must be >= 0"),
+        (["--state-sharding", "auto", "--bandwidth", "dp=fast"],
+         "--bandwidth must be 'profile' or one positive bytes/s per mesh dim \\(dp=...\\)"),
+        (["--state-sharding", "auto", "--mesh", "2x2", "--mesh-dim-names", "inter,intra",
+          "--bandwidth", "inter=1e9"], "--bandwidth must be .* \\(inter=...,intra=...\\)"),
         (["--state-sharding", "hsdp"], "--state-sharding hsdp needs a 2-D --mesh"),
         (["--mesh", "2x"], "--mesh must look like 4 or 2x2, got '2x'"),
         (["--mesh", "2x2", "--mesh-dim-names", "a"], "--mesh-dim-names must give 2 distinct"),
         (["--mesh-dim-names", "a"], "--mesh-dim-names needs --mesh"),
         (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
         (["--fp8", "--runtime", "fsdp2"], "--fp8 needs --runtime ours"),
+        (["--model", "gpt3"], "--model must be gpt, llama, hf:TYPE or a Hugging Face config"),
         (["--optimizer", "sgd"], "--optimizer must be one of adamw, muon, shampoo"),
         (["--data", "/nonexistent.bin"], "--data must be 'stdlib' or a token file"),
         (["--config", "/nonexistent.toml"], "--config /nonexistent.toml: no such file"),

@@ -9,62 +9,58 @@ values therefore do not depend on the runtime, the mesh or the world size.
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_PREFIX,
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ragged_placement.fsdp import StateSharding
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement.models.llama import Llama, LlamaConfig
-from ragged_placement.trainer.config import TrainConfig
+from ragged_placement.planner import StateShardingPlan, plan_state_sharding
+from ragged_placement.trainer.config import VOCAB, TrainConfig, bandwidths, dim_names
+from ragged_placement.trainer.hf import hf_model
 
 __all__ = ["TokenData", "build_mesh", "build_model", "build_optimizer", "build_scheduler",
            "loss_fn"]
 
-VOCAB = 256  # byte-level data
-
-
 def new_model(cfg: TrainConfig) -> nn.Module:
-    """The unsharded model of ``--model`` (``gpt``, ``llama`` or a Hugging Face ``config.json``)."""
+    """The unsharded model of ``--model``: ``gpt``, ``llama`` or a Hugging Face causal LM
+    (``hf:TYPE`` or a ``config.json``, :mod:`ragged_placement.trainer.hf`)."""
     if cfg.model == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=cfg.seq, n_layer=cfg.layers,
                              n_head=cfg.heads, n_embd=cfg.width))
     if cfg.model == "llama":
         return Llama(LlamaConfig(vocab_size=VOCAB, dim=cfg.width, n_layers=cfg.layers,
                                  n_heads=cfg.heads, hidden_dim=4 * cfg.width))
-    return _hf_model(cfg.model)
-
-
-def _hf_model(path: str) -> nn.Module:
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError(
-            f"--model {path!r}: a Hugging Face config needs the transformers package; "
-            "otherwise use gpt or llama"
-        ) from None
-    with open(path) as f:
-        config = transformers.AutoConfig.for_model(**json.load(f))
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return hf_model(cfg, VOCAB)
 
 
 def _blocks(model: nn.Module) -> nn.Module:
-    """The container of the transformer blocks: ``model.layers`` (GPT, Llama) or
-    ``model.model.layers`` (Hugging Face decoder models)."""
-    for owner in (model, getattr(model, "model", None)):
-        if owner is not None and isinstance(getattr(owner, "layers", None), (nn.ModuleList, nn.ModuleDict)):
-            return owner.layers
+    """The container of the transformer blocks: ``model.layers`` (GPT, Llama),
+    ``model.model.layers`` (Hugging Face Llama-like models) or ``model.transformer.h`` (GPT-2)."""
+    for owner in (model, getattr(model, "model", None), getattr(model, "transformer", None)):
+        for attr in ("layers", "h"):
+            blocks = getattr(owner, attr, None)
+            if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
+                return blocks
     raise ValueError(f"--model: cannot find the transformer blocks of {type(model).__name__}")
 
 
 def build_mesh(cfg: TrainConfig, device: torch.device, world_size: int) -> DeviceMesh:
     """The data-parallel mesh: ``--mesh`` (default: all ranks in one dim); ``zero3`` shards over
     every rank (a 2-D mesh is flattened), ``hsdp`` replicates over the first dim."""
-    shape = cfg.mesh or (world_size,)
-    names = cfg.mesh_dim_names or (("replicate", "shard") if len(shape) == 2 else ("dp",))
+    shape, names = cfg.mesh or (world_size,), dim_names(cfg)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     if cfg.state_sharding == "zero3" and len(shape) == 2:
         return mesh._flatten("_".join(names))
@@ -85,17 +81,48 @@ def _shard_fn(cfg: TrainConfig) -> tuple[Callable, dict]:
     return fully_shard, {"mp_policy": MixedPrecisionPolicy(param_dtype, torch.float32)}
 
 
-def build_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """The sharded model with the initial weights of ``--seed`` (torchtitan's recipe)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        checkpoint_wrapper,
-    )
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def _memory_budget(cfg: TrainConfig, device: torch.device) -> float:
+    """``--memory-budget``, or (0) this rank's share of the device's memory: the GPU's, or on
+    CPU the machine's divided by the ranks on it."""
+    if cfg.memory_budget:
+        return cfg.memory_budget
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
 
+
+def state_sharding(cfg: TrainConfig, mesh: DeviceMesh, model: nn.Module, device: torch.device
+                   ) -> tuple[dict[str, Any], StateShardingPlan | None]:
+    """``fully_shard``'s ``state_sharding`` (and ``reshard_after_forward``) for
+    ``--state-sharding``, and the partitioner's plan for ``auto`` (collective with
+    ``--bandwidth profile``). Empty for zero3 and hsdp, which are ``fully_shard``'s default on
+    the mesh of :func:`build_mesh`."""
+    names = tuple(mesh.mesh_dim_names)
+    if cfg.state_sharding == "zero1":
+        return {"state_sharding": StateSharding.zero1(mesh)}, None
+    if cfg.state_sharding == "zero2":
+        return {"state_sharding": StateSharding.zero2(mesh)}, None
+    if cfg.state_sharding == "amsp":
+        return {"state_sharding": StateSharding(params=names[-1:], grads=names, optim=names)}, None
+    if cfg.state_sharding != "auto":
+        return {}, None
+    plan = plan_state_sharding(
+        model, mesh, memory_budget=_memory_budget(cfg, device), bandwidth=bandwidths(cfg),
+        optimizer=cfg.optimizer, param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
+    return {"state_sharding": plan.sharding,
+            "reshard_after_forward": plan.reshard_after_forward}, plan
+
+
+def build_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device
+                ) -> tuple[nn.Module, StateShardingPlan | None]:
+    """The sharded model with the initial weights of ``--seed`` (torchtitan's recipe), and the
+    partitioner's plan (``--state-sharding auto``) or ``None``."""
     shard, kwargs = _shard_fn(cfg)
     with torch.device("meta"):
         model = new_model(cfg)
+    extra, plan = state_sharding(cfg, mesh, model, device)
+    kwargs.update(extra)
     blocks = _blocks(model)
     for name, block in list(blocks.named_children()):
         if cfg.activation_checkpointing:
@@ -108,9 +135,21 @@ def build_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device) -> nn.
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        init = new_model(cfg).state_dict()
-    set_model_state_dict(model, init, options=StateDictOptions(full_state_dict=True))
-    return model
+        init = new_model(cfg)
+    set_model_state_dict(model, init.state_dict(), options=StateDictOptions(full_state_dict=True))
+    _copy_non_persistent_buffers(init, model)
+    return model, plan
+
+
+def _copy_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
+    """Buffers outside the state dict (a rotary embedding's ``inv_freq``), which ``to_empty``
+    left uninitialised, from the model built on CPU."""
+    unwrapped = {name.replace(_CHECKPOINT_PREFIX, ""): module
+                 for name, module in target.named_modules()}
+    for name, module in source.named_modules():
+        for buf in module._non_persistent_buffers_set:
+            if getattr(module, buf) is not None:
+                getattr(unwrapped[name], buf).copy_(getattr(module, buf))
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:

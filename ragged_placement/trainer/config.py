@@ -16,16 +16,21 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RUNTIMES", "STATE_SHARDINGS", "TrainConfig", "check_world", "parse_config"]
+from ragged_placement.trainer.hf import SIZE_FLAGS, hf_config, is_hf
+
+__all__ = ["RUNTIMES", "STATE_SHARDINGS", "TrainConfig", "bandwidths", "check_world",
+           "dim_names", "parse_config"]
 
 RUNTIMES = ("ours", "fsdp2")
 STATE_SHARDINGS = ("zero3", "hsdp", "zero1", "zero2", "amsp", "auto")
-# Per-state sharding (one placement per state: parameters, gradients, optimizer state): issue
-# 25's StateSharding, which no fully_shard honours yet.
-_NEEDS_STATE_SHARDING = ("zero1", "zero2", "amsp", "auto")
+# Per-state sharding (issue 25's StateSharding): only ours; FSDP2 shards every state alike.
+PER_STATE = ("zero1", "zero2", "amsp", "auto")
+# The partitioner's inputs: only --state-sharding auto uses them.
+_AUTO_ONLY = ("memory_budget", "bandwidth")
 OPTIMIZERS = ("adamw", "muon", "shampoo")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+VOCAB = 256  # byte-level data
 
 
 @dataclass
@@ -49,6 +54,8 @@ class TrainConfig:
     state_sharding: str = "zero3"
     mesh: tuple[int, ...] | None = None
     mesh_dim_names: tuple[str, ...] | None = None
+    memory_budget: float = 0.0
+    bandwidth: str = "profile"
     # model
     model: str = "gpt"
     layers: int = 2
@@ -173,6 +180,14 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
             raise ValueError(f"--config: unknown option {name!r} (flag {_flag(name)} does not exist)")
         kwargs[name] = _convert(name, value, _TYPES.get(str(fields[name].type), str))
     cfg = TrainConfig(**kwargs)
+    auto_only = [n for n in _AUTO_ONLY if n in kwargs]
+    if auto_only and cfg.state_sharding != "auto":
+        raise ValueError(f"{_flag(auto_only[0])} is the partitioner's input: it needs "
+                         f"--state-sharding auto, got {cfg.state_sharding!r}")
+    sizes = [n for n in SIZE_FLAGS if n in kwargs]
+    if cfg.model.endswith(".json") and sizes:
+        raise ValueError(f"{_flag(sizes[0])}: --model {cfg.model!r} takes its sizes from the file;"
+                         f" drop {_flag(sizes[0])} or use --model hf:TYPE")
     check_config(cfg)
     return cfg
 
@@ -200,19 +215,19 @@ def check_config(cfg: TrainConfig) -> None:
                  "collective_timeout", "data_bytes"):
         _positive(cfg, name)
     for name in ("checkpoint_every", "warmup", "val_batches", "weight_decay", "grad_clip",
-                 "min_lr_ratio"):
+                 "min_lr_ratio", "memory_budget"):
         _positive(cfg, name, zero_ok=True)
     if cfg.min_lr_ratio > 1:
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir")
-    if cfg.state_sharding in _NEEDS_STATE_SHARDING:
-        raise ValueError(
-            f"--state-sharding {cfg.state_sharding}: per-state sharding (separate placements for "
-            "parameters, gradients and optimizer state, issue 25's StateSharding) needs a "
-            "runtime that honours it, which fully_shard does not yet; use zero3 or hsdp"
-        )
     _check_mesh(cfg)
+    _check_state_sharding(cfg)
+    if is_hf(cfg.model):
+        hf_config(cfg, VOCAB)
+    elif cfg.model not in ("gpt", "llama"):
+        raise ValueError(f"--model must be gpt, llama, hf:TYPE or a Hugging Face config.json, "
+                         f"got {cfg.model!r}")
     if cfg.fp8 and cfg.runtime != "ours":
         raise ValueError("--fp8 needs --runtime ours (torch FSDP2 has no block-wise FP8 gather)")
     if cfg.data != "stdlib" and not os.path.isfile(cfg.data):
@@ -243,3 +258,49 @@ def _check_mesh(cfg: TrainConfig) -> None:
         )
     if ndim > 2:
         raise ValueError(f"--mesh must have 1 or 2 dims, got {'x'.join(map(str, cfg.mesh))}")
+
+
+def dim_names(cfg: TrainConfig) -> tuple[str, ...]:
+    """The mesh's dim names: ``--mesh-dim-names``, else ``replicate,shard`` (2-D) or ``dp``."""
+    if cfg.mesh_dim_names is not None:
+        return cfg.mesh_dim_names
+    return ("replicate", "shard") if cfg.mesh is not None and len(cfg.mesh) == 2 else ("dp",)
+
+
+def bandwidths(cfg: TrainConfig) -> dict[str, float] | str:
+    """``--bandwidth``: ``"profile"`` or ``{dim name: bytes/s}`` from ``inter=1.25e8,intra=1e10``
+    (one positive value per mesh dim)."""
+    if cfg.bandwidth == "profile":
+        return "profile"
+    names, out = dim_names(cfg), {}
+    for item in cfg.bandwidth.split(","):
+        name, _, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            out[name.strip()] = math.nan
+    if sorted(out) != sorted(names) or not all(v > 0 for v in out.values()):
+        raise ValueError(f"--bandwidth must be 'profile' or one positive bytes/s per mesh dim "
+                         f"({','.join(f'{n}=...' for n in names)}), got {cfg.bandwidth!r}")
+    return out
+
+
+def _check_state_sharding(cfg: TrainConfig) -> None:
+    if cfg.state_sharding not in PER_STATE:
+        return
+    if cfg.runtime != "ours":
+        raise ValueError(
+            f"--state-sharding {cfg.state_sharding} needs --runtime ours: torch FSDP2 shards "
+            "parameters, gradients and optimizer state over the same dims (zero3 or hsdp)"
+        )
+    if cfg.state_sharding == "amsp" and len(cfg.mesh or ()) != 2:
+        raise ValueError(
+            "--state-sharding amsp needs a 2-D --mesh (inter, intra: parameters sharded over "
+            f"intra, gradients and optimizer state over both), got "
+            f"{'none' if cfg.mesh is None else 'x'.join(map(str, cfg.mesh))}"
+        )
+    if cfg.fp8:
+        raise ValueError(f"--fp8 with --state-sharding {cfg.state_sharding}: fully_shard's "
+                         "state_sharding does not take quant yet; use zero3 or hsdp")
+    if cfg.state_sharding == "auto":
+        bandwidths(cfg)

@@ -9,7 +9,7 @@ connect or hang in ``init_process_group``.
 :class:`CollectiveWatch` makes a dead or frozen rank an error on the others: every collective
 has the process group's timeout, each rank publishes the step it has reached in the store, and
 a collective that fails is re-raised as a ``RuntimeError`` naming the collective, the step and
-the ranks that did not reach it.
+the ranks that did not reach it. It also times the communication this rank waits for.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,8 @@ _WATCHED = [
     (compat, ("_all_gather", "_reduce_scatter")),
     (collectives, ("_coalesced",)),
 ]
+# Waits on an asynchronous collective (c10d's Work, which _CoalescingManager.wait also uses)
+_WAITS = [(dist.Work, ("wait",))]
 
 
 class DistributedEnv:
@@ -101,26 +104,32 @@ class CollectiveWatch:
     """Inside ``with``: every collective a rank enters is counted and published in the store
     (``progress/<rank>``: count, step, name); :meth:`failure` turns a collective's error into
     one that names the collective, the step and the ranks that entered fewer collectives (dead
-    or frozen before reaching it)."""
+    or frozen before reaching it).
+
+    ``seconds``: the wall time this rank spent inside a collective call or a wait on an
+    asynchronous one (c10d's ``Work.wait``), outermost calls only: the communication the rank
+    was blocked on, not what overlapped its compute."""
 
     env: DistributedEnv
     step: int
     count: int
     last: str
+    seconds: float
     _depth: int
     _saved: list[tuple[object, str, Callable]]
 
     def __init__(self, env: DistributedEnv) -> None:
         self.env, self.step, self.count, self.last = env, -1, 0, "none"
-        self._depth, self._saved = 0, []
+        self.seconds, self._depth, self._saved = 0.0, 0, []
 
     def __enter__(self) -> Self:
-        for obj, names in _WATCHED:
-            for name in names:
-                fn = getattr(obj, name, None)
-                if fn is not None:
-                    self._saved.append((obj, name, fn))
-                    setattr(obj, name, self._named(name.lstrip("_"), fn))
+        for watched, wrap in ((_WATCHED, self._named), (_WAITS, self._waited)):
+            for obj, names in watched:
+                for name in names:
+                    fn = getattr(obj, name, None)
+                    if fn is not None:
+                        self._saved.append((obj, name, fn))
+                        setattr(obj, name, wrap(name.lstrip("_"), fn))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -135,13 +144,26 @@ class CollectiveWatch:
             if self._depth == 0:  # one collective, however many wrappers it goes through
                 self.count += 1
                 self.env.store.set(f"progress/{self.env.rank}", f"{self.count} {self.step} {name}")
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
+            return self._timed(fn, *args, **kwargs)
 
         return entered
+
+    def _waited(self, name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def waited(*args, **kwargs):
+            return self._timed(fn, *args, **kwargs)
+
+        return waited
+
+    def _timed(self, fn: Callable, *args, **kwargs):
+        t0 = time.perf_counter()
+        self._depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.seconds += time.perf_counter() - t0
 
     def _behind(self) -> list[str]:
         behind = []
