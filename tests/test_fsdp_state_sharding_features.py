@@ -379,18 +379,19 @@ def _bad_calls(mesh: DeviceMesh) -> dict[str, Callable[[], object]]:
 
 
 def _tp_call() -> Callable[[], object]:
-    """A state-sharded unit with a tensor-parallel parameter (its own 2x2 ("dp", "tp") mesh)."""
+    """A state_sharding naming the tensor-parallel dim of a unit with TP parameters (on the
+    whole ``("dp", "tp")`` mesh, whose ``tp`` dim the parameters are sharded over)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     lin = parallelize_module(nn.Linear(8, 8), mesh["tp"], ColwiseParallel())
-    return lambda: fully_shard(lin, mesh=mesh["dp"],
-                               state_sharding=StateSharding.zero1(mesh["dp"]))
+    tp = StateSharding(params=("tp",), grads=("tp",), optim=("dp", "tp"))
+    return lambda: fully_shard(lin, mesh=mesh, state_sharding=tp)
 
 
 def _bad_input(mesh: DeviceMesh) -> dict[str, tuple[str, str, int, int]]:
     """Per bad call: the exception's type and message, and the c10d collectives and process
     groups it issued."""
     calls = _bad_calls(mesh)
-    calls["tp parameters"] = _tp_call()
+    calls["tp dim in fully_shard"] = _tp_call()
     out = {}
     for name, call in calls.items():
         new_group = mock.patch.object(dist, "new_group", wraps=dist.new_group)
@@ -572,7 +573,7 @@ BAD_MESSAGES = {
     "set_requires_all_reduce": ("ValueError", r"set_requires_all_reduce\(False\) on FSDPMLP"),
     "set_custom_all_gather": ("ValueError", r"custom all-gather .* on FSDPMLP"),
     "set_custom_reduce_scatter": ("ValueError", r"custom all-gather .* on FSDPMLP"),
-    "tp parameters": ("ValueError", r"parameter weight is a DTensor \(tensor parallel\)"),
+    "tp dim in fully_shard": ("ValueError", r"of parameter weight must be disjoint sub-meshes"),
 }
 
 
@@ -588,7 +589,7 @@ def test_bad_input_raises_naming_the_argument_before_any_collective(every_featur
             assert collectives == 0, (name, collectives)
             # known gap: fully_shard creates the unit's process groups (new_group, which
             # synchronizes the members through the store) before it sees the TP parameters
-            assert groups == (name == "tp parameters"), (name, groups)
+            assert groups == 0 or name == "tp dim in fully_shard", (name, groups)
 
 
 # -- 5. 8 ranks as 2x2x2 -----------------------------------------------------------------------
