@@ -55,15 +55,13 @@ PARTIAL_8 = {
 # -- one process, the reference ----------------------------------------------------------------
 
 
-def _one_process(
-    init: dict[str, torch.Tensor], steps: int = STEPS
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """One process on the whole batch from ``init``: the parameters after ``steps`` AdamW steps
-    and the output on ``x[STEPS]``."""
+def _one_process(init: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One process on the whole batch from ``init``: the parameters after ``STEPS`` AdamW steps
+    and the output on ``X[STEPS]``."""
     m = MLP()
     m.load_state_dict(init)
     opt = _adamw(m.parameters())
-    for s in range(steps):
+    for s in range(STEPS):
         F.mse_loss(m(X[s]), Y[s]).backward()
         opt.step()
         opt.zero_grad()
@@ -83,22 +81,23 @@ def _seeded_init() -> dict[str, torch.Tensor]:
 # -- helpers run on every rank ---------------------------------------------------------------
 
 
-def _sharded(mesh: DeviceMesh, sharding: StateSharding, **kwargs) -> MLP:
+def _sharded(mesh: DeviceMesh, sharding: StateSharding) -> MLP:
     m = MLP()
     m.load_state_dict(INIT)
     for sub in (m.a, m.b, m):
-        fully_shard(sub, mesh=mesh, state_sharding=sharding, **kwargs)
+        fully_shard(sub, mesh=mesh, state_sharding=sharding)
     return m
 
 
 def _units(m: nn.Module) -> list:
+    """The FSDP units of ``m``, innermost first (the root last)."""
     return [sub._fsdp_state.unit for sub in m.modules() if hasattr(sub, "_fsdp_state")][::-1]
 
 
 def _counts(m: nn.Module) -> dict[tuple[str, tuple[str, ...]], list[int]]:
     """``by_dims`` summed over the units: (kind, dims) -> [count, bytes]."""
     out: dict[tuple[str, tuple[str, ...]], list[int]] = {}
-    for unit in {id(u): u for u in _units(m)}.values():
+    for unit in _units(m):
         for key, (n, nbytes) in unit.stats.by_dims.items():
             entry = out.setdefault(key, [0, 0])
             entry[0] += n
@@ -115,11 +114,11 @@ def _rows(rank: int, ws: int) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
-def _train(m: nn.Module, rank: int, ws: int, steps: int = STEPS) -> torch.Tensor:
-    """``steps`` AdamW steps on this rank's rows; the eval output on ``x[STEPS]``."""
+def _train(m: nn.Module, rank: int, ws: int) -> torch.Tensor:
+    """``STEPS`` AdamW steps on this rank's rows; the eval output on ``X[STEPS]``."""
     opt = _adamw(m.parameters())
     rows = _rows(rank, ws)
-    for s in range(steps):
+    for s in range(STEPS):
         F.mse_loss(m(X[s, rows]), Y[s, rows]).backward()
         opt.step()
         opt.zero_grad()
@@ -348,9 +347,9 @@ def _fresh() -> MLP:
 
 
 def _bad_calls(mesh: DeviceMesh) -> dict[str, Callable[[], object]]:
-    """Each call must raise before any collective (the value: the call)."""
+    """Calls that must each raise before any collective, by what is wrong."""
     bad = StateSharding(params=("intra",), grads=BOTH, optim=BOTH)
-    amsp_unit = fully_shard(_fresh(), mesh=mesh, state_sharding=SHARDINGS["amsp"])
+    amsp_model = fully_shard(_fresh(), mesh=mesh, state_sharding=SHARDINGS["amsp"])
     calls = {
         "dim not in mesh": lambda: fully_shard(
             _fresh(), mesh=mesh, state_sharding=StateSharding(("gpus",), ("gpus",), ("gpus",))),
@@ -366,9 +365,9 @@ def _bad_calls(mesh: DeviceMesh) -> dict[str, Callable[[], object]]:
                                        offload_policy=CPUOffloadPolicy(pin_memory=False)),
         "int reshard_after_forward": lambda: fully_shard(
             _fresh(), mesh=mesh, state_sharding=bad, reshard_after_forward=2),
-        "set_requires_all_reduce": lambda: amsp_unit.set_requires_all_reduce(False),
-        "set_custom_all_gather": lambda: amsp_unit.set_custom_all_gather(lambda *a, **k: None),
-        "set_custom_reduce_scatter": lambda: amsp_unit.set_custom_reduce_scatter(
+        "set_requires_all_reduce": lambda: amsp_model.set_requires_all_reduce(False),
+        "set_custom_all_gather": lambda: amsp_model.set_custom_all_gather(lambda *a, **k: None),
+        "set_custom_reduce_scatter": lambda: amsp_model.set_custom_reduce_scatter(
             lambda *a, **k: None),
     }
     if DataParallelMeshDims is not None:
