@@ -17,7 +17,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from dist_utils import run_gloo, run_threaded
-from test_fsdp_state_sharding import BATCH, BOTH, MLP, SHARDINGS, STEPS, TOL, _adamw, _data
+from test_fsdp_state_sharding import (
+    BATCH,
+    BOTH,
+    MLP,
+    SHARDINGS,
+    STEPS,
+    TOL,
+    _adamw,
+    _data,
+    _reference,
+)
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -52,21 +62,7 @@ PARTIAL_8 = {
 }
 
 
-# -- one process, the reference ----------------------------------------------------------------
-
-
-def _one_process(init: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """One process on the whole batch from ``init``: the parameters after ``STEPS`` AdamW steps
-    and the output on ``X[STEPS]``."""
-    m = MLP()
-    m.load_state_dict(init)
-    opt = _adamw(m.parameters())
-    for s in range(STEPS):
-        F.mse_loss(m(X[s]), Y[s]).backward()
-        opt.step()
-        opt.zero_grad()
-    with torch.no_grad():
-        return {k: v.detach().clone() for k, v in m.named_parameters()}, m(X[STEPS])
+# -- one process, the reference (test_fsdp_state_sharding._reference) -----------------------
 
 
 def _seeded_init() -> dict[str, torch.Tensor]:
@@ -447,7 +443,7 @@ def test_gradient_accumulation_reduces_once_per_step(every_feature):
     whole batch; every reduction once per step, none after the first micro-batch, which leaves
     the whole model's unsharded gradients held (this plan pads nothing) and no ``.grad``
     (nested.py's docstring)."""
-    ref, _ = _one_process(INIT)
+    ref, _ = _reference()
     numel = sum(v.numel() for v in ref.values())
     for rank in every_feature:
         for name, (full, counts, between) in rank["accumulate"].items():
@@ -472,7 +468,7 @@ def test_gradient_accumulation_reduces_once_per_step(every_feature):
 
 @pytest.mark.multiprocess
 def test_activation_checkpointing_under_amsp_equals_no_checkpointing(every_feature):
-    ref, ref_out = _one_process(INIT)
+    ref, ref_out = _reference()
     for rank in every_feature:
         plain = rank["checkpoint"]["none"]
         torch.testing.assert_close(plain, ref_out, atol=TOL, rtol=0)
@@ -487,7 +483,7 @@ def test_meta_init_with_reset_parameters_equals_one_process(every_feature):
     """The RNG contract on the nested layout: ``reset_parameters()`` of the sharded parameters
     draws the single-device tensors, then trains as one process."""
     init = _seeded_init()
-    ref, ref_out = _one_process(init)
+    ref, ref_out = _reference(init)
     for rank in every_feature:
         for name, (initialized, out, full) in rank["meta"].items():
             for k, v in init.items():
@@ -501,7 +497,7 @@ def test_bf16_mixed_precision_matches_fsdp2_hsdp(every_feature):
     """``param_dtype=bf16, reduce_dtype=fp32``: AMSP and hsdp-over-inter bitwise equal to
     FSDP2 HSDP with the same policy (sharded over intra, and over inter on the swapped mesh);
     all of them within bf16's rounding of one fp32 process."""
-    ref, ref_out = _one_process(INIT)
+    ref, ref_out = _reference()
     for rank in every_feature:
         theirs_out, theirs = rank["bf16"]["fsdp2_hsdp"]
         for name in ("amsp", "hsdp_inter", "fsdp2_hsdp_inter"):
@@ -610,7 +606,7 @@ def test_partial_points_on_2x2x2_match_one_process():
     out of mesh order: parameters, eval output, and 1/8 of the parameters per rank. Threaded
     ranks (2 s; 8 gloo processes take minutes on 2 busy cores): the groups and their rank
     order are what is new here, the gloo collectives are the 2x2 tests'."""
-    ref, ref_out = _one_process(INIT)
+    ref, ref_out = _reference()
     numel = sum(v.numel() for v in ref.values())
     ranks = run_threaded(_partial_points, 8)
     for name in PARTIAL_8:
