@@ -90,6 +90,11 @@ class Layout:
         return self.flat_ranges[self.rank]
 
     @property
+    def exchange_key(self) -> tuple:
+        """Layouts with equal keys can share one :class:`Exchange`: the same group and rows."""
+        return self.group, self.replicas
+
+    @property
     def rows(self) -> int:
         """The number of replica rows."""
         return math.prod(r.size for r in self.replicas)

@@ -251,7 +251,7 @@ class Muon(ShardedStateOptimizer):
         layouts = [None if sharded_on_several_dims(p) else layout_of(p) for p, _ in entries]
         for i, layout in enumerate(layouts):
             if layout is not None:
-                (unsharded if layout.group is None else by_group.setdefault(layout.group, [])).append(i)
+                (unsharded if layout.group is None else by_group.setdefault(layout.exchange_key, [])).append(i)
         exchanges = []
         for idx in by_group.values():
             sub_layouts = [layouts[i] for i in idx]

@@ -120,7 +120,7 @@ class Shampoo(ShardedStateOptimizer):
             "grafting_epsilon": grafting_epsilon,
             "weight_decay": weight_decay,
         }
-        self._owners: dict[Any, dict[tuple[int, int, int], int]] = {}
+        self._owners: dict[tuple, dict[tuple[int, int, int], int]] = {}
         self._exchanges: dict[tuple, Exchange] = {}
         self.last_step_all_to_all_calls = 0
         self.last_step_all_gather_calls = 0
@@ -166,24 +166,25 @@ class Shampoo(ShardedStateOptimizer):
                 items.append(Item(param_index, b * rows * cols + r0 * cols, (r, cols), cost))
         return items
 
-    def _owner_map(self, pg: Any) -> dict[tuple[int, int, int], int]:
-        """Owner of every slab of every matrix parameter on ``pg``, fixed at first use."""
-        if pg not in self._owners:
+    def _owner_map(self, key: tuple) -> dict[tuple[int, int, int], int]:
+        """Owner of every slab of every matrix parameter of exchange ``key``
+        (``Layout.exchange_key``), fixed at first use."""
+        if key not in self._owners:
             params = [
                 (p, g)
                 for g in self.param_groups
                 for p in g["params"]
                 if p.ndim >= 2
                 and not sharded_on_several_dims(p)
-                and layout_of(p).group is pg
+                and layout_of(p).exchange_key == key
             ]
             layouts = [layout_of(p) for p, _ in params]
             items = [it for i, (p, g) in enumerate(params) for it in self._slabs(i, layouts[i], g)]
             owners, _ = assign_owners(items, layouts)
-            self._owners[pg] = {
+            self._owners[key] = {
                 (id(params[it.param][0]), it.start, it.numel): o for it, o in zip(items, owners)
             }
-        return self._owners[pg]
+        return self._owners[key]
 
     # -- step ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -218,9 +219,9 @@ class Shampoo(ShardedStateOptimizer):
         by_group: dict[Any, list[int]] = {}
         layouts = [layout_of(p) for p, _ in matrices]
         for i, layout in enumerate(layouts):
-            by_group.setdefault(layout.group, []).append(i)
-        for pg, idx in by_group.items():
-            self._step_matrices(pg, [matrices[i] for i in idx], [layouts[i] for i in idx])
+            by_group.setdefault(layout.exchange_key, []).append(i)
+        for key, idx in by_group.items():
+            self._step_matrices(key, [matrices[i] for i in idx], [layouts[i] for i in idx])
         return loss
 
     def _step_nd(self, entries: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
@@ -241,10 +242,11 @@ class Shampoo(ShardedStateOptimizer):
             local_flat(p).add_(update.reshape(-1), alpha=-g["lr"])
 
     def _step_matrices(
-        self, pg: Any, entries: list[tuple[torch.Tensor, dict[str, Any]]], layouts: list[Layout]
+        self, key: tuple, entries: list[tuple[torch.Tensor, dict[str, Any]]], layouts: list[Layout]
     ) -> None:
         grads = [local_flat(p.grad).float() for p, _ in entries]
         items = [it for i, (_, g) in enumerate(entries) for it in self._slabs(i, layouts[i], g)]
+        pg = layouts[0].group
         if pg is None:  # whole on every rank: every slab is computed here
             outs = [torch.empty_like(g) for g in grads]
             for it in items:
@@ -253,7 +255,7 @@ class Shampoo(ShardedStateOptimizer):
                 )
                 outs[it.param][it.start : it.end] = upd.reshape(-1)
         else:
-            owner_of = self._owner_map(pg)
+            owner_of = self._owner_map(key)
             owners = [owner_of[(id(entries[it.param][0]), it.start, it.numel)] for it in items]
             key = tuple((id(p), layout) for (p, _), layout in zip(entries, layouts))
             ex = self._exchanges.get(key)

@@ -54,12 +54,14 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _reference() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """One process on the whole batch: the parameters after ``STEPS`` steps and the eval output
-    on ``x[STEPS]``."""
-    init, x, y = _data()
+def _reference(
+    init: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One process on the whole batch from ``init`` (default: :func:`_data`'s): the parameters
+    after ``STEPS`` steps and the eval output on ``x[STEPS]``."""
+    default, x, y = _data()
     m = MLP()
-    m.load_state_dict(init)
+    m.load_state_dict(default if init is None else init)
     opt = _adamw(m.parameters())
     for s in range(STEPS):
         F.mse_loss(m(x[s]), y[s]).backward()

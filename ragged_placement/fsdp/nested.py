@@ -40,14 +40,18 @@ What persists between steps is the optimizer chunk's part of the reduction (``.g
 reduce-scatter over ``optim \\ grads`` with an all-reduce, and the gradient chunk is transient.
 
 Gradient accumulation (``set_requires_gradient_sync(False)``) keeps, as without a
-``state_sharding``, the unsharded gradients until the synchronizing backward, which runs all
-three reductions once: the gradient shard is never held unreduced.
+``state_sharding`` (and as FSDP2), the unsharded gradients until the synchronizing backward,
+which runs all three reductions once: between micro-batches every unit holds its whole
+unsharded gradient buffer (the model's gradients in ``param_dtype``, with the plan's padding)
+and issues nothing; the gradient shard is never held unreduced.
 
 **Staleness.** A unit refreshes before an unshard when the optimizer chunk changed since its
-last refresh: any ``torch.optim`` step in the process (a global step post-hook), or a write
-into the sharded parameters (their version counter: ``copy_``, ``load_state_dict``, an
-initializer), or a move. Every rank of an ``O \\ P`` group must take the same decision, as for
-any SPMD code: write sharded parameters on every rank or none.
+last refresh: any ``torch.optim`` step in the process (a global step post-hook), a write
+into the sharded parameters (the version counters of the parameters and of their local
+tensors: ``copy_``, ``load_state_dict``, an initializer), a ``state_dict()`` taken (its
+detached tensors may be loaded into in place before the next forward, as ``dcp.load`` does), or
+a move. A write through ``.data`` bypasses all of them. Every rank of an ``O \\ P`` group must
+take the same decision, as for any SPMD code: write sharded parameters on every rank or none.
 
 **Process groups.** Created once per ``(mesh, state_sharding)``, by their members only; the
 ``O \\ P`` and ``O`` groups list their ranks in the order above, not sorted where it is not the
