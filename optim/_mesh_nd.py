@@ -1,13 +1,15 @@
-"""Matrix-wise optimizer math for parameters on N-D meshes (FSDP x TP, HSDP).
+"""Matrix-wise optimizer math for parameters sharded over several mesh dims (FSDP x TP).
 
-On a 1-D mesh every rank holds contiguous runs of the flattened matrix, and
-:class:`~ragged_placement.optim._sharding.Exchange` batches all matrices into one all-to-all each
-way. On an N-D mesh a rank may hold a 2-D block (row-wise tensor parallel: ``Shard(1)`` under a
-RaggedShard), so here each matrix travels through DTensor redistribution instead:
+Parameters sharded over one mesh dim (1-D meshes, HSDP, a plain parameter on an FSDP x TP mesh)
+take the batched :class:`~ragged_placement.optim._sharding.Exchange`: one all-to-all each way
+per process group and one all-gather per ``Replicate`` dim, one owner per matrix in the world.
+With two sharded dims a rank may hold a 2-D block (row-wise tensor parallel: ``Shard(1)`` under a
+RaggedShard), which is no contiguous run of the flattened matrix, so here each matrix travels
+through DTensor redistribution instead:
 
 * to its owner: every sharded mesh dim is redistributed to a RaggedShard with all units on the
-  owner's coordinate (``Replicate`` dims stay replicated: with HSDP every replica group computes
-  its own copy, as it does for the gradients);
+  owner's coordinate (``Replicate`` dims stay replicated: every coordinate of such a dim
+  computes its own copy);
 * back: from that placement to the parameter's own placements.
 
 Each direction costs one collective per sharded mesh dim per matrix (not batched). Owners are
@@ -27,19 +29,27 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from ragged_placement.placement import RaggedShard
 from ragged_placement.regions import contiguous_stride
 
-__all__ = ["is_nd", "assign_nd_owners", "owner_placements", "gather_to_owner", "scatter_from_owner"]
+__all__ = [
+    "assign_nd_owners",
+    "gather_to_owner",
+    "owner_placements",
+    "scatter_from_owner",
+    "sharded_on_several_dims",
+]
 
 
-def is_nd(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor on a mesh of more than one dim."""
-    return isinstance(tensor, DTensor) and tensor.device_mesh.ndim > 1
+def sharded_on_several_dims(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor sharded over more than one mesh dim (FSDP x TP)."""
+    return isinstance(tensor, DTensor) and len(_sharded_dims(tensor)) > 1
 
 
 def _sharded_dims(p: DTensor) -> list[int]:
     dims = []
     for m, pl in enumerate(p.placements):
         if isinstance(pl, Partial):
-            raise ValueError(f"parameter placements must not be Partial, got {p.placements}")
+            raise ValueError(  # noqa: TRY004 - a bad placement value, not a bad type
+                f"parameter placements must not be Partial, got {p.placements}"
+            )
         if not isinstance(pl, Replicate):
             dims.append(m)
     return dims

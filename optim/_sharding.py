@@ -7,8 +7,8 @@ flat elements per rank (:class:`Layout`), and any contiguous piece of the full t
 of a stacked 3-D tensor, one row slab of a matrix: an :class:`Item`) is spread over the ranks whose
 ranges it overlaps.
 
-:func:`assign_owners` gives every item one owner rank: the rank holding all of it when there is
-one (that item never moves), otherwise greedy longest-processing-time over the items' costs.
+:func:`assign_owners` gives every item one owner rank: on a 1-D mesh the rank holding all of it
+when there is one (that item never moves), otherwise greedy longest-processing-time over the items' costs.
 :class:`Exchange` moves every non-owned piece of every item to its owner with ONE
 ``all_to_all_single`` (uneven splits), and the owners' results back with one more; it issues none
 when no item has a piece off its owner. Plans are pure functions of the layouts and the owners,
@@ -17,8 +17,17 @@ identical on every rank, so ranks agree on split sizes without talking.
 Plain tensors and ``Replicate`` DTensors are unsharded (``Layout.group is None``): every rank
 has the full tensor and computes its items itself.
 
-This batched path handles 1-D meshes; parameters on N-D meshes (HSDP, FSDP x TP) take the
-per-matrix DTensor-redistribution path in :mod:`._mesh_nd`.
+This batched path handles parameters sharded over one mesh dim: 1-D meshes, and N-D meshes whose
+other dims are ``Replicate`` (HSDP: ``(replicate, shard)``). There the sharded dim's process
+group is a replica row's, and every row holds the full tensor. Each item still has ONE owner in
+the whole mesh (an owner slot: a row and a rank of that row's group), so its math runs once in
+the world, not once per row: the pieces travel to the owner inside its row (the all-to-all over
+the row's group), and the results go back inside the row, then to the other rows with one
+all-gather per ``Replicate`` dim (each rank sends its pieces of the results owned in its row,
+padded to the largest peer's). Optimizer state that is elementwise (Muon's momentum) stays
+replicated over the rows with the parameter; state of the item's math (Shampoo's statistics)
+lives on its owner. Parameters sharded over several mesh dims (FSDP x TP) take the per-matrix
+DTensor-redistribution path in :mod:`._mesh_nd`.
 """
 
 from __future__ import annotations
@@ -31,28 +40,46 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ragged_placement._compat import all_gather_single
 from ragged_placement.placement import RaggedShard
 
 __all__ = [
-    "Layout",
-    "Item",
-    "layout_of",
-    "local_tensor",
-    "local_flat",
-    "check_grad_placement",
-    "assign_owners",
     "Exchange",
+    "Item",
+    "Layout",
+    "ReplicaDim",
+    "assign_owners",
+    "check_grad_placement",
+    "layout_of",
+    "local_flat",
+    "local_tensor",
 ]
 
 
 @dataclass(frozen=True)
+class ReplicaDim:
+    """A ``Replicate`` mesh dim of a sharded parameter: its process group, this rank's
+    coordinate on it and its size."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
 class Layout:
-    """Per-rank ``[start, end)`` ranges of the flattened full tensor, in rank order."""
+    """Per-rank ``[start, end)`` ranges of the flattened full tensor, in rank order.
+
+    ``replicas``: the ``Replicate`` dims of an N-D mesh, in mesh order. A replica row is one
+    coordinate on each of them (row-major); every row holds the full tensor, cut by
+    ``flat_ranges`` over ``group``. A 1-D mesh has one row.
+    """
 
     shape: tuple[int, ...]
     group: dist.ProcessGroup | None  # None: unsharded (plain tensor or Replicate)
     rank: int
     flat_ranges: tuple[tuple[int, int], ...]
+    replicas: tuple[ReplicaDim, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -62,33 +89,63 @@ class Layout:
     def local_range(self) -> tuple[int, int]:
         return self.flat_ranges[self.rank]
 
+    @property
+    def exchange_key(self) -> tuple:
+        """Layouts with equal keys can share one :class:`Exchange`: the same group and rows."""
+        return self.group, self.replicas
+
+    @property
+    def rows(self) -> int:
+        """The number of replica rows."""
+        return math.prod(r.size for r in self.replicas)
+
+    @property
+    def row(self) -> int:
+        """This rank's replica row."""
+        row = 0
+        for r in self.replicas:
+            row = row * r.size + r.rank
+        return row
+
+
+def _row_coords(row: int, replicas: Sequence[ReplicaDim]) -> tuple[int, ...]:
+    """The coordinates on the replica dims of replica row ``row`` (inverse of ``Layout.row``)."""
+    coords = []
+    for r in reversed(replicas):
+        row, c = divmod(row, r.size)
+        coords.append(c)
+    return tuple(reversed(coords))
+
 
 def _whole(shape: tuple[int, ...]) -> Layout:
     return Layout(shape, None, 0, ((0, math.prod(shape)),))
 
 
 def layout_of(tensor: torch.Tensor) -> Layout:
-    """The :class:`Layout` of a plain tensor or a DTensor on a 1-D mesh.
+    """The :class:`Layout` of a plain tensor or a DTensor sharded over at most one mesh dim.
 
-    Raises ``ValueError`` for placements whose local tensors are not contiguous runs of the
-    flattened full tensor (``Shard(d)`` with ``d > 0``, strided shards, partial) and for meshes
-    with more than one dim.
+    On an N-D mesh whose other dims are ``Replicate`` (HSDP), the layout is the one over the
+    sharded dim's process group: every replica group holds the same ranges. Raises
+    ``ValueError`` for placements whose local tensors are not contiguous runs of the flattened
+    full tensor (``Shard(d)`` with ``d > 0``, strided shards, partial) and for tensors sharded
+    over more than one mesh dim (those go through :mod:`._mesh_nd`).
     """
     shape = tuple(int(s) for s in tensor.shape)
     if not isinstance(tensor, DTensor):
         return _whole(shape)
-    mesh = tensor.device_mesh
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"layout_of handles 1-D meshes; a {mesh.ndim}-D mesh goes through optim._mesh_nd, "
-            f"got placements {tensor.placements}"
-        )
-    (placement,) = tensor.placements
-    if isinstance(placement, Replicate):
+    sharded = [m for m, pl in enumerate(tensor.placements) if not isinstance(pl, Replicate)]
+    if not sharded:
         return _whole(shape)
-    world, rank = mesh.size(0), mesh.get_local_rank(0)
+    if len(sharded) > 1:
+        raise ValueError(
+            f"layout_of handles tensors sharded over one mesh dim; placements "
+            f"{tensor.placements} shard over {len(sharded)} and go through optim._mesh_nd"
+        )
+    (dim,) = sharded
+    placement, mesh = tensor.placements[dim], tensor.device_mesh
+    world, rank = mesh.size(dim), mesh.get_local_rank(dim)
     if isinstance(placement, RaggedShard):
-        placement.check_mesh_size(world, mesh_dim=0)
+        placement.check_mesh_size(world, mesh_dim=dim)
         row_numel = math.prod(placement.row_shape(shape))
         ranges = tuple((a * row_numel, b * row_numel) for a, b in placement.row_ranges(shape))
     elif type(placement) is Shard and placement.dim == 0:
@@ -104,7 +161,12 @@ def layout_of(tensor: torch.Tensor) -> Layout:
             f"placement {placement!r} is not supported: the optimizers need RaggedShard, Shard(0) "
             f"or Replicate (local tensors that are contiguous runs of the flattened tensor)"
         )
-    return Layout(shape, mesh.get_group(0), rank, ranges)
+    replicas = tuple(
+        ReplicaDim(mesh.get_group(m), mesh.get_local_rank(m), mesh.size(m))
+        for m in range(mesh.ndim)
+        if m != dim
+    )
+    return Layout(shape, mesh.get_group(dim), rank, ranges, replicas)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -158,34 +220,41 @@ def _overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int] | None:
 def assign_owners(
     items: Sequence[Item], layouts: Sequence[Layout]
 ) -> tuple[list[int], list[float]]:
-    """Owner rank of every item (all on one group) and the resulting cost per rank.
+    """Owner slot of every item (all on one group) and the resulting cost per slot.
 
-    An item held entirely by one rank is owned by it (zero bytes to move). The others go, by
-    decreasing cost, to the least-loaded rank (greedy LPT), ties to the rank that holds the most
-    of the item, then to the lowest rank.
+    Slot ``row * world_size + r`` is rank ``r`` of the group in replica row ``row`` (see
+    :class:`Layout`; on a 1-D mesh, the rank), so every item has one owner in the whole mesh.
+    An item held entirely by one rank of a 1-D mesh is owned by it (zero bytes to move). The
+    others go, by decreasing cost, to the least-loaded slot (greedy LPT) among the slots that
+    hold all of the item when some do (with replicas: that rank in every row), else among all;
+    ties to the slot that holds the most of the item, then to the lowest slot.
     """
     if not items:
         return [], []
-    world = layouts[items[0].param].world_size
-    loads = [0.0] * world
+    first = layouts[items[0].param]
+    world, rows = first.world_size, first.rows
+    loads = [0.0] * (world * rows)
     owners = [-1] * len(items)
     held: list[list[int]] = []
+    candidates: list[list[int]] = []
     for k, item in enumerate(items):
-        ranges = layouts[item.param].flat_ranges
-        if len(ranges) != world:
-            raise ValueError("all items of one exchange must live on one process group")
+        layout = layouts[item.param]
+        if (layout.world_size, layout.rows) != (world, rows):
+            raise ValueError("all items of one exchange must live on one process group and mesh")
         amounts = [0] * world
-        for r, (a, b) in enumerate(ranges):
+        for r, (a, b) in enumerate(layout.flat_ranges):
             ov = _overlap(item.start, item.end, a, b)
             if ov:
                 amounts[r] = ov[1] - ov[0]
         held.append(amounts)
-        if max(amounts) == item.numel:
-            owners[k] = amounts.index(item.numel)
+        whole = [r for r in range(world) if amounts[r] == item.numel]
+        if whole and rows == 1:
+            owners[k] = whole[0]
             loads[owners[k]] += item.cost
+        candidates.append([row * world + r for row in range(rows) for r in whole or range(world)])
     rest = sorted((k for k in range(len(items)) if owners[k] < 0), key=lambda k: -items[k].cost)
     for k in rest:
-        best = min(range(world), key=lambda r: (loads[r], -held[k][r], r))
+        best = min(candidates[k], key=lambda o: (loads[o], -held[k][o % world], o))
         owners[k] = best
         loads[best] += items[k].cost
     return owners, loads
@@ -208,9 +277,13 @@ class _Pending:
 class Exchange:
     """Gather items to their owners and return the owners' results, one all-to-all each way.
 
+    With replica rows (:class:`Layout`), an item travels only inside its owner's row (the
+    all-to-alls run over ``group``, which is this rank's row), and :meth:`finish_scatter` then
+    copies every result to the other rows: one all-gather per ``Replicate`` mesh dim.
+
     Args:
         items: the items, all of parameters on ``group``.
-        owners: owner rank of every item (from :func:`assign_owners`).
+        owners: owner slot of every item (from :func:`assign_owners`).
         layouts: layouts indexed by ``Item.param``.
         group: the process group of the layouts.
         rank: this rank in ``group``.
@@ -228,7 +301,8 @@ class Exchange:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        world = layouts[items[0].param].world_size if items else 1
+        first = layouts[items[0].param] if items else _whole(())
+        world = first.world_size
         self.items = list(items)
         self.owners = list(owners)
         self.layouts = layouts
@@ -245,7 +319,10 @@ class Exchange:
         self.traffic = 0  # elements moved per direction, summed over all ranks
         self.owned: list[int] = []
         self.remote_owned: set[int] = set()
-        for k, (item, owner) in enumerate(zip(self.items, self.owners)):
+        for k, (item, slot) in enumerate(zip(self.items, self.owners)):
+            row, owner = divmod(slot, world)
+            if row != first.row:  # owned in another replica row: the replica gather brings it
+                continue
             if owner == rank:
                 self.owned.append(k)
             for r, (a, b) in enumerate(layouts[item.param].flat_ranges):
@@ -264,6 +341,43 @@ class Exchange:
                     self.self_pieces.append(piece)
         self.send_splits = [sum(hi - lo for _, lo, hi in pieces) for pieces in self.send]
         self.recv_splits = [sum(hi - lo for _, lo, hi in pieces) for pieces in self.recv]
+        self.replica_steps = self._plan_replica_gather(first)
+
+    def _plan_replica_gather(
+        self, first: Layout
+    ) -> list[tuple[ReplicaDim, list[list[tuple[int, int, int]]]]]:
+        """Per ``Replicate`` dim ``d``, the pieces each peer on ``d`` sends: its pieces of the
+        items owned in rows that agree with its own on dims ``d`` and after (what it holds once
+        the dims before ``d`` are gathered). Peers on a replica dim are the same rank of
+        ``group``, so they hold the same ranges and every rank knows every peer's pieces."""
+        mine: dict[int, tuple[int, int]] = {}
+        coords: dict[int, tuple[int, ...]] = {}
+        for k, item in enumerate(self.items):
+            ov = _overlap(item.start, item.end, *self.layouts[item.param].local_range)
+            if ov is not None:
+                mine[k] = ov
+                coords[k] = _row_coords(self.owners[k] // self.world, first.replicas)
+        here = tuple(r.rank for r in first.replicas)
+        return [
+            (
+                dim,
+                [
+                    [(k, *mine[k]) for k in mine if coords[k][d] == v and coords[k][d + 1 :] == here[d + 1 :]]
+                    for v in range(dim.size)
+                ],
+            )
+            for d, dim in enumerate(first.replicas)
+        ]
+
+    def replica_gather_stats(self) -> tuple[int, int]:
+        """Collectives and bytes this rank sends in :meth:`finish_scatter`'s replica gathers."""
+        calls = sent = 0
+        for dim, pieces in self.replica_steps:
+            width = max(sum(hi - lo for _, lo, hi in ps) for ps in pieces)
+            if width:
+                calls += 1
+                sent += width * (dim.size - 1) * self.dtype.itemsize
+        return calls, sent
 
     @property
     def local_owned(self) -> list[int]:
@@ -355,6 +469,35 @@ class Exchange:
         offset = 0
         for pieces in self.send:  # the pieces I hold of items owned elsewhere
             for k, lo, hi in pieces:
+                a = self._local_offset(k, lo)
+                outs[self.items[k].param][a : a + hi - lo] = recv[offset : offset + hi - lo]
+                offset += hi - lo
+        for dim, pieces in self.replica_steps:
+            self._gather_replicas(dim, pieces, outs)
+
+    def _gather_replicas(
+        self,
+        dim: ReplicaDim,
+        pieces: list[list[tuple[int, int, int]]],
+        outs: Sequence[torch.Tensor | None],
+    ) -> None:
+        """One all-gather over ``dim``: peer ``v`` sends ``pieces[v]`` (padded to the largest)."""
+        sizes = [sum(hi - lo for _, lo, hi in ps) for ps in pieces]
+        width = max(sizes)
+        if width == 0:
+            return
+        send = torch.zeros(width, dtype=self.dtype, device=self.device)
+        chunks = [
+            outs[self.items[k].param][self._local_offset(k, lo) : self._local_offset(k, hi)]
+            for k, lo, hi in pieces[dim.rank]
+        ]
+        if chunks:
+            send[: sizes[dim.rank]] = torch.cat(chunks)
+        recv = send.new_empty(width * dim.size)
+        all_gather_single(recv, send, group=dim.group)
+        for v, peer_pieces in enumerate(pieces):
+            offset = v * width
+            for k, lo, hi in peer_pieces if v != dim.rank else ():
                 a = self._local_offset(k, lo)
                 outs[self.items[k].param][a : a + hi - lo] = recv[offset : offset + hi - lo]
                 offset += hi - lo

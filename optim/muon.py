@@ -22,7 +22,14 @@ Per step, one ``all_to_all_single`` sends every rank's bf16 pieces of every matr
 (NS runs in bf16 on the bf16 cast of ``U``, so bf16 on the wire is exact), owners orthogonalize,
 and one ``all_to_all_single`` returns the pieces, asynchronously, while the AdamW parameters are
 updated. Matrices whole on their owner are orthogonalized while the first collective is in flight.
-When every matrix is whole on some rank no collective is issued at all.
+When every matrix is whole on some rank of a 1-D mesh no collective is issued at all.
+
+On an N-D mesh with one sharded dim (HSDP) each matrix still has one owner in the whole mesh, so
+every Newton-Schulz runs once in the world, not once per replica row; the momentum stays
+replicated. The all-to-alls run inside each replica row and one all-gather per ``Replicate``
+dim brings the other rows' results (:mod:`._sharding`); that all-gather runs even when every
+matrix is whole on a rank. Parameters sharded over several mesh dims (FSDP x TP) move one matrix
+at a time by DTensor redistribution (:mod:`._mesh_nd`).
 """
 
 from __future__ import annotations
@@ -33,9 +40,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from ragged_placement.optim._adamw import adamw_update
-from ragged_placement.optim._mesh_nd import assign_nd_owners, gather_to_owner, is_nd, owner_placements, scatter_from_owner
+from ragged_placement.optim._mesh_nd import (
+    assign_nd_owners,
+    gather_to_owner,
+    owner_placements,
+    scatter_from_owner,
+    sharded_on_several_dims,
+)
 from ragged_placement.optim._sharding import (
     Exchange,
     Item,
@@ -77,15 +89,19 @@ def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
 class MuonStepInfo:
     """What the last :meth:`Muon.step` did (machine-independent counts).
 
-    ``bytes_sent``: bytes this rank put on the wire in its all-to-alls (both directions).
-    ``all_to_all_calls``: collectives this rank issued. ``flops_per_rank``: NS FLOPs assigned to
-    each rank of the (last) process group by the owner plan; ``flops_local``: NS FLOPs of
+    ``bytes_sent``: bytes this rank put on the wire in its all-to-alls (both directions) and its
+    replica all-gathers. ``all_to_all_calls``, ``all_gather_calls``: collectives this rank issued
+    (all-gathers: one per ``Replicate`` mesh dim, see :class:`~._sharding.Exchange`).
+    ``flops_per_rank``: NS FLOPs assigned to each owner slot of the (last) process group by the
+    owner plan (on N-D meshes: slot ``row * group_size + rank`` of each replica row);
+    ``flops_local``: NS FLOPs of
     unsharded (plain / Replicate) matrices, which every rank computes itself. ``nd_matrices``:
-    matrices on N-D meshes, moved by DTensor redistribution (not counted in the fields above).
+    matrices sharded over several mesh dims (FSDP x TP), moved by DTensor redistribution (not counted in the fields above).
     """
 
     bytes_sent: int = 0
     all_to_all_calls: int = 0
+    all_gather_calls: int = 0
     nd_matrices: int = 0
     flops_per_rank: list[float] = field(default_factory=list)
     flops_local: float = 0.0
@@ -141,19 +157,19 @@ class Muon(ShardedStateOptimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
     ) -> None:
-        defaults = dict(
-            algorithm="muon",
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_steps=ns_steps,
-            ns_coefficients=tuple(ns_coefficients),
-            eps=eps,
-            weight_decay=weight_decay,
-            adjust_lr=adjust_lr,
-            betas=tuple(betas),
-            adamw_eps=adamw_eps,
-        )
+        defaults = {
+            "algorithm": "muon",
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_steps": ns_steps,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "adjust_lr": adjust_lr,
+            "betas": tuple(betas),
+            "adamw_eps": adamw_eps,
+        }
         self._plans: dict[tuple, _Plan] = {}
         self.last_step_info = MuonStepInfo()
         super().__init__(params, defaults)
@@ -209,7 +225,7 @@ class Muon(ShardedStateOptimizer):
         return plan
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer.step
+    def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -227,14 +243,15 @@ class Muon(ShardedStateOptimizer):
 
         # 2. split parameters into unsharded ones (plain / Replicate: every rank computes them)
         #    and one exchange per process group.
-        #    Parameters on N-D meshes (FSDP x TP, HSDP) go through DTensor redistribution instead.
+        #    Parameters sharded over several mesh dims (FSDP x TP) go through DTensor
+        #    redistribution instead; one sharded dim (HSDP) exchanges over that dim's group.
         by_group: dict[Any, list[int]] = {}
         unsharded: list[int] = []
-        nd = [i for i, (p, _) in enumerate(entries) if is_nd(p)]
-        layouts = [None if is_nd(p) else layout_of(p) for p, _ in entries]
+        nd = [i for i, (p, _) in enumerate(entries) if sharded_on_several_dims(p)]
+        layouts = [None if sharded_on_several_dims(p) else layout_of(p) for p, _ in entries]
         for i, layout in enumerate(layouts):
             if layout is not None:
-                (unsharded if layout.group is None else by_group.setdefault(layout.group, [])).append(i)
+                (unsharded if layout.group is None else by_group.setdefault(layout.exchange_key, [])).append(i)
         exchanges = []
         for idx in by_group.values():
             sub_layouts = [layouts[i] for i in idx]
@@ -279,6 +296,9 @@ class Muon(ShardedStateOptimizer):
             back = ex.start_scatter(res)
             info.all_to_all_calls += back.work is not None
             info.bytes_sent += sum(ex.recv_splits) * 2
+            calls, sent = ex.replica_gather_stats()
+            info.all_gather_calls += calls
+            info.bytes_sent += sent
             returns.append(back)
 
         # 6. meanwhile: weight decay, unsharded parameters, AdamW groups.
@@ -316,7 +336,7 @@ class Muon(ShardedStateOptimizer):
     def _step_nd(
         self, entries: list[tuple[torch.Tensor, dict[str, Any]]], updates: list[torch.Tensor], nd: list[int]
     ) -> dict[int, torch.Tensor]:
-        """Newton-Schulz of parameters on N-D meshes: each matrix is gathered to an owner by
+        """Newton-Schulz of parameters sharded over several mesh dims: each matrix is gathered to an owner by
         DTensor redistribution, orthogonalized there and returned in its own placements."""
         if not nd:
             return {}

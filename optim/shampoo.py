@@ -24,7 +24,10 @@ with its state; when the placement cuts only on B-row boundaries (``RaggedShard`
 ``B``-row units, or whole matrices per rank) that is every slab and a step issues no collective.
 Otherwise slabs are gathered to owners (greedy LPT on their FLOPs) with one
 ``all_to_all_single`` and the updates return with one more, as in :mod:`.muon`. Owners are fixed
-at the first step, so slab state stays where it was built.
+at the first step, so slab state stays where it was built. On an N-D mesh with one sharded dim
+(HSDP) every slab has one owner in the whole mesh, so its statistics and roots exist once, not
+once per replica row; the updates reach the other rows by one all-gather per ``Replicate`` dim
+(:mod:`._sharding`), also when every slab is whole on a rank.
 
 Slab state (statistics, roots, grafting moments) lives only on the slab's owner and is saved as
 rank-local tensors under ``state[p]["blocks"]``: it reloads into the same world size and
@@ -38,15 +41,20 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-
-from ragged_placement.optim._mesh_nd import assign_nd_owners, gather_to_owner, is_nd, owner_placements, scatter_from_owner
+from ragged_placement.optim._mesh_nd import (
+    assign_nd_owners,
+    gather_to_owner,
+    owner_placements,
+    scatter_from_owner,
+    sharded_on_several_dims,
+)
 from ragged_placement.optim._sharding import (
     Exchange,
     Item,
     Layout,
+    _whole,
     assign_owners,
     check_grad_placement,
-    _whole,
     layout_of,
     local_flat,
 )
@@ -101,20 +109,21 @@ class Shampoo(ShardedStateOptimizer):
         grafting_epsilon: float = 1e-8,
         weight_decay: float = 0.0,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            max_preconditioner_dim=max_preconditioner_dim,
-            precondition_frequency=precondition_frequency,
-            epsilon=epsilon,
-            exponents=tuple(exponents),
-            grafting=grafting,
-            grafting_betas=tuple(grafting_betas),
-            grafting_epsilon=grafting_epsilon,
-            weight_decay=weight_decay,
-        )
-        self._owners: dict[Any, dict[tuple[int, int, int], int]] = {}
+        defaults = {
+            "lr": lr,
+            "max_preconditioner_dim": max_preconditioner_dim,
+            "precondition_frequency": precondition_frequency,
+            "epsilon": epsilon,
+            "exponents": tuple(exponents),
+            "grafting": grafting,
+            "grafting_betas": tuple(grafting_betas),
+            "grafting_epsilon": grafting_epsilon,
+            "weight_decay": weight_decay,
+        }
+        self._owners: dict[tuple, dict[tuple[int, int, int], int]] = {}
         self._exchanges: dict[tuple, Exchange] = {}
         self.last_step_all_to_all_calls = 0
+        self.last_step_all_gather_calls = 0
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -157,31 +166,35 @@ class Shampoo(ShardedStateOptimizer):
                 items.append(Item(param_index, b * rows * cols + r0 * cols, (r, cols), cost))
         return items
 
-    def _owner_map(self, pg: Any) -> dict[tuple[int, int, int], int]:
-        """Owner of every slab of every matrix parameter on ``pg``, fixed at first use."""
-        if pg not in self._owners:
+    def _owner_map(self, key: tuple) -> dict[tuple[int, int, int], int]:
+        """Owner of every slab of every matrix parameter of exchange ``key``
+        (``Layout.exchange_key``), fixed at first use."""
+        if key not in self._owners:
             params = [
                 (p, g)
                 for g in self.param_groups
                 for p in g["params"]
-                if p.ndim >= 2 and layout_of(p).group is pg
+                if p.ndim >= 2
+                and not sharded_on_several_dims(p)
+                and layout_of(p).exchange_key == key
             ]
             layouts = [layout_of(p) for p, _ in params]
             items = [it for i, (p, g) in enumerate(params) for it in self._slabs(i, layouts[i], g)]
             owners, _ = assign_owners(items, layouts)
-            self._owners[pg] = {
+            self._owners[key] = {
                 (id(params[it.param][0]), it.start, it.numel): o for it, o in zip(items, owners)
             }
-        return self._owners[pg]
+        return self._owners[key]
 
     # -- step ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102 - torch.optim.Optimizer.step
+    def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.last_step_all_to_all_calls = 0
+        self.last_step_all_gather_calls = 0
         matrices: list[tuple[torch.Tensor, dict[str, Any]]] = []
         for g in self.param_groups:
             for p in g["params"]:
@@ -201,18 +214,18 @@ class Shampoo(ShardedStateOptimizer):
                     update = self._graft(grad, state, g, int(state["step"].item()))
                     local_flat(p).add_(update, alpha=-g["lr"])
 
-        self._step_nd([m for m in matrices if is_nd(m[0])])
-        matrices = [m for m in matrices if not is_nd(m[0])]
+        self._step_nd([m for m in matrices if sharded_on_several_dims(m[0])])
+        matrices = [m for m in matrices if not sharded_on_several_dims(m[0])]
         by_group: dict[Any, list[int]] = {}
         layouts = [layout_of(p) for p, _ in matrices]
         for i, layout in enumerate(layouts):
-            by_group.setdefault(layout.group, []).append(i)
-        for pg, idx in by_group.items():
-            self._step_matrices(pg, [matrices[i] for i in idx], [layouts[i] for i in idx])
+            by_group.setdefault(layout.exchange_key, []).append(i)
+        for key, idx in by_group.items():
+            self._step_matrices(key, [matrices[i] for i in idx], [layouts[i] for i in idx])
         return loss
 
     def _step_nd(self, entries: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
-        """Matrices on N-D meshes: the gradient goes whole to a balanced owner by DTensor
+        """Matrices sharded over several mesh dims: the gradient goes whole to a balanced owner by DTensor
         redistribution, the owner runs every slab (and keeps their statistics), the update comes
         back in the parameter's placements."""
         params = [p for p, _ in entries]
@@ -229,10 +242,11 @@ class Shampoo(ShardedStateOptimizer):
             local_flat(p).add_(update.reshape(-1), alpha=-g["lr"])
 
     def _step_matrices(
-        self, pg: Any, entries: list[tuple[torch.Tensor, dict[str, Any]]], layouts: list[Layout]
+        self, key: tuple, entries: list[tuple[torch.Tensor, dict[str, Any]]], layouts: list[Layout]
     ) -> None:
         grads = [local_flat(p.grad).float() for p, _ in entries]
         items = [it for i, (_, g) in enumerate(entries) for it in self._slabs(i, layouts[i], g)]
+        pg = layouts[0].group
         if pg is None:  # whole on every rank: every slab is computed here
             outs = [torch.empty_like(g) for g in grads]
             for it in items:
@@ -241,7 +255,7 @@ class Shampoo(ShardedStateOptimizer):
                 )
                 outs[it.param][it.start : it.end] = upd.reshape(-1)
         else:
-            owner_of = self._owner_map(pg)
+            owner_of = self._owner_map(key)
             owners = [owner_of[(id(entries[it.param][0]), it.start, it.numel)] for it in items]
             key = tuple((id(p), layout) for (p, _), layout in zip(entries, layouts))
             ex = self._exchanges.get(key)
@@ -262,6 +276,7 @@ class Shampoo(ShardedStateOptimizer):
                 )
             back = ex.start_scatter(results)
             self.last_step_all_to_all_calls += 2 if ex.traffic else 0
+            self.last_step_all_gather_calls += ex.replica_gather_stats()[0]
             outs = [torch.empty_like(g) for g in grads]
             ex.finish_scatter(back, results, outs)
         for (p, g), out in zip(entries, outs):

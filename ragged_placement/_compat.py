@@ -46,17 +46,27 @@ def reduce_scatter_single(
 def new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:
     """A process group whose group rank ``i`` is ``ranks[i]``, created by its members only
     (``use_local_synchronization``). ``new_group`` sorts the ranks; torch 2.13 keeps the given
-    order with ``sort_ranks=False`` (pytorch/pytorch#176580). Before that only a sorted list
-    can be honoured: ``ValueError`` for another order."""
-    if list(ranks) == sorted(ranks):
-        return dist.new_group(list(ranks), use_local_synchronization=True)
-    if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
-        raise ValueError(
-            f"this state_sharding needs a process group over ranks {list(ranks)} in that order, "
-            f"which needs torch >= 2.13 (new_group(sort_ranks=False)); on torch "
-            f"{torch.__version__} list the params dims before the other optim dims in the mesh"
+    order with ``sort_ranks=False`` (pytorch/pytorch#176580). Before that, ``new_group``'s one
+    ``sorted(ranks)`` is shadowed for the call (what ``sort_ranks=False`` skips), and the result
+    is checked: ``RuntimeError`` if the group does not list ``ranks`` in their order."""
+    ranks = list(ranks)
+    if ranks == sorted(ranks):
+        return dist.new_group(ranks, use_local_synchronization=True)
+    if "sort_ranks" in inspect.signature(dist.new_group).parameters:
+        group = dist.new_group(ranks, use_local_synchronization=True, sort_ranks=False)
+    else:
+        c10d = dist.distributed_c10d
+        c10d.sorted = list  # type: ignore[attr-defined]
+        try:
+            group = dist.new_group(ranks, use_local_synchronization=True)
+        finally:
+            del c10d.sorted
+    if dist.get_process_group_ranks(group) != ranks:
+        raise RuntimeError(
+            f"torch {torch.__version__} created a process group over {ranks} in the order "
+            f"{dist.get_process_group_ranks(group)}: this state_sharding needs the given order"
         )
-    return dist.new_group(list(ranks), use_local_synchronization=True, sort_ranks=False)
+    return group
 
 
 # The Partial placement torch uses for pending p-norms (module moved between releases).

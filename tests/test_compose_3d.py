@@ -1,5 +1,6 @@
-"""3-D meshes on 8 gloo ranks, against one process: (pp=2, dp=2, tp=2) with ScheduleGPipe, and
-HSDP x TP on (replicate=2, shard=2, tp=2). One spawn runs both (8 processes on a small machine)."""
+"""3-D meshes on 8 gloo ranks, against one process: (pp=2, dp=2, tp=2) with ScheduleGPipe,
+HSDP x TP on (replicate=2, shard=2, tp=2), and AMSP (``state_sharding``) x TP on (inter=2,
+intra=2, tp=2). One spawn runs all three (8 processes on a small machine)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import ScheduleGPipe
 from torch.distributed.tensor import Replicate, Shard
 
-from ragged_placement.fsdp import fully_shard
+from ragged_placement.fsdp import StateSharding, fully_shard
 from ragged_placement.models.llama import parallelize_llama
 from ragged_placement.placement import RaggedShard
 
@@ -41,12 +42,33 @@ def _hsdp_tp(rank: int, state) -> dict:
     }
 
 
+def _amsp_tp(rank: int, state) -> dict:
+    """Parameters sharded inside a node, gradients and optimizer state over both data-parallel
+    dims, beside tensor parallel; the optimizer ranks are params-major (intra before inter)."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("inter", "intra", "tp"))
+    model = _model(state)
+    parallelize_llama(model, mesh["tp"])
+    dp = mesh["inter", "intra"]
+    amsp = StateSharding(params=("intra",), grads=("inter", "intra"), optim=("inter", "intra"))
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp, state_sharding=amsp)
+    fully_shard(model, mesh=dp, state_sharding=amsp)
+    r = dp.get_local_rank(0) * 2 + dp.get_local_rank(1)
+    wq = model.layers["0"].attention.wq.weight
+    return {
+        "placements": tuple(wq.placements),
+        "mesh": wq.device_mesh.mesh_dim_names,
+        "losses": _mean_over(_train(model, [b[r : r + 1] for b in _batches()], clip=True)),
+    }
+
+
 def _worker(rank: int, world_size: int, state) -> dict:
     torch.set_num_threads(1)
-    return {"pp_dp_tp": _pp_dp_tp(rank, state), "hsdp_tp": _hsdp_tp(rank, state)}
+    return {"pp_dp_tp": _pp_dp_tp(rank, state), "hsdp_tp": _hsdp_tp(rank, state),
+            "amsp_tp": _amsp_tp(rank, state)}
 
 
-def test_pp_dp_tp_and_hsdp_tp_equal_one_process():
+def test_pp_dp_tp_hsdp_tp_and_amsp_tp_equal_one_process():
     state = _init_state()
     ref_clip = _train(_model(state), _batches(), clip=True)
     ref_noclip = _train(_model(state), _batches(), clip=False)
@@ -64,3 +86,8 @@ def test_pp_dp_tp_and_hsdp_tp_equal_one_process():
             h["losses"],
             ref_clip,
         )
+        a = r["amsp_tp"]
+        assert a["mesh"] == ("optim", "tp")  # the optimizer ranks, then tensor parallel
+        assert isinstance(a["placements"][0], RaggedShard) and a["placements"][1] == Shard(0)
+        assert max(abs(x - y) for x, y in zip(a["losses"], ref_clip)) < 1e-5, (
+            a["losses"], ref_clip)

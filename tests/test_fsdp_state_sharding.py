@@ -54,12 +54,14 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _reference() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """One process on the whole batch: the parameters after ``STEPS`` steps and the eval output
-    on ``x[STEPS]``."""
-    init, x, y = _data()
+def _reference(
+    init: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One process on the whole batch from ``init`` (default: :func:`_data`'s): the parameters
+    after ``STEPS`` steps and the eval output on ``x[STEPS]``."""
+    default, x, y = _data()
     m = MLP()
-    m.load_state_dict(init)
+    m.load_state_dict(default if init is None else init)
     opt = _adamw(m.parameters())
     for s in range(STEPS):
         F.mse_loss(m(x[s]), y[s]).backward()
@@ -223,3 +225,30 @@ def test_fp8_units_under_amsp_and_zero2_match_one_process_fp8():
                 assert nbytes // 2 <= chunk <= 1.01 * nbytes / 2
             else:
                 assert gathers == {BOTH: [steps, steps * nbytes]}
+
+
+# -- process groups in the nested layout's rank order on torch without sort_ranks (2.11) --------
+def _group_in_order_without_sort_ranks(rank: int, ws: int) -> tuple[list[int], list[int]]:
+    import torch.distributed as dist
+
+    from ragged_placement import _compat
+
+    real = dist.new_group
+
+    def old_new_group(ranks=None, use_local_synchronization=False):  # torch 2.11's signature
+        return real(ranks, use_local_synchronization=use_local_synchronization)
+
+    dist.new_group = old_new_group
+    try:
+        group = _compat.new_group_in_order([0, 2, 1, 3])
+    finally:
+        dist.new_group = real
+    out = [torch.zeros(1) for _ in range(ws)]
+    dist.all_gather(out, torch.tensor([float(rank)]), group=group)
+    return dist.get_process_group_ranks(group), [int(x) for x in out]
+
+
+@pytest.mark.multiprocess
+def test_groups_keep_the_given_rank_order_without_sort_ranks():
+    for ranks, gathered in run_gloo(_group_in_order_without_sort_ranks, 4):
+        assert ranks == gathered == [0, 2, 1, 3]

@@ -25,7 +25,6 @@ from ragged_placement.fsdp.common import UnitOptions
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
 from ragged_placement.fsdp.hooks import FSDPState
 from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
-from ragged_placement.fsdp.nested import check_no_tensor_parallel, state_sharded_mesh
 from ragged_placement.fsdp.module import (
     FSDPModule,
     UnshardHandle,
@@ -33,6 +32,7 @@ from ragged_placement.fsdp.module import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from ragged_placement.fsdp.nested import state_sharded_mesh
 from ragged_placement.fsdp.param import ParamSlot, mesh_device
 from ragged_placement.fsdp.spmd import check_dp_mesh_dims, localize_spmd_params
 from ragged_placement.fsdp.state_sharding import StateSharding
@@ -401,8 +401,8 @@ def fully_shard(
             rest; after a step the first all-gather refreshes the parameter shards over
             ``optim \\ params``. See :mod:`ragged_placement.fsdp.nested`. ``None``, or the
             default of ``mesh`` (:meth:`StateSharding.default`), is the behaviour without it.
-            Not yet with CPU offload, an ``int`` ``reshard_after_forward``,
-            ``dp_mesh_dims`` or tensor-parallel parameters (``ValueError``).
+            Tensor-parallel parameters compose as without it. Not yet with CPU offload, an
+            ``int`` ``reshard_after_forward`` or ``dp_mesh_dims`` (``ValueError``).
 
     Raises:
         ValueError: ``module`` is not a module (or list of them), was sharded already by this
@@ -435,8 +435,6 @@ def fully_shard(
         mesh = dp.mesh
     slots, params, owned_modules = _collect_params(modules, ignored)
     where = type(modules[0]).__name__
-    if nested is not None:
-        check_no_tensor_parallel(slots, params)
     check_not_managed([s.fqn for s in slots], params, where)
     _check_shard_placements(shard_placement_fn, slots, params, granularity)
     if check_quant(quant) is not None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
+from ragged_placement._compat import concatenate_meshes
 from ragged_placement.placement import RaggedShard
 from ragged_placement.planner.plan import Segment
 
@@ -43,6 +44,11 @@ class DataParallelMesh:
                 f"mesh must be a 1-D (shard) or 2-D (replicate, shard) DeviceMesh, got {mesh!r}"
             )
         return DataParallelMesh(mesh)
+
+    @property
+    def source(self) -> DeviceMesh:
+        """The user's data-parallel mesh (``mesh`` itself)."""
+        return self.mesh
 
     @property
     def hsdp(self) -> bool:
@@ -75,6 +81,11 @@ class DataParallelMesh:
     def placements(self, fsdp: RaggedShard) -> tuple[Placement, ...]:
         """The data-parallel placements of a parameter: ``(Replicate(),)`` for HSDP, then ``fsdp``."""
         return (Replicate(), fsdp) if self.hsdp else (fsdp,)
+
+    def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh of the sharded parameters beside ``tp_mesh`` (a sibling sub-mesh of the same
+        root): ``mesh``'s dims, then ``tp_mesh``'s."""
+        return concatenate_meshes([self.mesh, tp_mesh])
 
 
 # id(mesh) -> (a weak reference to the mesh, {N: this rank's N-rank post-forward group})

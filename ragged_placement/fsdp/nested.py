@@ -40,34 +40,39 @@ What persists between steps is the optimizer chunk's part of the reduction (``.g
 reduce-scatter over ``optim \\ grads`` with an all-reduce, and the gradient chunk is transient.
 
 Gradient accumulation (``set_requires_gradient_sync(False)``) keeps, as without a
-``state_sharding``, the unsharded gradients until the synchronizing backward, which runs all
-three reductions once: the gradient shard is never held unreduced.
+``state_sharding`` (and as FSDP2), the unsharded gradients until the synchronizing backward,
+which runs all three reductions once: between micro-batches every unit holds its whole
+unsharded gradient buffer (the model's gradients in ``param_dtype``, with the plan's padding)
+and issues nothing; the gradient shard is never held unreduced.
 
 **Staleness.** A unit refreshes before an unshard when the optimizer chunk changed since its
-last refresh: any ``torch.optim`` step in the process (a global step post-hook), or a write
-into the sharded parameters (their version counter: ``copy_``, ``load_state_dict``, an
-initializer), or a move. Every rank of an ``O \\ P`` group must take the same decision, as for
-any SPMD code: write sharded parameters on every rank or none.
+last refresh: any ``torch.optim`` step in the process (a global step post-hook), a write
+into the sharded parameters (the version counters of the parameters and of their local
+tensors: ``copy_``, ``load_state_dict``, an initializer), a ``state_dict()`` taken (its
+detached tensors may be loaded into in place before the next forward, as ``dcp.load`` does), or
+a move. A write through ``.data`` bypasses all of them. Every rank of an ``O \\ P`` group must
+take the same decision, as for any SPMD code: write sharded parameters on every rank or none.
 
 **Process groups.** Created once per ``(mesh, state_sharding)``, by their members only; the
-``O \\ P`` and ``O`` groups list their ranks in the order above, which needs
-``new_group(sort_ranks=False)`` (torch >= 2.13) unless that order is the mesh's
-(:func:`ragged_placement._compat.new_group_in_order`).
+``O \\ P`` and ``O`` groups list their ranks in the order above, not sorted where it is not the
+mesh's (:func:`ragged_placement._compat.new_group_in_order`: ``new_group(sort_ranks=False)`` on
+torch 2.13, checked emulation on 2.11).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import Placement, Replicate
 
-from ragged_placement._compat import new_group_in_order
+from ragged_placement._compat import concatenate_meshes, new_group_in_order
 from ragged_placement.fsdp.collectives import Gather, Reduction, reduce_scatter_parts
 from ragged_placement.fsdp.common import CommStats
 from ragged_placement.fsdp.mesh import coarsen_segments
@@ -79,7 +84,7 @@ if TYPE_CHECKING:
     from ragged_placement.fsdp.buffer import FlatBuffer
 
 __all__ = [
-    "Level", "NestedBuffer", "StateShardedMesh", "check_no_tensor_parallel", "nest_segments",
+    "Level", "NestedBuffer", "StateShardedMesh", "nest_segments",
     "state_sharded_mesh",
 ]
 
@@ -96,17 +101,22 @@ class Level:
     dims: tuple[str, ...]
 
 
-def _rank_grid(mesh: DeviceMesh, sharding: StateSharding) -> tuple[torch.Tensor, list[tuple[str, ...]]]:
-    """``mesh``'s global ranks as a ``(R, P, G \\ P, O \\ G)`` tensor and those four dim sets."""
+def _rank_grid(
+    mesh: DeviceMesh, sharding: StateSharding, ranks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[tuple[str, ...]]]:
+    """``mesh``'s global ranks as a ``(R, P, G \\ P, O \\ G)`` tensor and those four dim
+    sets; ``ranks``: the ranks of ``mesh`` and trailing dims beside it (kept last)."""
     names = list(mesh.mesh_dim_names)
+    ranks = mesh.mesh if ranks is None else ranks
     params = sharding.params
     grads = tuple(d for d in sharding.grads if d not in params)
     zero = tuple(d for d in sharding.optim if d not in sharding.grads)
     replicate = tuple(d for d in names if d not in sharding.optim)
     sets = [replicate, params, grads, zero]
     order = [names.index(d) for dims in sets for d in dims]
-    sizes = [int(torch.tensor([mesh.shape[names.index(d)] for d in dims]).prod()) for dims in sets]
-    return mesh.mesh.permute(*order).reshape(sizes), sets
+    sizes = [math.prod(mesh.shape[names.index(d)] for d in dims) for dims in sets]
+    trailing = list(range(len(names), ranks.ndim))
+    return ranks.permute(*order, *trailing).reshape(*sizes, *ranks.shape[len(names):]), sets
 
 
 class _Groups:
@@ -142,6 +152,8 @@ class StateShardedMesh:
     reduce: Level  # R and O \ G: the all-reduce of the gradient chunk
     optim: Level  # O
     replicate: Level  # R
+    # id(tp mesh) -> (the tp mesh, kept alive; the (R, O, tp) mesh): with_tp's
+    _with_tp: dict[int, tuple[DeviceMesh, DeviceMesh]] = field(default_factory=dict)
 
     @staticmethod
     def of(mesh: DeviceMesh, sharding: StateSharding) -> StateShardedMesh:
@@ -183,6 +195,26 @@ class StateShardedMesh:
                 mesh_dim_names=("replicate", "optim"),
             )
         return StateShardedMesh(sharding, mesh, pmesh, optim=optim, replicate=replicate, **levels)
+
+    def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh of the sharded parameters beside ``tp_mesh`` (a sibling of ``source`` in
+        one root mesh): ``mesh``'s dims, then ``tp_mesh``'s, built once per ``tp_mesh`` from
+        the groups of this rank (the tensor-parallel one is ``tp_mesh``'s)."""
+        key = id(tp_mesh)
+        if key not in self._with_tp:
+            full = concatenate_meshes([self.source, tp_mesh]).mesh
+            grid, _ = _rank_grid(self.source, self.sharding, full)
+            ranks = grid.reshape(self.replicate.size, self.optim.size, tp_mesh.size())
+            groups = [self.optim.group, tp_mesh.get_group()]
+            names = ("optim", *tp_mesh.mesh_dim_names)
+            if self.hsdp:
+                groups, names = [self.replicate.group, *groups], ("replicate", *names)
+            else:
+                ranks = ranks[0]
+            self._with_tp[key] = (tp_mesh, DeviceMesh.from_group(
+                groups, self.source.device_type, mesh=ranks, mesh_dim_names=names
+            ))
+        return self._with_tp[key][1]
 
     # -- the DataParallelMesh interface, over the optimizer ranks ------------------------------
     @property
@@ -283,17 +315,6 @@ def state_sharded_mesh(
                 f"of them (state_sharding=None or StateSharding.default(mesh) keeps it)"
             )
     return StateShardedMesh.of(mesh, state_sharding)
-
-
-def check_no_tensor_parallel(slots: Sequence[object], params: Sequence[torch.Tensor]) -> None:
-    """``ValueError`` naming the first tensor-parallel (DTensor) parameter of a unit with a
-    ``state_sharding``, which does not compose with tensor parallel yet."""
-    for slot, p in zip(slots, params):
-        if isinstance(p, DTensor):
-            raise ValueError(
-                f"parameter {slot.fqn} is a DTensor (tensor parallel): a state_sharding does "
-                f"not compose with tensor-parallel parameters yet; shard without state_sharding"
-            )
 
 
 # id(mesh) -> (a weak reference to the mesh, {sharding: its StateShardedMesh})

@@ -109,8 +109,9 @@ def resolve_granularity(
 def tp_spec_of(fqn: str, param: torch.Tensor, dp: DataParallelMesh) -> DTensorSpec | None:
     """The tensor-parallel spec of ``param`` (``None`` for a plain tensor), validated.
 
-    A DTensor parameter must live on a mesh of the same root as ``dp.mesh`` that shares no dim
-    with it, placed only by ``Shard`` (dividing its dim evenly) and ``Replicate``."""
+    A DTensor parameter must live on a mesh of the same root as ``dp.source`` (the user's
+    data-parallel mesh) that shares no dim with it, placed only by ``Shard`` (dividing its dim
+    evenly) and ``Replicate``."""
     if not isinstance(param, DTensor):
         return None
     spec = param._spec
@@ -139,16 +140,17 @@ def tp_spec_of(fqn: str, param: torch.Tensor, dp: DataParallelMesh) -> DTensorSp
             f"parameter {fqn} lives on a {mesh.ndim}-D mesh {mesh}: fully_shard "
             f"composes with a 1-D tensor-parallel mesh"
         )
-    if mesh.device_type != dp.mesh.device_type:
+    if mesh.device_type != dp.source.device_type:
         raise ValueError(
-            f"parameter {fqn} is on a {mesh.device_type} mesh but mesh is on {dp.mesh.device_type}"
+            f"parameter {fqn} is on a {mesh.device_type} mesh but mesh is on "
+            f"{dp.source.device_type}"
         )
     try:
-        concatenate_meshes([dp.mesh, mesh])
+        concatenate_meshes([dp.source, mesh])
     except (RuntimeError, ValueError) as exc:
         raise ValueError(
-            f"mesh {dp.mesh} and the mesh {mesh} of parameter {fqn} must be disjoint sub-meshes "
-            f"of one root mesh ({exc})"
+            f"mesh {dp.source} and the mesh {mesh} of parameter {fqn} must be disjoint "
+            f"sub-meshes of one root mesh ({exc})"
         ) from None
     return spec
 
@@ -201,7 +203,7 @@ def tp_policy(policy, tp_specs: dict[str, DTensorSpec | None]):
 
 def spmd_mesh(dp: DataParallelMesh, tp_mesh: DeviceMesh | None) -> DeviceMesh:
     """The mesh of a unit's sharded parameters: ``dp.mesh``, then ``tp_mesh``'s dim if any."""
-    return dp.mesh if tp_mesh is None else concatenate_meshes([dp.mesh, tp_mesh])
+    return dp.mesh if tp_mesh is None else dp.with_tp(tp_mesh)
 
 
 def rebind(param: nn.Parameter, value: torch.Tensor) -> None:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,14 @@ def _mark_stale_after_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_mark_stale_after_step)
 
 
+def _stale_after_state_dict(unit: FSDPUnit, module, state_dict, prefix, local_metadata) -> None:
+    """A state dict holds detached views of the sharded parameters, which may be written in
+    place past every version counter the unit reads (``dcp.load``): refresh ``unit`` before its
+    next all-gather."""
+    del module, state_dict, prefix, local_metadata
+    unit.mark_stale()
+
+
 class FSDPUnit:
     """One ``fully_shard`` unit: a :class:`~ragged_placement.fsdp.buffer.FlatBuffer` per
     parameter dtype, one coalesced all-gather per pass and one reduce-scatter per backward for
@@ -173,6 +182,8 @@ class FSDPUnit:
         if isinstance(mesh, StateShardedMesh):
             self.dp, self.mesh = mesh, mesh.source
             _STATE_SHARDED_UNITS.add(self)
+            for module in {id(m): m for slot in slots for m, _ in slot.owners}.values():
+                module.register_state_dict_post_hook(partial(_stale_after_state_dict, self))
         else:
             self.dp, self.mesh = DataParallelMesh.of(mesh), mesh
         self._stale = True
@@ -294,7 +305,7 @@ class FSDPUnit:
         """Under a ``state_sharding``: all-gather the optimizer chunks over ``optim \\
         params`` into the parameter chunks if they changed since the last refresh (see
         :mod:`ragged_placement.fsdp.nested`); blocks until done."""
-        versions = [b.sharded._version for b in self.buffers]
+        versions = self._versions()
         if not self._stale and versions == self._synced_versions:
             return
         refreshes = [b.nested.prepare_refresh() for b in self.buffers if b.nested.refreshes]
@@ -305,6 +316,15 @@ class FSDPUnit:
                 b.nested.finish_refresh()
         self._stale = False
         self._synced_versions = versions
+
+    def _versions(self) -> list[int]:
+        """The version counters of the sharded chunks, of the sharded parameters and of their
+        local tensors: each has its own (``nn.Parameter(DTensor)`` detaches, and DTensor ops
+        run below the counters' bump), so an op on a parameter (``copy_``, ``mul_``, an
+        ``nn.init``) bumps only the parameter's, a write into its local tensor
+        (``load_state_dict``) only that one's."""
+        params = [(p._version, p._local_tensor._version) for p in self.sharded_params]
+        return [b.sharded._version for b in self.buffers] + [v for pv in params for v in pv]
 
     def mark_stale(self) -> None:
         """The sharded parameters changed (an optimizer step, a move): refresh the parameter
