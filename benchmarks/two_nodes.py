@@ -19,7 +19,10 @@ the table gives
   ``P(inter,intra) G(inter,intra) OS(inter,intra)``, HSDP ``P(intra) G(intra) OS(intra)``, both
   with ``reshard_after_forward=True``. Measured: the trainer's ``comm_seconds``, the wall time a
   rank spends inside a collective call or a wait on an asynchronous one per timed step (what it
-  was blocked on; overlapped communication is not counted), mean over ranks, median over runs;
+  was blocked on, waiting for slower ranks included; overlapped communication is not counted),
+  mean over ranks, median over runs; and the link's busy time: the bytes the busier node sent
+  across per step over ``--rate`` (a lower bound of the time the step's traffic needs), first
+  run;
 * memory per rank, split by state: local parameter (the optimizer shard plus the parameter chunk
   a ``state_sharding`` keeps), gradient and optimizer-state bytes, and the heap peak of the
   measured step above the heap before the model was built (everything: states, activations,
@@ -86,6 +89,21 @@ def _link_bytes(metrics: dict, steps: int) -> tuple[float, float]:
     return inside / steps, across / steps
 
 
+def _rate(text: str) -> float:
+    """tc's rate (``1gbit``, ``500mbit``) in bytes/s."""
+    for unit, scale in (("kbit", 1e3), ("mbit", 1e6), ("gbit", 1e9), ("bit", 1.0)):
+        if text.endswith(unit):
+            return float(text[:-len(unit)]) * scale / 8
+    raise ValueError(f"--rate must be N[k|m|g]bit, got {text!r}")
+
+
+def _link_seconds(metrics: dict, steps: int, rate: float) -> float:
+    """Seconds per step the busier direction of the link sends: its node's bytes across / rate."""
+    across = [sum(b for iface, b in r["net_bytes"].items() if iface != "lo")
+              for r in metrics["per_rank"] if r["net_bytes"]]
+    return max(across) / steps / rate
+
+
 def _predicted(label: str, auto: dict) -> float:
     """Predicted communication seconds per step of ``label``'s sharding, from the partitioner
     run's candidates."""
@@ -97,7 +115,8 @@ def _predicted(label: str, auto: dict) -> float:
     raise ValueError(f"no candidate {point} in the partitioner's table")
 
 
-def _summary(label: str, runs: list[dict], steps: int, auto: dict) -> dict:
+def _summary(label: str, runs: list[dict], args: argparse.Namespace, auto: dict) -> dict:
+    steps = args.steps
     ranks = runs[0]["per_rank"]
     inside, across = _link_bytes(runs[0], steps)
     return {
@@ -107,16 +126,17 @@ def _summary(label: str, runs: list[dict], steps: int, auto: dict) -> dict:
         "predicted": _predicted(label, auto),
         "measured": statistics.median(statistics.mean(p["comm_seconds"] for p in r["per_rank"])
                                       for r in runs),
-        **{k: max(r["state_bytes"][k] for r in ranks) / MiB
-           for k in ("params", "grads", "optimizer")},
+        "link": _link_seconds(runs[0], steps, _rate(args.rate)),
+        **{k: max(r["state_bytes"][k] for r in ranks) for k in ("params", "grads", "optimizer")},
         "peak": max(r["peak"] for r in ranks) / MiB,
     }
 
 
 def _row(r: dict) -> str:
     return (f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['inside']:.2f} | {r['across']:.2f} | "
-            f"{r['predicted']:.3f} | {r['measured']:.3f} | {r['params']:.2f} | {r['grads']:.2f} | "
-            f"{r['optimizer']:.2f} | {r['peak']:.1f} |")
+            f"{r['predicted']:.3f} | {r['measured']:.3f} | {r['link']:.3f} | "
+            + " | ".join(f"{r[k] / MiB:.2f}" for k in ("params", "grads", "optimizer"))
+            + f" | {r['peak']:.1f} |")
 
 
 def _targets(rows: dict[str, dict]) -> list[str]:
@@ -131,13 +151,14 @@ def _targets(rows: dict[str, dict]) -> list[str]:
                                            ("FSDP2 HSDP", hsdp, 0.95, 0.5 * hsdp["optimizer"])):
         ratio = a["tokens_per_s"] / ref["tokens_per_s"]
         lines.append(f"- vs {name}: tokens/s {ratio:.2f}x (target >= {speed}x: "
-                     f"{met(ratio >= speed)}); optimizer state {a['optimizer']:.2f} MiB per rank "
-                     f"(target <= {memory_bound:.2f}: {met(a['optimizer'] <= memory_bound)})")
+                     f"{met(ratio >= speed)}); optimizer state {a['optimizer']:,} bytes per rank "
+                     f"(target <= {memory_bound:,.0f}: {met(a['optimizer'] <= memory_bound)}, "
+                     f"{a['optimizer'] - memory_bound:+,.0f} bytes)")
     for r in rows.values():
-        err = r["predicted"] / r["measured"] - 1
+        err, link = r["predicted"] / r["measured"] - 1, r["predicted"] / r["link"] - 1
         lines.append(f"- {r['label']}: predicted communication {r['predicted']:.3f} s/step, "
                      f"measured {r['measured']:.3f} s/step ({err:+.0%}; target within 25%: "
-                     f"{met(abs(err) <= 0.25)})")
+                     f"{met(abs(err) <= 0.25)}); link busy {r['link']:.3f} s/step ({link:+.0%})")
     return lines
 
 
@@ -160,8 +181,8 @@ def main() -> None:
           f"batch {args.batch} per rank, fp32, AdamW; 2 nodes x 2 ranks, link {args.rate}; "
           f"{args.steps} steps, {args.runs} runs per row")
     print("\n| run | tokens/s | MiB/step inside nodes | MiB/step across | predicted comm s/step "
-          "| measured comm s/step | params MiB | grads MiB | optimizer MiB | peak MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| measured comm s/step | link busy s/step | params MiB | grads MiB | optimizer MiB | peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     tmp = tempfile.mkdtemp(prefix="two_nodes_")  # kept when a job fails: its log is there
     rows, auto = {}, None
     for label, config in CONFIGS:
@@ -170,7 +191,7 @@ def main() -> None:
         chosen = {r["state_sharding"]["choice"] for r in runs if r["state_sharding"]}
         if len(chosen) > 1:  # a profile that differs between runs
             print(f"(the partitioner's runs chose differently: {sorted(chosen)})")
-        rows[label] = _summary(label, runs, args.steps, auto)
+        rows[label] = _summary(label, runs, args, auto)
         print(_row(rows[label]), flush=True)
     plan = auto["state_sharding"]
     print(f"\nThe partitioner chose {plan['choice']}, reshard_after_forward="

@@ -300,7 +300,6 @@ def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsy
          "--state-sharding zero2 needs --runtime ours"),
         (["--state-sharding", "auto", "--runtime", "fsdp2"], "--state-sharding auto needs --runtime ours"),
         (["--state-sharding", "amsp"], "--state-sharding amsp needs a 2-D --mesh"),
-        (["--fp8", "--state-sharding", "zero1"], "--fp8 with --state-sharding zero1"),
         (["--bandwidth", "dp=1e9"], "--bandwidth is the partitioner's input: it needs --state-sharding auto"),
         (["--memory-budget", "1e9", "--state-sharding", "amsp", "--mesh", "2x2"],
          "--memory-budget is the partitioner's input"),

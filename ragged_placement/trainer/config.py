@@ -299,8 +299,5 @@ def _check_state_sharding(cfg: TrainConfig) -> None:
             f"intra, gradients and optimizer state over both), got "
             f"{'none' if cfg.mesh is None else 'x'.join(map(str, cfg.mesh))}"
         )
-    if cfg.fp8:
-        raise ValueError(f"--fp8 with --state-sharding {cfg.state_sharding}: fully_shard's "
-                         "state_sharding does not take quant yet; use zero3 or hsdp")
     if cfg.state_sharding == "auto":
         bandwidths(cfg)
