@@ -404,11 +404,13 @@ def _per_dim(arg: str, value: object, dims: Sequence[str], allow_zero: bool) -> 
 
 
 def _candidates(dims: Sequence[str]) -> list[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
-    """Every chain ``params ⊆ grads ⊆ optim`` of ``dims``: each dim replicated (0), sharded for
-    optim (1), grads and optim (2), or every state (3)."""
+    """Every chain ``params ⊆ grads ⊆ optim`` of ``dims`` that shards something: each dim
+    replicated (0), sharded for optim (1), grads and optim (2), or every state (3); not all
+    replicated (DDP, which ``fully_shard`` refuses)."""
     out = []
     for levels in product(range(4), repeat=len(dims)):
-        out.append(tuple(tuple(d for d, lv in zip(dims, levels) if lv >= k) for k in (3, 2, 1)))
+        if any(levels):
+            out.append(tuple(tuple(d for d, lv in zip(dims, levels) if lv >= k) for k in (3, 2, 1)))
     return out
 
 
