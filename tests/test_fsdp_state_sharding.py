@@ -109,6 +109,18 @@ def _counts(m: MLP) -> dict[tuple[str, tuple[str, ...]], int]:
     return out
 
 
+def _one_rank_touches(m: MLP, rank: int) -> torch.Tensor:
+    """Rank 0 alone takes a state dict and writes a parameter (with its own value): the ranks
+    agree to refresh at the next forward (no rank left waiting), whose output is returned."""
+    x = _data()[1][STEPS]
+    with torch.no_grad():
+        m(x)  # refreshes after the state dict _train took on every rank
+        if rank == 0:
+            m.state_dict()
+            m.b.weight.mul_(1.0)
+        return m(x)
+
+
 def _every_point(rank: int, ws: int):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=BOTH)
     results = {}
@@ -116,6 +128,8 @@ def _every_point(rank: int, ws: int):
         m, opt, out, full, local = _train(rank, ws, mesh, "ours", sharding)
         state = [t.to_local().numel() for st in opt.state.values() for t in st.values() if t.ndim]
         results[name] = (out, full, local, sum(state), _counts(m))
+        if name == "amsp":
+            results["amsp_one_rank"] = _one_rank_touches(m, rank)
     results["fsdp2"] = _train(rank, ws, init_device_mesh("cpu", (4,)), "fsdp2", None)[2:5]
     results["fsdp2_hsdp"] = _train(rank, ws, mesh, "fsdp2", None)[2:5]
     return results
@@ -158,6 +172,8 @@ def test_every_point_matches_one_process_and_fsdp2_on_2x2():
     ref, ref_out = _reference()
     numel = sum(v.numel() for v in ref.values())
     ranks = run_gloo(_every_point, 4)
+    for results in ranks:
+        torch.testing.assert_close(results["amsp_one_rank"], ref_out, atol=TOL, rtol=0)
     for name in [*SHARDINGS, "fsdp2", "fsdp2_hsdp"]:
         for rank, results in enumerate(ranks):
             out, full, *_ = results[name]

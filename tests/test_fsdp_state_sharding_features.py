@@ -513,15 +513,16 @@ def test_bf16_mixed_precision_matches_fsdp2_hsdp(every_feature):
 @pytest.mark.multiprocess
 def test_comm_debug_mode_sees_by_dims_and_the_formula_per_step(every_feature):
     """AMSP, per step: the c10d collectives ``CommDebugMode`` sees, by the mesh dims of their
-    group, equal ``by_dims``'s increment plus one all-reduce over both dims (one byte per
-    parameter: :func:`~ragged_placement.fsdp.hooks.drop_unused_grads`, not a state transfer),
-    and ``by_dims`` equals the formula from the parameter counts."""
+    group, equal ``by_dims``'s increment plus two all-reduces over both dims that move no
+    state: one byte per parameter (:func:`~ragged_placement.fsdp.hooks.drop_unused_grads`) and
+    one byte per unit (the refresh agreement, :func:`~ragged_placement.fsdp.hooks.
+    agree_on_refreshes`), and ``by_dims`` equals the formula from the parameter counts."""
     for rank in every_feature:
         steps, numels, n_params = rank["comm"]
         formula = _amsp_formula(numels, 4)
         for seen, total, delta in steps:
             assert delta == formula
-            assert seen == {**delta, ("all_reduce", BOTH): [1, n_params]}
+            assert seen == {**delta, ("all_reduce", BOTH): [2, n_params + len(numels)]}
             assert total == sum(n for n, _ in seen.values())
 
 

@@ -311,6 +311,7 @@ class FSDPState:
                     ctx.post_optim_event.wait()
                     ctx.post_optim_event = None
                 ctx.start_forward()
+                agree_on_refreshes(ctx.states)
                 for s in ctx.states:
                     s.drop_stale_gather()
                     s.unit.release_dropped_grads()
@@ -512,6 +513,34 @@ class FSDPState:
             s.unit.wait_offload_copies()
         drop_unused_grads(ctx.states)
         ctx.callback_queued = False
+
+
+def agree_on_refreshes(states: list[FSDPState]) -> None:
+    """At the root's forward: the data-parallel ranks agree, per unit under a
+    ``state_sharding`` that refreshes (:mod:`ragged_placement.fsdp.nested`), whether its next
+    unshard refreshes the parameter chunks: one all-reduce (max) of one byte per unit over the
+    optimizer ranks (and one over the replicas), per distinct state-sharded mesh, whose result
+    the host reads (on GPUs: a device sync at the start of forward). Each rank's own view can
+    differ (a state dict or a write on some ranks only), and a refresh that not every rank of
+    its group joins would hang."""
+    by_mesh: dict[int, list[FSDPUnit]] = {}
+    for s in states:
+        unit = s.unit
+        if unit.device.type == "meta" or not any(
+            b.nested is not None and b.nested.refreshes for b in unit.buffers
+        ):
+            continue
+        by_mesh.setdefault(id(unit.dp), []).append(unit)
+    for units in by_mesh.values():
+        flags = torch.tensor([u.needs_refresh() for u in units], dtype=torch.uint8,
+                             device=units[0].device)
+        dp = units[0].dp
+        for group in (dp.optim.group, dp.replicate.group):
+            if group is not None:
+                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX,
+                                             group=group)
+        for unit, stale in zip(units, flags.tolist()):
+            unit.agree_refresh(bool(stale))
 
 
 def drop_unused_grads(states: Sequence[FSDPState]) -> None:

@@ -51,7 +51,11 @@ into the sharded parameters (the version counters of the parameters and of their
 tensors: ``copy_``, ``load_state_dict``, an initializer), a ``state_dict()`` taken (its
 detached tensors may be loaded into in place before the next forward, as ``dcp.load`` does), or
 a move. A write through ``.data`` bypasses all of them. Every rank of an ``O \\ P`` group must
-take the same decision, as for any SPMD code: write sharded parameters on every rank or none.
+take the same decision, or the refresh would wait for the ranks that skip it: at the root's
+forward the data-parallel ranks agree per unit (one byte per unit, all-reduced: max;
+:func:`~ragged_placement.fsdp.hooks.agree_on_refreshes`), so a state dict or a write on some
+ranks only refreshes everywhere. An unshard outside the root's forward (backward, a submodule
+called on its own) decides locally.
 
 **Process groups.** Created once per ``(mesh, state_sharding)``, by their members only; the
 ``O \\ P`` and ``O`` groups list their ranks in the order above, not sorted where it is not the

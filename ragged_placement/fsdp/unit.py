@@ -170,6 +170,7 @@ class FSDPUnit:
     # refresh of the parameter chunks, and the sharded chunks' versions at that refresh
     _stale: bool
     _synced_versions: list[int]
+    _agreed: bool | None  # the ranks' agreed decision for the next unshard (None: none yet)
 
     def __init__(
         self,
@@ -188,6 +189,7 @@ class FSDPUnit:
             self.dp, self.mesh = DataParallelMesh.of(mesh), mesh
         self._stale = True
         self._synced_versions = []
+        self._agreed = None
         self.rank = self.dp.shard_rank
         self.world_size = self.dp.shard_size
         self.stats = CommStats()
@@ -306,7 +308,11 @@ class FSDPUnit:
         params`` into the parameter chunks if they changed since the last refresh (see
         :mod:`ragged_placement.fsdp.nested`); blocks until done."""
         versions = self._versions()
-        if not self._stale and versions == self._synced_versions:
+        stale = self._agreed if self._agreed is not None else self.needs_refresh(versions)
+        self._agreed = None
+        self._stale = False
+        self._synced_versions = versions
+        if not stale:
             return
         refreshes = [b.nested.prepare_refresh() for b in self.buffers if b.nested.refreshes]
         if refreshes:
@@ -314,8 +320,18 @@ class FSDPUnit:
             self.stats.count_dims("all_gather", self.dp.refresh.dims, _out_bytes(refreshes))
             for b in self.buffers:
                 b.nested.finish_refresh()
-        self._stale = False
-        self._synced_versions = versions
+
+    def needs_refresh(self, versions: list[int] | None = None) -> bool:
+        """Whether this rank's optimizer chunks may have changed since the last refresh (an
+        optimizer step, a move, a state dict taken, or a write the version counters show)."""
+        return self._stale or (versions or self._versions()) != self._synced_versions
+
+    def agree_refresh(self, stale: bool) -> None:
+        """The data-parallel ranks' agreement (:func:`~ragged_placement.fsdp.hooks.
+        agree_on_refreshes`) on whether the next unshard refreshes: it replaces this rank's own
+        :meth:`needs_refresh` there, so that a rank that alone wrote (or took a state dict)
+        cannot leave its refresh group waiting."""
+        self._agreed = stale
 
     def _versions(self) -> list[int]:
         """The version counters of the sharded chunks, of the sharded parameters and of their
