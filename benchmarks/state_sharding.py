@@ -406,6 +406,7 @@ def _run_point(rank, ws, runtime, mesh, sharding, raf, dims_mesh, cfg, init, cor
         _shard_gpt(model, runtime, mesh, sharding, raf, args.bf16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         out["n_params"] = len(list(model.parameters()))
+        out["n_units"] = len(list(model.fsdp_units())) if runtime == "ours" else 0
 
         def step(i: int) -> None:
             x, y = corpus.batch(i, per * ws, cfg.block_size)
@@ -471,7 +472,7 @@ def _runtime_rank(rank: int, ws: int, shape: tuple[int, int], args) -> list[dict
         res = _run_point(rank, ws, runtime, m, sharding, raf, mesh, cfg, init, corpus, args)
         if res["stats"]:
             res["counted"] = _counter_matches(res["comm"], res["stats"], sharding, mesh,
-                                              res["n_params"])
+                                              res["n_params"], res["n_units"])
         shown = sharding if sharding is not None else (StateSharding.zero3(mesh) if m is flat
                                                        else StateSharding.default(mesh))
         planned = plan.find(shown, raf)
@@ -545,7 +546,8 @@ def runtime_table(args) -> None:
     _print_table(["mesh", "point", "params", "grads", "optim", "unsharded peak / buffers"],
                  model_rows)
     print(f"\nthe counter (CollectiveMeter.by_dims) == CommStats.by_dims plus the unused-gradient "
-          f"flags' all-reduce, on {len(checks)} state-sharded runs x ranks: "
+          f"and refresh-agreement flags' all-reduces, on {len(checks)} state-sharded runs x "
+          f"ranks: "
           f"{'yes' if all(checks) else 'NO'}")
     for line in targets:
         print(line)
@@ -563,18 +565,21 @@ def _moved(comm: dict, dims: tuple[str, ...]) -> int:
     return sum(v[2] for (kind, d), v in comm.items() if d == dims)
 
 
-def _counter_matches(comm: dict, stats: dict, sharding, mesh, n_params: int) -> bool:
+def _counter_matches(comm: dict, stats: dict, sharding, mesh, n_params: int,
+                     n_units: int) -> bool:
     """Whether the counter's ``(kind, dims) -> [calls, bytes]`` is the units' own
-    ``CommStats.by_dims`` plus the one collective they do not count: ``drop_unused_grads``'s
-    all-reduce of one byte per parameter over the optimizer ranks (and over the replicated
-    ones), once per step."""
+    ``CommStats.by_dims`` plus the collectives they do not count, once per step, over the
+    optimizer ranks (and over the replicated ones): ``drop_unused_grads``'s all-reduce of one
+    byte per parameter and, where the units refresh (``params != optim``),
+    ``agree_on_refreshes``'s of one byte per unit."""
     expected = {key: list(v) for key, v in stats.items()}
     replicated = tuple(d for d in mesh.mesh_dim_names if d not in sharding.optim)
+    flags = [n_params] + ([n_units] if sharding.params != sharding.optim else [])
     for dims in (sharding.optim, replicated):
-        if dims:
+        for nbytes in flags if dims else ():
             entry = expected.setdefault(("all_reduce", dims), [0, 0])
             entry[0] += 1
-            entry[1] += n_params
+            entry[1] += nbytes
     return {key: v[:2] for key, v in comm.items()} == expected
 
 
