@@ -231,16 +231,17 @@ def test_fp8_units_under_amsp_and_zero2_match_one_process_fp8():
             assert losses[0] == pytest.approx(ref[0], abs=GRAD_TOL), name  # same FP8 weights
             assert losses == pytest.approx(ref, abs=LOSS_TOL), name
             # every parameter all-gather of the block moves its FP8 bytes and scales: over
-            # intra (forward, backward) for AMSP, and the refreshes (one per step) assemble a
+            # intra (forward, backward) for AMSP, and the refreshes (before the first forward,
+            # then issued by each step) assemble a
             # parameter chunk (AMSP: half of the sends, as large as the larger half; uneven
             # chunks) or the whole buffer (zero2)
             gathers = {dims: v for (kind, dims), v in by_dims.items() if kind == "all_gather"}
             if name == "amsp":
                 assert gathers[("intra",)] == [2 * steps, 2 * steps * nbytes]
-                assert gathers[("inter",)] == [steps, steps * chunk]
+                assert gathers[("inter",)] == [steps + 1, (steps + 1) * chunk]
                 assert nbytes // 2 <= chunk <= 1.01 * nbytes / 2
             else:
-                assert gathers == {BOTH: [steps, steps * nbytes]}
+                assert gathers == {BOTH: [steps + 1, (steps + 1) * nbytes]}
 
 
 # -- process groups in the nested layout's rank order on torch without sort_ranks (2.11) --------

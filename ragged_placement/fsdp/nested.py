@@ -27,8 +27,11 @@ after backward, its gradient chunk's optimizer part (the sharded ``.grad``).
 **Per step**, per unit (one collective per pass and per dim set; a set spanning one rank costs
 nothing):
 
-1. *refresh*: after the parameters changed (an optimizer step, a load, a move), the first
-   unshard all-gathers the optimizer chunks over ``O \\ P`` into the parameter chunk;
+1. *refresh*: the optimizer chunks all-gathered over ``O \\ P`` into the parameter chunk,
+   issued asynchronously by each optimizer step over the unit's parameters (a global step
+   post-hook, in the optimizer's parameter order) so that it runs while the next forward
+   starts, and waited on at the unit's next unshard; after another change (a load, a write, a
+   move) the next unshard issues it;
 2. forward and backward all-gather the parameter chunks over ``P`` (``reshard_after_forward``
    as without a ``state_sharding``);
 3. backward reduce-scatters the gradients over ``P`` into a parameter-chunk-sized buffer, then

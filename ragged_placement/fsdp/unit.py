@@ -100,17 +100,23 @@ def _out_bytes(gathers: list[Gather]) -> int:
     return sum(g.output.numel() * g.output.element_size() for g in gathers)
 
 
-# the live units under a state_sharding, marked stale by every optimizer step in the process
+# the live units under a state_sharding, refreshed after every optimizer step over their parameters
 _STATE_SHARDED_UNITS: weakref.WeakSet[FSDPUnit] = weakref.WeakSet()
 
 
-def _mark_stale_after_step(optimizer, args, kwargs) -> None:
-    del optimizer, args, kwargs
-    for unit in list(_STATE_SHARDED_UNITS):
-        unit.mark_stale()
+def _refresh_after_step(optimizer, args, kwargs) -> None:
+    """Every optimizer step in the process: the state-sharded units holding a parameter it
+    stepped issue their refresh (:meth:`FSDPUnit.refresh_after_step`)."""
+    del args, kwargs
+    owner = {id(p): unit for unit in list(_STATE_SHARDED_UNITS) for p in unit.sharded_params}
+    # in the optimizer's parameter order, the same on every rank (the set's order is not)
+    units = {id(owner[id(p)]): owner[id(p)] for group in optimizer.param_groups
+             for p in group["params"] if id(p) in owner}
+    for unit in units.values():
+        unit.refresh_after_step()
 
 
-register_optimizer_step_post_hook(_mark_stale_after_step)
+register_optimizer_step_post_hook(_refresh_after_step)
 
 
 def _stale_after_state_dict(unit: FSDPUnit, module, state_dict, prefix, local_metadata) -> None:
@@ -171,6 +177,7 @@ class FSDPUnit:
     _stale: bool
     _synced_versions: list[int]
     _agreed: bool | None  # the ranks' agreed decision for the next unshard (None: none yet)
+    _refresh_work: object | None  # a refresh issued at an optimizer step, not waited on yet
 
     def __init__(
         self,
@@ -190,6 +197,7 @@ class FSDPUnit:
         self._stale = True
         self._synced_versions = []
         self._agreed = None
+        self._refresh_work = None
         self.rank = self.dp.shard_rank
         self.world_size = self.dp.shard_size
         self.stats = CommStats()
@@ -272,6 +280,7 @@ class FSDPUnit:
         Raises ``ValueError`` as :meth:`FlatBuffer.apply_` does, or if gradients accumulated
         without sync are pending."""
         self.reshard()
+        self._wait_refresh()
         for b in self.buffers:
             if b.grads.pending or b.grads.reducing:
                 raise ValueError(
@@ -306,20 +315,45 @@ class FSDPUnit:
     def _refresh_if_stale(self) -> None:
         """Under a ``state_sharding``: all-gather the optimizer chunks over ``optim \\
         params`` into the parameter chunks if they changed since the last refresh (see
-        :mod:`ragged_placement.fsdp.nested`); blocks until done."""
+        :mod:`ragged_placement.fsdp.nested`); blocks until done, as it does for a refresh
+        issued at the last optimizer step (:meth:`refresh_after_step`)."""
+        self._wait_refresh()
         versions = self._versions()
         stale = self._agreed if self._agreed is not None else self.needs_refresh(versions)
         self._agreed = None
+        if stale:
+            self._issue_refresh()
+            self._wait_refresh()
         self._stale = False
         self._synced_versions = versions
-        if not stale:
+
+    def refresh_after_step(self) -> None:
+        """After an optimizer step over this unit's parameters (every rank steps): issue the
+        refresh now, asynchronously, so that it runs while the next forward starts; the
+        unit's next unshard waits for it. A unit on the meta device, or one that is not
+        resharded, is only marked stale."""
+        if self.state is not UnitState.SHARDED or self.device.type == "meta":
+            self._stale = True
             return
+        self._wait_refresh()
+        self._issue_refresh()
+        self._stale = False
+        self._synced_versions = self._versions()
+
+    def _issue_refresh(self) -> None:
         refreshes = [b.nested.prepare_refresh() for b in self.buffers if b.nested.refreshes]
         if refreshes:
-            issue_all_gather(refreshes, self.stats).wait()
+            self._refresh_work = issue_all_gather(refreshes, self.stats)
             self.stats.count_dims("all_gather", self.dp.refresh.dims, _out_bytes(refreshes))
-            for b in self.buffers:
-                b.nested.finish_refresh()
+
+    def _wait_refresh(self) -> None:
+        """Wait for an issued refresh and release its send buffers."""
+        if self._refresh_work is None:
+            return
+        self._refresh_work.wait()
+        self._refresh_work = None
+        for b in self.buffers:
+            b.nested.finish_refresh()
 
     def needs_refresh(self, versions: list[int] | None = None) -> bool:
         """Whether this rank's optimizer chunks may have changed since the last refresh (an
