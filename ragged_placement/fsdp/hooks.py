@@ -532,15 +532,21 @@ def agree_on_refreshes(states: list[FSDPState]) -> None:
             continue
         by_mesh.setdefault(id(unit.dp), []).append(unit)
     for units in by_mesh.values():
-        flags = torch.tensor([u.needs_refresh() for u in units], dtype=torch.uint8,
-                             device=units[0].device)
         dp = units[0].dp
-        for group in (dp.optim.group, dp.replicate.group):
-            if group is not None:
-                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX,
-                                             group=group)
-        for unit, stale in zip(units, flags.tolist()):
-            unit.agree_refresh(bool(stale))
+        stale = _any_rank([u.needs_refresh() for u in units], units[0].device,
+                          (dp.shard_group, dp.replicate_group))
+        for unit, flag in zip(units, stale):
+            unit.agree_refresh(flag)
+
+
+def _any_rank(flags: list[bool], device: torch.device, groups: Sequence) -> list[bool]:
+    """Each of ``flags`` or-ed over the ranks of ``groups`` (``None`` entries skipped): one
+    all-reduce (max) of one byte per flag per group, read by the host."""
+    out = torch.tensor(flags, dtype=torch.uint8, device=device)
+    for group in groups:
+        if group is not None:
+            torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
+    return [bool(f) for f in out.tolist()]
 
 
 def drop_unused_grads(states: Sequence[FSDPState]) -> None:
@@ -566,15 +572,9 @@ def drop_unused_grads(states: Sequence[FSDPState]) -> None:
         elif s.had_grad is not None:
             dp = s.unit.dp
             by_group.setdefault((dp.shard_group, dp.replicate_group), []).append(s)
-    for (shard_group, replicate_group), group_states in by_group.items():
-        used = torch.tensor(
-            [i in s.got_grad for s in group_states for i in range(len(s.unit.slots))],
-            dtype=torch.uint8, device=group_states[0].unit.device,
-        )
-        for g in (shard_group, replicate_group):
-            if g is not None:
-                torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.MAX, group=g)
-        flags = iter(used.tolist())
+    for groups, group_states in by_group.items():
+        used = [i in s.got_grad for s in group_states for i in range(len(s.unit.slots))]
+        flags = iter(_any_rank(used, group_states[0].unit.device, groups))
         for s in group_states:
             unit = s.unit
             for slot, p, had, anywhere in zip(unit.slots, unit.sharded_params, s.had_grad, flags):
