@@ -24,14 +24,16 @@ def _pp_dp_tp(rank: int, state) -> list[float]:
     return _pipeline_losses(mesh, state, ScheduleGPipe, 1e-2, tp_mesh=mesh["tp"])
 
 
-def _hsdp_tp(rank: int, state) -> dict:
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+def _dp_tp(state, names: tuple[str, str, str], sharding: StateSharding | None) -> dict:
+    """Data parallel over the first two dims of a 2x2x2 ``names`` mesh (``sharding``, or the
+    default: HSDP) beside tensor parallel over the last: layout and losses."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
     model = _model(state)
-    parallelize_llama(model, mesh["tp"])
-    dp = mesh["replicate", "shard"]
+    parallelize_llama(model, mesh[names[2]])
+    dp = mesh[names[0], names[1]]
     for block in model.layers.values():
-        fully_shard(block, mesh=dp)
-    fully_shard(model, mesh=dp)
+        fully_shard(block, mesh=dp, state_sharding=sharding)
+    fully_shard(model, mesh=dp, state_sharding=sharding)
     r = dp.get_local_rank(0) * 2 + dp.get_local_rank(1)
     wq = model.layers["0"].attention.wq.weight
     return {
@@ -42,30 +44,16 @@ def _hsdp_tp(rank: int, state) -> dict:
     }
 
 
-def _amsp_tp(rank: int, state) -> dict:
-    """Parameters sharded inside a node, gradients and optimizer state over both data-parallel
-    dims, beside tensor parallel; the optimizer ranks are params-major (intra before inter)."""
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("inter", "intra", "tp"))
-    model = _model(state)
-    parallelize_llama(model, mesh["tp"])
-    dp = mesh["inter", "intra"]
-    amsp = StateSharding(params=("intra",), grads=("inter", "intra"), optim=("inter", "intra"))
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp, state_sharding=amsp)
-    fully_shard(model, mesh=dp, state_sharding=amsp)
-    r = dp.get_local_rank(0) * 2 + dp.get_local_rank(1)
-    wq = model.layers["0"].attention.wq.weight
-    return {
-        "placements": tuple(wq.placements),
-        "mesh": wq.device_mesh.mesh_dim_names,
-        "losses": _mean_over(_train(model, [b[r : r + 1] for b in _batches()], clip=True)),
-    }
+# AMSP: parameters sharded inside a node, gradients and optimizer state over both
+# data-parallel dims; the optimizer ranks are params-major (intra before inter)
+AMSP = StateSharding(params=("intra",), grads=("inter", "intra"), optim=("inter", "intra"))
 
 
 def _worker(rank: int, world_size: int, state) -> dict:
     torch.set_num_threads(1)
-    return {"pp_dp_tp": _pp_dp_tp(rank, state), "hsdp_tp": _hsdp_tp(rank, state),
-            "amsp_tp": _amsp_tp(rank, state)}
+    return {"pp_dp_tp": _pp_dp_tp(rank, state),
+            "hsdp_tp": _dp_tp(state, ("replicate", "shard", "tp"), None),
+            "amsp_tp": _dp_tp(state, ("inter", "intra", "tp"), AMSP)}
 
 
 def test_pp_dp_tp_hsdp_tp_and_amsp_tp_equal_one_process():
