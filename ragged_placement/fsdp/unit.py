@@ -377,8 +377,9 @@ class FSDPUnit:
         return [b.sharded._version for b in self.buffers] + [v for pv in params for v in pv]
 
     def mark_stale(self) -> None:
-        """The sharded parameters changed (an optimizer step, a move): refresh the parameter
-        chunks before the next all-gather (under a ``state_sharding``; else nothing to do)."""
+        """The sharded parameters may change unseen (a state dict was taken): refresh the
+        parameter chunks before the next all-gather (under a ``state_sharding``; else nothing
+        to do)."""
         self._stale = True
 
     def wait_unshard(self) -> None:
