@@ -2,7 +2,7 @@
 HSDP) and torch FSDP2 (full shard, HSDP).
 
 Each configuration is one ``scripts/two_nodes.sh`` job (two network namespaces joined by a
-tbf-shaped veth pair, ``torchrun`` with c10d rendezvous in each) of
+tbf-shaped veth pair, ``--queue`` of buffer, ``torchrun`` with c10d rendezvous in each) of
 ``python -m ragged_placement.train`` on a GPT of ~11 M parameters, repeated ``--runs`` times;
 the table gives
 
@@ -63,9 +63,9 @@ MiB = 2.0**20
 
 
 def _job(args: argparse.Namespace, config: list[str], metrics: str) -> dict:
-    cmd = ["bash", "scripts/two_nodes.sh", "--rate", args.rate, "--", "--layers", str(args.layers),
-           "--width", str(args.width), "--heads", str(args.heads), "--seq", str(args.seq),
-           "--batch", str(args.batch), "--steps", str(args.steps), "--log-every", str(args.steps),
+    cmd = ["bash", "scripts/two_nodes.sh", "--rate", args.rate, "--queue", args.queue, "--",
+           "--layers", str(args.layers), "--width", str(args.width), "--heads", str(args.heads),
+           "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--log-every", str(args.steps),
            *config, *(["--bandwidth", args.bandwidth] if "auto" in config else []),
            "--metrics", metrics]
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
@@ -172,13 +172,17 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     ap.add_argument("--rate", default="1gbit", help="the link's rate (tc tbf)")
+    ap.add_argument("--queue", default="10ms",
+                    help="the link's queue, as the time a packet may wait before it is dropped "
+                         "(tbf latency; scripts/two_nodes.sh --queue)")
     ap.add_argument("--bandwidth", default="profile",
                     help="the partitioner's bytes/s per mesh dim (inter=...,intra=...) or profile")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per job (hang guard)")
     args = ap.parse_args()
     params = 12 * args.layers * args.width**2 + (256 + args.seq) * args.width
     print(f"GPT {args.layers} x {args.width} (~{params / 1e6:.1f} M parameters), seq {args.seq}, "
-          f"batch {args.batch} per rank, fp32, AdamW; 2 nodes x 2 ranks, link {args.rate}; "
+          f"batch {args.batch} per rank, fp32, AdamW; 2 nodes x 2 ranks, link {args.rate} "
+          f"(queue {args.queue}); "
           f"{args.steps} steps, {args.runs} runs per row")
     print("\n| run | tokens/s | MiB/step inside nodes | MiB/step across | predicted comm s/step "
           "| measured comm s/step | link busy s/step | params MiB | grads MiB | optimizer MiB | peak MiB |")

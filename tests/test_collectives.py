@@ -2,9 +2,11 @@
 
 A unit of several equal segments is reduce-scattered on gloo as one packed collective (a staging
 buffer filled by FSDP2's copy-in op, :func:`ragged_placement.fsdp.collectives._packed_sizes`) instead of
-gloo's coalesced one; all-gathers stay coalesced and zero-copy.
+one per segment; all-gathers stay coalesced and zero-copy. Every gloo reduce-scatter (a sum) is
+an all-to-all and a local sum (``_compat._reduce_scatter_by_all_to_all``: gloo's own
+reduce-scatter is a whole all-reduce), checked against gloo's at an odd world size.
 Both paths must give the same results (the gathers bitwise; the reductions up to the rounding of
-gloo's summation order): each is compared with the other on the same inputs, and
+the summation order): each is compared with the other on the same inputs, and
 the packed one issues one c10d op per call and counts its copies in ``LayoutCopyMeter``.
 """
 
@@ -85,6 +87,7 @@ def _compare(rank: int, ws: int):
     mine = [sum(_inputs(r)[1][k].view(ws, -1)[rank] for r in range(ws)) for k in range(len(SIZES))]
     torch.testing.assert_close(reduced, torch.cat(mine))
     out["mixed"] = _mixed_parts(rank, ws)
+    out["gloo"] = _gloo_reduce_scatter(rank, ws)
     return out
 
 
@@ -133,13 +136,63 @@ def test_packed_segments_match_coalesced_ones_with_one_op_and_counted_copies():
     for out in results:
         for async_op in (False, True):
             ops, copied = out[("tiled", async_op)]
-            assert ops == {"allgather_into_tensor_coalesced_": 1, "_reduce_scatter_base_": 1}
+            assert ops == {"allgather_into_tensor_coalesced_": 1, "alltoall_base_": 1}
             assert copied == numel * 4  # the reduce-scatter's staging: its input, once
             ops, copied = out[("shuffled", async_op)]
-            assert "allgather_into_tensor_coalesced_" in ops and copied == 0
-        # two parts of different dtypes: one coalesced op each way (the first part's packed
-        # reduce-scatter is one call of it), the same results as a call per part
+            # not packed: one all-to-all per segment (no coalescing manager holds them)
+            assert ops == {"allgather_into_tensor_coalesced_": 1, "alltoall_base_": 3}
+            assert copied == 0
+        # two parts of different dtypes: one coalesced all-gather, one all-to-all per part (the
+        # first part packed), the same results as a call per part
         for pair, (ops, equal) in out["mixed"].items():
-            assert ops == {"allgather_into_tensor_coalesced_": 1,
-                           "reduce_scatter_tensor_coalesced_": 1}, pair
+            assert ops == {"allgather_into_tensor_coalesced_": 1, "alltoall_base_": 2}, pair
             assert equal == [True] * 4, pair
+        _check_gloo_reduce_scatter(out["gloo"])
+
+
+def _gloo_reduce_scatter(rank: int, ws: int) -> dict:
+    """``reduce_scatter_single`` (an all-to-all on gloo) against gloo's own reduce-scatter
+    (``_compat._reduce_scatter``) on the same inputs; the meter's and CommDebugMode's view."""
+    from ragged_placement import _compat
+    from ragged_placement.fsdp.profiling import CollectiveMeter
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(ws * 1000, generator=gen).to(dtype)
+        before = x.clone()
+        theirs = torch.empty(1000, dtype=dtype)
+        _compat._reduce_scatter(theirs, x, group=None)
+        for async_op in (False, True):
+            ours = torch.full((1000,), float("nan"), dtype=dtype)
+            with CommDebugMode() as comm, CollectiveMeter() as meter:
+                work = _compat.reduce_scatter_single(ours, x, async_op=async_op)
+                if async_op:
+                    assert not work.is_completed()  # the sum waits for wait()
+                    work.wait()
+                    assert work.is_completed() and work.wait()
+            ops = {str(k).rsplit(".", 1)[-1]: v for k, v in comm.get_comm_counts().items()}
+            out[(dtype, async_op)] = (ours, theirs, torch.equal(x, before), ops,
+                                      meter.counts["reduce_scatter"],
+                                      meter.counts["reduce_scatter_bytes"])
+        # the exact sum of this rank's chunk over ranks (the inputs as they were), in float64
+        inputs = [torch.randn(ws * 1000, generator=torch.Generator().manual_seed(r)).to(dtype)
+                  for r in range(ws)]
+        out[dtype] = sum(c.double().view(ws, -1)[rank] for c in inputs)
+    return out
+
+
+def _check_gloo_reduce_scatter(out: dict) -> None:
+    """gloo's sum reduce-scatter: one all-to-all, counted by the meter as one reduce-scatter of
+    its input, the input untouched, the sum equal to gloo's own and to the exact one."""
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        for async_op in (False, True):
+            ours, theirs, untouched, ops, calls, nbytes = out[(dtype, async_op)]
+            assert untouched
+            assert ops == {"alltoall_base_": 1}
+            assert (calls, nbytes) == (1, WORLD * 1000 * ours.element_size())
+            # gloo sums in its ring's order, ours in rank order: equal to rounding (two fp32
+            # addends: bitwise)
+            torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
+            assert dtype != torch.float32 or torch.equal(ours, theirs)
+            torch.testing.assert_close(ours.double(), out[dtype], rtol=tol, atol=tol)

@@ -507,7 +507,10 @@ def _net_rank(rank: int, ws: int) -> dict[str, tuple]:
 
 
 # Measured (torch 2.13 CPU, gloo, 6 steps, every setting): the losses agree with the reference
-# to 3.0e-8 at most (fp32 reduction order); bound 1e-6 (GRAD_TOL) on every loss.
+# to 3.0e-8 at most on one machine, 3.7e-4 on another (2026-11-27; the same on gloo's own
+# reduce-scatter and on _compat's all-to-all: FP8 rounding amplifies the fp32 rounding of the
+# gradient sum, 4 partial matmuls here, one in the reference); bound 1e-3 (LOSS_TOL), the
+# file's bound for FP8 training against one process.
 
 
 @pytest.mark.multiprocess
@@ -520,7 +523,7 @@ def test_fp8_units_on_uneven_chunks_train_as_one_process_fp8_on_gloo():
     for result in run_gloo(_net_rank, WORLD):
         for name, (losses, kinds, pair_gathers) in result.items():
             assert kinds == [("UnevenPlan", True, True, True)] * 2, name
-            assert losses == pytest.approx(ref, abs=GRAD_TOL), name
+            assert losses == pytest.approx(ref, abs=LOSS_TOL), name
             assert pair_gathers == (2 * NET_STEPS if name == "int" else 0), name
 
 

@@ -80,8 +80,8 @@ def _train_and_save(rank: int, ws: int, ckpt: str):
         uneven_gathers = ops.get("broadcast_", 0) / broadcasts if broadcasts else 0
         counts.append((ops.get("_allgather_base_", 0) + ops.get("allgather_into_tensor_coalesced_", 0)
                        + uneven_gathers,
-                       ops.get("_reduce_scatter_base_", 0) + ops.get("reduce_scatter_tensor_coalesced_", 0)
-                       + ops.get("reduce_scatter_", 0)))
+                       # gloo's reduce-scatters (sums) run as all-to-alls (_compat)
+                       ops.get("alltoall_base_", 0) + ops.get("reduce_scatter_", 0)))
         if s + 1 == SAVE_AT:
             dcp.save(
                 {"model": m.state_dict(), "optim": get_optimizer_state_dict(m, opt)},

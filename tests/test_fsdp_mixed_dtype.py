@@ -183,7 +183,8 @@ def test_fp8_unit_with_several_dtypes_is_refused_naming_the_parameters():
 # into one coalesced op, and nothing else runs in forward and backward.
 OPS_PER_STEP = {
     "allgather_into_tensor_coalesced_": 1 + 2 * 2,
-    "reduce_scatter_tensor_coalesced_": 1 + 2,
+    # gloo's reduce-scatter (a sum) is an all-to-all (_compat), one per part: fp32 and float64
+    "alltoall_base_": 2 * (1 + 2),
     "allreduce_": 1,  # one byte per parameter: which ones no rank used (their .grad is None)
 }
 GLOO_CONFIGS = {
@@ -227,9 +228,9 @@ def _coalesced_on_gloo(rank: int, ws: int) -> dict[str, tuple]:
 
 
 @pytest.mark.multiprocess
-def test_unit_with_several_dtypes_issues_one_coalesced_collective_per_pass_on_gloo():
+def test_unit_with_several_dtypes_issues_one_collective_per_pass_and_part_on_gloo():
     """On 4 gloo ranks a unit of fp32 and float64 parameters issues one coalesced all-gather
-    per pass and one coalesced reduce-scatter per backward (also gathering backward over the
+    per pass and one all-to-all per part per backward (gloo's reduce-scatter; also gathering backward over the
     pair with ``reshard_after_forward=2``, and with CPU offload), trains as one process, and its
     counters say one collective each with the parts' bytes summed."""
     ref = _train(_model(torch.float64), 0, 1)

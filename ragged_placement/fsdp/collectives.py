@@ -111,18 +111,19 @@ def _run(equal, uneven, group, async_op: bool):
     return None
 
 
-def _run_parts(calls, group, async_op: bool, custom: bool = False):
+def _run_parts(calls, group, async_op: bool, custom: bool = False, coalesce: bool = True):
     """Run every part's ``(equal, uneven)`` calls as one collective (:func:`_run`); calls of a
-    user's collective (``custom``) one after the other, uncoalesced (it may not be c10d's)."""
+    user's collective (``custom``: it may not be c10d's), or all calls where not ``coalesce``,
+    one after the other, uncoalesced."""
     equal = [call for part_equal, _ in calls for call in part_equal]
     uneven = [call for _, part_uneven in calls for call in part_uneven]
-    if custom:
-        if uneven:
-            raise ValueError(
-                "a custom all-gather / reduce-scatter (FSDPModule.set_custom_all_gather / "
-                "set_custom_reduce_scatter) moves equal chunks; this unit has uneven ones"
-            )
-        works = Works([call(True) for call in equal])
+    if custom and uneven:
+        raise ValueError(
+            "a custom all-gather / reduce-scatter (FSDPModule.set_custom_all_gather / "
+            "set_custom_reduce_scatter) moves equal chunks; this unit has uneven ones"
+        )
+    if custom or not coalesce:
+        works = Works([call(True) for call in equal + uneven])
         if async_op:
             return works
         works.wait()
@@ -266,7 +267,9 @@ def reduce_scatter_parts(parts, world_size: int, op=dist.ReduceOp.SUM, group=Non
     calls = [_reduce_calls(output, inputs, segments, world_size, op, rank, group,
                            scatter or reduce_scatter_single)
              for output, inputs, segments in parts]
-    return _run_parts(calls, group, async_op, custom=scatter is not None)
+    # a gloo sum is an all-to-all (reduce_scatter_single), which no coalescing manager holds
+    coalesce = op != dist.ReduceOp.SUM or dist.get_backend(group) != "gloo"
+    return _run_parts(calls, group, async_op, custom=scatter is not None, coalesce=coalesce)
 
 
 def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: int,
