@@ -12,6 +12,9 @@ the GPT 4x128 block's, ``--sizes``) issued
   :func:`ragged_placement.fsdp.collectives.reduce_scatter_segments` runs on gloo).
 
 Medians of ``--reps`` alternating repetitions, each between barriers; ratios to ``single``.
+A reduce-scatter outside a coalescing manager runs as the runtime runs it on gloo, one
+all-to-all and a local sum (``_compat.reduce_scatter_single``; gloo's own against it:
+``benchmarks/gloo_reduce_scatter.py``); ``coalesced`` is gloo's own coalesced reduce-scatter.
 
 ``--fp8``: the FP8 all-gather of one unit (a GPT block of width ``--fp8-width``, 128x128
 blocks, on uneven per-rank chunks) as the padded equal all-gather of its FP8 sends (every rank

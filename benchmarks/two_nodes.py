@@ -7,7 +7,7 @@ tbf-shaped veth pair, ``--queue`` of buffer, ``torchrun`` with c10d rendezvous i
 the table gives
 
 * tokens/s: the trainer's (timed steps: all but the first and the measured last), median over
-  runs;
+  runs (the rows' runs interleaved: run i of every row before run i + 1 of any);
 * bytes per link class, per step: what the node's network interfaces sent during the training
   loop (``/sys/class/net/*/statistics/tx_bytes`` inside each namespace; ``lo``: inside a node,
   the veth: across), summed over both nodes, from the first run;
@@ -188,15 +188,18 @@ def main() -> None:
           "| measured comm s/step | link busy s/step | params MiB | grads MiB | optimizer MiB | peak MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     tmp = tempfile.mkdtemp(prefix="two_nodes_")  # kept when a job fails: its log is there
-    rows, auto = {}, None
-    for label, config in CONFIGS:
-        runs = [_job(args, config, f"{tmp}/{i}.json") for i in range(args.runs)]
-        auto = auto or runs[0]  # the first row: its plan predicts every row
-        chosen = {r["state_sharding"]["choice"] for r in runs if r["state_sharding"]}
-        if len(chosen) > 1:  # a profile that differs between runs
-            print(f"(the partitioner's runs chose differently: {sorted(chosen)})")
-        rows[label] = _summary(label, runs, args, auto)
-        print(_row(rows[label]), flush=True)
+    # run i of every row before run i + 1 of any: a machine whose load changes during the
+    # benchmark slows every row alike
+    runs: dict[str, list[dict]] = {label: [] for label, _ in CONFIGS}
+    for i in range(args.runs):
+        for label, config in CONFIGS:
+            runs[label].append(_job(args, config, f"{tmp}/{label}-{i}.json"))
+    auto = runs[AUTO][0]  # the partitioner's first run: its plan predicts every row
+    chosen = {r["state_sharding"]["choice"] for r in runs[AUTO]}
+    rows = {label: _summary(label, runs[label], args, auto) for label, _ in CONFIGS}
+    print("\n".join(_row(r) for r in rows.values()))
+    if len(chosen) > 1:  # a profile that differs between runs
+        print(f"(the partitioner's runs chose differently: {sorted(chosen)})")
     plan = auto["state_sharding"]
     print(f"\nThe partitioner chose {plan['choice']}, reshard_after_forward="
           f"{plan['reshard_after_forward']}; bandwidth "

@@ -44,11 +44,19 @@ def reduce_scatter_single(
 ):
     """Reduce ``input`` over ``group`` and keep this rank's equal chunk in ``output``.
 
-    On gloo a sum runs as :func:`_reduce_scatter_by_all_to_all`; other backends and ops run
-    c10d's reduce-scatter."""
-    if op == dist.ReduceOp.SUM and dist.get_backend(group) == "gloo":
+    On gloo a sum runs as :func:`_reduce_scatter_by_all_to_all`, except inside a coalescing
+    manager (which holds only c10d's reduce-scatters); other backends and ops run c10d's."""
+    if (op == dist.ReduceOp.SUM and dist.get_backend(group) == "gloo"
+            and not _coalescing(group)):
         return _reduce_scatter_by_all_to_all(output, input, group=group, async_op=async_op)
     return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def _coalescing(group) -> bool:
+    """Whether ``group`` is inside ``dist._coalescing_manager`` (which records its collectives
+    and issues them at its exit)."""
+    c10d = dist.distributed_c10d
+    return (group or c10d._get_default_group()) in c10d._world.pg_coalesce_state
 
 
 class _SumOnWait:
@@ -78,9 +86,9 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, gro
     chunks received: every rank sends ``(n-1)/n`` of ``input``, a ring reduce-scatter's bytes.
 
     torch's gloo backend runs ``reduce_scatter_single`` as an all-reduce of the whole input
-    (``2 (n-1)/n`` of it sent) followed by a copy. Measured with ``benchmarks/collectives.py
-    --gloo-reduce-scatter`` (fp32, 16 MiB input, 2x2 ranks over two emulated nodes): 1.5x
-    faster across the 1 Gbit/s link, 3x inside a node. The sum runs in rank order on this rank
+    (``2 (n-1)/n`` of it sent) followed by a copy. Measured with ``benchmarks/gloo_reduce_scatter.py``
+    (fp32, 4 ranks as two emulated nodes, ``docs/fsdp.md``): faster across the 1 Gbit/s link
+    and inside a node, 1.5-3x. The sum runs in rank order on this rank
     (``torch.sum``, which accumulates a bf16 input in fp32): in fp32 over two ranks it equals
     gloo's bitwise; otherwise to rounding."""
     received = torch.empty_like(input)

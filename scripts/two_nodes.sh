@@ -2,7 +2,7 @@
 # Two emulated nodes on one machine: a training job over a slow link.
 #
 #   scripts/two_nodes.sh [--rate 1gbit] [--latency 0.1ms] [--queue 10ms] [--nproc-per-node 2]
-#                        [--] TRAIN_ARGS...
+#                        [--script FILE] [--] TRAIN_ARGS...
 #
 # Creates two network namespaces joined by a veth pair (10.231.N.1 <-> 10.231.N.2, addresses
 # only inside them) and shapes each direction of the link (loopback inside each namespace stays
@@ -17,7 +17,8 @@
 #              (sch_netem); where it has not, the script says so and adds none.
 # Then starts `torchrun --nnodes 2 --node-rank i --nproc-per-node P` with c10d rendezvous in
 # each, gloo bound to the namespace's veth (GLOO_SOCKET_IFNAME), running
-# `python -m ragged_placement.train TRAIN_ARGS`. Everything it created (processes, namespaces,
+# `python -m ragged_placement.train TRAIN_ARGS` (or `python FILE TRAIN_ARGS` with --script).
+# Everything it created (processes, namespaces,
 # the veth pair) is removed when it exits, also on Ctrl-C or failure. Needs root or
 # CAP_NET_ADMIN; without, it says so and exits 1. The exit status is the first failing node's
 # (the other node is then stopped), else 0. PYTHON selects the interpreter (default
@@ -29,6 +30,7 @@ LATENCY=0.1ms
 QUEUE=10ms
 BURST=128kb
 NPROC=2
+ENTRY=(-m ragged_placement.train)
 PY=${PYTHON:-.venv/bin/python}
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -36,6 +38,7 @@ while [[ $# -gt 0 ]]; do
     --latency) LATENCY=$2; shift 2 ;;
     --queue) QUEUE=$2; shift 2 ;;
     --nproc-per-node) NPROC=$2; shift 2 ;;
+    --script) ENTRY=("$2"); shift 2 ;;
     --) shift; break ;;
     *) break ;;
   esac
@@ -101,7 +104,7 @@ for i in 0 1; do
   ip netns exec "${NS[$i]}" env GLOO_SOCKET_IFNAME="${VETH[$i]}" TWO_NODES_NODE="$i" \
     "$PY" -m torch.distributed.run --nnodes 2 --node-rank "$i" --nproc-per-node "$NPROC" \
     --rdzv-backend c10d --rdzv-endpoint "${ADDR[0]}:29400" --rdzv-id "$TAG" \
-    --rdzv-conf "is_host=${IS_HOST[$i]}" --local-addr "${ADDR[$i]}" -m ragged_placement.train "$@" &
+    --rdzv-conf "is_host=${IS_HOST[$i]}" --local-addr "${ADDR[$i]}" "${ENTRY[@]}" "$@" &
   PIDS+=("$!")
 done
 status=0
