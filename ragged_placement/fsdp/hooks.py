@@ -488,13 +488,17 @@ class FSDPState:
             self.root.finish_pending_reduce()
             self.note_reduce()
             unit.reduce_grads()
-            if unit.device.type == "cpu":
+            if unit.device.type != "cpu":
+                self.root.pending_reduce = unit
+            elif unit.start_rest():
+                # a state_sharding's reductions beyond `params` (across nodes, where `params`
+                # is a node) are in flight: the next unit's backward overlaps them
+                self.root.pending_reduce = unit
+            else:
                 # gloo stages the reduce-scatter in buffers of its own, alive with the input
                 # until wait(): on CPU, where the overlap buys little, finishing it here frees
                 # them before the next unit's backward (FSDP2 is synchronous on CPU too)
                 unit.finish_reduce()
-            else:
-                self.root.pending_reduce = unit
         if self.reshard_after_backward:
             unit.reshard()
         else:  # FSDPModule.set_reshard_after_backward(False): the next forward reuses it

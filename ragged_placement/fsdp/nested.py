@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -486,11 +486,25 @@ class NestedBuffer:
         out = inputs[0].new_empty(self.reduced_numel)
         return Reduction(out, inputs, self.reduce_segments, level.size, level.group)
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether :meth:`start_rest` leaves a collective in flight (a reduce-scatter over
+        ``G \\ P``)."""
+        return self.mesh.grads.size > 1
+
     def reduce_rest(self, reduction: Reduction, stats: CommStats) -> torch.Tensor:
         """The gradient sum over the whole data-parallel world of this rank's optimizer chunk,
         in the plan's chunk layout, from the finished reduce-scatter over ``P``
         (:meth:`params_reduction`): reduce-scattered over ``G \\ P``, all-reduced over ``R``
         and ``O \\ G``."""
+        return self.start_rest(reduction, stats)()
+
+    def start_rest(self, reduction: Reduction,
+                   stats: CommStats) -> Callable[[], torch.Tensor]:
+        """:meth:`reduce_rest` in two halves: issues the reduce-scatter over ``G \\ P``
+        asynchronously and returns what finishes it (waits, all-reduces, takes the optimizer
+        part). Between the two the unit's backward goes on: the reduction across ``G \\ P``
+        (across nodes, where ``P`` is a node) overlaps the next unit's gradients."""
         mesh = self.mesh
         reduced, inputs = reduction.output, reduction.inputs
         if reduced is not None:
@@ -499,29 +513,37 @@ class NestedBuffer:
         else:
             src = list(inputs)
         if mesh.grads.size == 1 and reduced is not None:
-            chunk = reduced  # G = P: the parameter chunk's layout is the gradient chunk's
+            chunk, work = reduced, None  # G = P: the parameter chunk's layout is the gradient chunk's
         else:
-            chunk = self._grads_chunk(src, stats)
-        if mesh.reduce.size > 1:
-            dist.all_reduce(chunk, group=mesh.reduce.group)
-            _count(stats, "all_reduce", mesh.reduce.dims, chunk)
-        if mesh.grads_factor == 1:
-            return chunk
-        return self._optim_part(chunk)
+            chunk, work = self._grads_chunk(src, stats)
 
-    def _grads_chunk(self, src: list[torch.Tensor], stats: CommStats) -> torch.Tensor:
+        def finish() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            if mesh.reduce.size > 1:
+                dist.all_reduce(chunk, group=mesh.reduce.group)
+                _count(stats, "all_reduce", mesh.reduce.dims, chunk)
+            if mesh.grads_factor == 1:
+                return chunk
+            return self._optim_part(chunk)
+
+        return finish
+
+    def _grads_chunk(self, src: list[torch.Tensor],
+                     stats: CommStats) -> tuple[torch.Tensor, object | None]:
         """The gradient chunk (in the gradient level's layout) from the parameter chunk's
-        segments ``src``: reduce-scattered over ``G \\ P``, or laid out as it is."""
+        segments ``src``: reduce-scattered over ``G \\ P`` (its work returned, in flight), or
+        laid out as it is (``None``)."""
         level = self.mesh.grads
         out = src[0].new_empty(self.grads_numel)
         if level.size > 1:
-            reduce_scatter_parts([(out, src, self.grads_segments)], level.size,
-                                 group=level.group)
+            work = reduce_scatter_parts([(out, src, self.grads_segments)], level.size,
+                                        group=level.group, async_op=True)
             _count(stats, "reduce_scatter", level.dims, *src)
-            return out
+            return out, work
         for s, x in zip(self.grads_segments, src):
             out[s.chunk_offset:s.chunk_offset + x.numel()].copy_(x)
-        return out
+        return out, None
 
     def _optim_part(self, chunk: torch.Tensor) -> torch.Tensor:
         """This rank's optimizer chunk (the plan's chunk layout) out of its gradient chunk."""

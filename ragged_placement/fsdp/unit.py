@@ -47,6 +47,7 @@ takes full tensors directly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -171,7 +172,9 @@ class FSDPUnit:
     _empty_device: torch.device  # the device of a unit without buffers
     _post_forward: PostForwardMesh | None  # set in SHARDED_POST_FORWARD
     _ag_work: object | None  # the all-gather in flight (UNSHARDING)
-    _rs_work: object | None  # the reduce-scatter in flight, until finish_reduce
+    _rs_work: object | None  # the reduce-scatter in flight, until start_rest
+    # per buffer index, what finishes its reduction once start_rest issued the rest of it
+    _rest: list[tuple[int, Callable[[], torch.Tensor | None]]]
     # under a state_sharding: whether the optimizer chunks may have changed since the last
     # refresh of the parameter chunks, and the sharded chunks' versions at that refresh
     _stale: bool
@@ -210,6 +213,7 @@ class FSDPUnit:
         self._post_forward = None
         self._ag_work = None
         self._rs_work = None
+        self._rest = []
         if options.quant is not None:
             _check_one_dtype(slots, params)
         groups = _by_dtype(params)
@@ -455,27 +459,41 @@ class FSDPUnit:
         elif ready:
             self._rs_work = Works([])
 
+    def start_rest(self) -> bool:
+        """Wait for the reduce-scatter and issue what follows it: under a ``state_sharding``
+        the reductions over the dims beyond ``params``, asynchronously
+        (:meth:`~ragged_placement.fsdp.nested.NestedBuffer.start_rest`); :meth:`finish_reduce`
+        completes them. Returns whether any collective is in flight (else nothing is left to
+        overlap)."""
+        if self._rs_work is not None:
+            self._rs_work.wait()
+            self._rs_work = None
+            for k, b in enumerate(self.buffers):
+                reduction = b.grads.take_reduced()
+                if reduction is None:
+                    continue
+                if b.nested is not None:
+                    self._rest.append((k, b.nested.start_rest(reduction, self.stats)))
+                else:
+                    self._rest.append((k, functools.partial(self._sum_replicas, k,
+                                                            reduction.output)))
+        return any(self.buffers[k].nested is not None and self.buffers[k].nested.overlaps
+                   for k, _ in self._rest)
+
     def finish_reduce(self, scale: float = 1.0) -> None:
-        """Wait for the reduce-scatter, sum each buffer's over the replicas (HSDP), average
-        (times ``scale``), and land it in the sharded gradients."""
-        if self._rs_work is None:
-            return
-        self._rs_work.wait()
-        self._rs_work = None
+        """Wait for the reduce-scatter (and what :meth:`start_rest` issued after it), sum each
+        buffer's over the replicas (HSDP), average (times ``scale``), and land it in the
+        sharded gradients."""
+        self.start_rest()
+        rest, self._rest = self._rest, []
         divisor = self.gradient_divide_factor or self.world_size * self.dp.replicate_size
-        for k, b in enumerate(self.buffers):
-            reduction = b.grads.take_reduced()
-            if reduction is None:
-                continue
-            if b.nested is not None:
-                out = b.nested.reduce_rest(reduction, self.stats)
-            else:
-                out = self._sum_replicas(k, reduction.output)
+        for k, finish in rest:
+            out = finish()
             if out is None:
                 continue
             if self.all_reduce_hook is not None:
                 self.all_reduce_hook(out)
-            b.grads.land(out, scale, divisor)
+            self.buffers[k].grads.land(out, scale, divisor)
 
     def _sum_replicas(self, k: int, out: torch.Tensor) -> torch.Tensor | None:
         """HSDP: buffer ``k``'s reduce-scatter output summed over the replicas (``None``: kept
