@@ -215,6 +215,7 @@ _KINDS = {
     "allgather_": "all_gather", "broadcast_": "all_gather",
     "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter", "allreduce_": "all_reduce",
+    "alltoall_base_": "reduce_scatter",  # gloo's reduce-scatter (_compat), this runtime's only
 }
 
 

@@ -115,6 +115,13 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
              for p in group["params"] if id(p) in owner}
     for unit in units.values():
         unit.refresh_after_step()
+    # All issued together (one all-gather per unit, in flight at once: what made the refresh
+    # cheap, 188 -> 248 tokens/s on the two-node benchmark), then waited for here. Left in
+    # flight into the next forward, they overlapped its collectives on other groups and
+    # gloo's heap was corrupted (a worker aborting in malloc, "unaligned tcache chunk"; the
+    # state-sharding feature tests crashed 5 runs in 5, waiting here: 0 in 4); not root-caused.
+    for unit in units.values():
+        unit.wait_refresh()
 
 
 register_optimizer_step_post_hook(_refresh_after_step)
@@ -284,7 +291,7 @@ class FSDPUnit:
         Raises ``ValueError`` as :meth:`FlatBuffer.apply_` does, or if gradients accumulated
         without sync are pending."""
         self.reshard()
-        self._wait_refresh()
+        self.wait_refresh()
         for b in self.buffers:
             if b.grads.pending or b.grads.reducing:
                 raise ValueError(
@@ -321,25 +328,25 @@ class FSDPUnit:
         params`` into the parameter chunks if they changed since the last refresh (see
         :mod:`ragged_placement.fsdp.nested`); blocks until done, as it does for a refresh
         issued at the last optimizer step (:meth:`refresh_after_step`)."""
-        self._wait_refresh()
+        self.wait_refresh()
         versions = self._versions()
         stale = self._agreed if self._agreed is not None else self.needs_refresh(versions)
         self._agreed = None
         if stale:
             self._issue_refresh()
-            self._wait_refresh()
+            self.wait_refresh()
         self._stale = False
         self._synced_versions = versions
 
     def refresh_after_step(self) -> None:
         """After an optimizer step over this unit's parameters (every rank steps): issue the
-        refresh now, asynchronously, so that it runs while the next forward starts; the
-        unit's next unshard waits for it. A unit on the meta device, or one that is not
-        resharded, is only marked stale."""
+        refresh now, asynchronously, beside the other stepped units' (the step post-hook then
+        waits for them all). A unit on the meta device, or one that is not resharded, is only
+        marked stale."""
         if self.state is not UnitState.SHARDED or self.device.type == "meta":
             self._stale = True
             return
-        self._wait_refresh()
+        self.wait_refresh()
         self._issue_refresh()
         self._stale = False
         self._synced_versions = self._versions()
@@ -350,7 +357,7 @@ class FSDPUnit:
             self._refresh_work = issue_all_gather(refreshes, self.stats)
             self.stats.count_dims("all_gather", self.dp.refresh.dims, _out_bytes(refreshes))
 
-    def _wait_refresh(self) -> None:
+    def wait_refresh(self) -> None:
         """Wait for an issued refresh and release its send buffers."""
         if self._refresh_work is None:
             return
