@@ -47,7 +47,6 @@ takes full tensors directly.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -119,7 +118,7 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
     # cheap, 188 -> 248 tokens/s on the two-node benchmark), then waited for here. Left in
     # flight into the next forward, they overlapped its collectives on other groups and
     # gloo's heap was corrupted (a worker aborting in malloc, "unaligned tcache chunk"; the
-    # state-sharding feature tests crashed 5 runs in 5, waiting here: 0 in 4); not root-caused.
+    # state-sharding feature tests crashed 5 runs in 5, waiting here: 0 in 7); not root-caused.
     for unit in units.values():
         unit.wait_refresh()
 
@@ -482,8 +481,7 @@ class FSDPUnit:
                 if b.nested is not None:
                     self._rest.append((k, b.nested.start_rest(reduction, self.stats)))
                 else:
-                    self._rest.append((k, functools.partial(self._sum_replicas, k,
-                                                            reduction.output)))
+                    self._rest.append((k, partial(self._sum_replicas, k, reduction.output)))
         return any(self.buffers[k].nested is not None and self.buffers[k].nested.overlaps
                    for k, _ in self._rest)
 
