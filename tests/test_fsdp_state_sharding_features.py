@@ -150,6 +150,9 @@ def _accumulate(rank: int, ws: int, mesh: DeviceMesh, sharding: StateSharding, l
                 graded = any(p.grad is not None for p in m.parameters())
                 between = (reduced, held, graded)
         opt.step()
+        # the step waits for the refreshes it issued: left in flight into the next forward
+        # they corrupted gloo's heap (ragged_placement/fsdp/unit.py, _refresh_after_step)
+        assert all(u._refresh_work is None for u in _units(m))
         opt.zero_grad()
     return _full(m), {k: v[0] for k, v in _counts(m).items()}, between
 
