@@ -24,7 +24,7 @@ __all__ = [
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
     "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
     "functional_all_gather", "outside_selective_checkpoint", "DataParallelMeshDims",
-    "new_group_in_order",
+    "new_group_in_order", "sums_by_all_to_all",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -46,10 +46,15 @@ def reduce_scatter_single(
 
     On gloo a sum runs as :func:`_reduce_scatter_by_all_to_all`, except inside a coalescing
     manager (which holds only c10d's reduce-scatters); other backends and ops run c10d's."""
-    if (op == dist.ReduceOp.SUM and dist.get_backend(group) == "gloo"
-            and not _coalescing(group)):
+    if sums_by_all_to_all(op, group) and not _coalescing(group):
         return _reduce_scatter_by_all_to_all(output, input, group=group, async_op=async_op)
     return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def sums_by_all_to_all(op, group) -> bool:
+    """Whether :func:`reduce_scatter_single` runs ``op`` over ``group`` as an all-to-all (a
+    gloo sum), which no coalescing manager can hold."""
+    return op == dist.ReduceOp.SUM and dist.get_backend(group) == "gloo"
 
 
 def _coalescing(group) -> bool:
@@ -72,7 +77,7 @@ class _SumOnWait:
         if self._work is not None:
             self._work.wait() if timeout is None else self._work.wait(timeout)
             received, self._received, self._work = self._received, None, None
-            torch.sum(received.view(-1, self._output.numel()), dim=0, out=self._output)
+            _sum_chunks(received, self._output)
         return True
 
     def is_completed(self) -> bool:
@@ -95,8 +100,13 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, gro
     work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
     if async_op:
         return _SumOnWait(work, received, output)
-    torch.sum(received.view(-1, output.numel()), dim=0, out=output)
+    _sum_chunks(received, output)
     return None
+
+
+def _sum_chunks(received: torch.Tensor, output: torch.Tensor) -> None:
+    """``output`` = the sum of ``received``'s rank chunks (``output``-sized, rank order)."""
+    torch.sum(received.view(-1, output.numel()), dim=0, out=output)
 
 
 def new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:

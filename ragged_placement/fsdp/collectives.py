@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ragged_placement._compat import all_gather_single, reduce_scatter_single
+from ragged_placement._compat import all_gather_single, reduce_scatter_single, sums_by_all_to_all
 from ragged_placement.fsdp.common import CommStats
 from ragged_placement.planner.plan import Segment
 
@@ -267,9 +267,8 @@ def reduce_scatter_parts(parts, world_size: int, op=dist.ReduceOp.SUM, group=Non
     calls = [_reduce_calls(output, inputs, segments, world_size, op, rank, group,
                            scatter or reduce_scatter_single)
              for output, inputs, segments in parts]
-    # a gloo sum is an all-to-all (reduce_scatter_single), which no coalescing manager holds
-    coalesce = op != dist.ReduceOp.SUM or dist.get_backend(group) != "gloo"
-    return _run_parts(calls, group, async_op, custom=scatter is not None, coalesce=coalesce)
+    return _run_parts(calls, group, async_op, custom=scatter is not None,
+                      coalesce=not sums_by_all_to_all(op, group))
 
 
 def reduce_scatter_segments(output: torch.Tensor, inputs, segments, world_size: int,

@@ -479,7 +479,7 @@ class NestedBuffer:
     def params_reduction(self, inputs: list[torch.Tensor]) -> Reduction:
         """The reduce-scatter over ``P`` of the per-segment unsharded gradients ``inputs`` into
         a parameter-chunk-sized buffer; for ``P = ()`` a reduction with no output, which the
-        unit does not issue (:meth:`reduce_rest` takes its inputs)."""
+        unit does not issue (:meth:`start_rest` takes its inputs)."""
         level = self.mesh.params
         if not self.sharded_params:
             return Reduction(None, inputs, self.reduce_segments, 1, None)
@@ -492,19 +492,15 @@ class NestedBuffer:
         ``G \\ P``)."""
         return self.mesh.grads.size > 1
 
-    def reduce_rest(self, reduction: Reduction, stats: CommStats) -> torch.Tensor:
-        """The gradient sum over the whole data-parallel world of this rank's optimizer chunk,
-        in the plan's chunk layout, from the finished reduce-scatter over ``P``
-        (:meth:`params_reduction`): reduce-scattered over ``G \\ P``, all-reduced over ``R``
-        and ``O \\ G``."""
-        return self.start_rest(reduction, stats)()
-
     def start_rest(self, reduction: Reduction,
                    stats: CommStats) -> Callable[[], torch.Tensor]:
-        """:meth:`reduce_rest` in two halves: issues the reduce-scatter over ``G \\ P``
-        asynchronously and returns what finishes it (waits, all-reduces, takes the optimizer
-        part). Between the two the unit's backward goes on: the reduction across ``G \\ P``
-        (across nodes, where ``P`` is a node) overlaps the next unit's gradients."""
+        """The gradient sum over the whole data-parallel world of this rank's optimizer chunk,
+        in the plan's chunk layout, from the finished reduce-scatter over ``P``
+        (:meth:`params_reduction`), in two halves: issues the reduce-scatter over ``G \\ P``
+        asynchronously and returns what finishes it (waits, all-reduces over ``R`` and
+        ``O \\ G``, takes the optimizer part). Between the two the unit's backward goes on: the
+        reduction across ``G \\ P`` (across nodes, where ``P`` is a node) overlaps the next
+        unit's gradients."""
         mesh = self.mesh
         reduced, inputs = reduction.output, reduction.inputs
         if reduced is not None:
