@@ -11,9 +11,11 @@ instead. Everything in this package calls the wrappers below.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import importlib
 import inspect
+import os
 from collections.abc import Iterator
 
 import torch
@@ -24,7 +26,7 @@ __all__ = [
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
     "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
     "functional_all_gather", "outside_selective_checkpoint", "DataParallelMeshDims",
-    "new_group_in_order", "sums_by_all_to_all",
+    "new_group_in_order", "sums_by_all_to_all", "one_worker_gloo", "gloo_worker_threads",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -133,6 +135,87 @@ def new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:
             f"{dist.get_process_group_ranks(group)}: this state_sharding needs the given order"
         )
     return group
+
+
+# -- gloo: one worker thread per process group ----------------------------------------------------
+# torch's ProcessGroupGloo (2.11, 2.13) runs a group's collectives on two worker threads. After a
+# collective completes, its thread records the op's name (ProcessGroupGloo::runLoop:
+# ``pgStatus_->lastCompletedWorkName = opTypeToString(work->opType_)``) outside the work queue's
+# lock: when two collectives of one group complete together, both threads assign the one
+# std::string, and a name too long for the short-string buffer ("ALLGATHER_COALESCED",
+# "_REDUCE_SCATTER_BASE") is freed twice. glibc then aborts ("malloc(): unaligned tcache chunk
+# detected", a SIGSEGV or SIGABRT later in any thread); AddressSanitizer (libasan preloaded)
+# names it: "attempting double-free ... in c10d::ProcessGroupGloo::runLoop", freed by the other
+# worker thread. Overlapped collectives on one group (prefetched all-gathers, a reduce-scatter
+# beside the next all-gather, the per-rank broadcasts of an uneven all-gather) make it likely.
+# With one worker thread per group the name has one writer; collectives of a group run one
+# after the other (gloo runs them over one set of connections either way), those of different
+# groups still overlap.
+_GLOO = getattr(dist.distributed_c10d, "ProcessGroupGloo", None)
+
+
+def _one_worker_options(timeout: datetime.timedelta):
+    """The options torch's ``ProcessGroupGloo(store, rank, size, timeout)`` builds (its devices
+    from ``GLOO_SOCKET_IFNAME``, else the default device), with one worker thread."""
+    options = _GLOO._Options()
+    options._timeout = timeout
+    interfaces = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if len(interfaces) > 1:  # torch's test
+        options._devices = [_GLOO.create_device(interface=i) for i in interfaces.split(",")]
+    else:
+        options._devices = [_GLOO.create_default_device()]
+    options._threads = 1
+    return options
+
+
+class _OneWorkerGlooType(type):
+    """The metaclass of :func:`one_worker_gloo`'s stand-in: calling the class builds a
+    ``ProcessGroupGloo`` with one worker thread; ``isinstance``, ``issubclass`` and class
+    attributes are ``ProcessGroupGloo``'s."""
+
+    def __call__(cls, store, rank: int, size: int,
+                 timeout: object = datetime.timedelta(minutes=30)):
+        if not isinstance(timeout, datetime.timedelta):  # the options overload, as given
+            return _GLOO(store, rank, size, timeout)
+        return _GLOO(store, rank, size, _one_worker_options(timeout))
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, _GLOO)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _GLOO)
+
+    def __getattr__(cls, name: str):
+        return getattr(_GLOO, name)
+
+
+def one_worker_gloo(original: type) -> type:
+    """What ``torch.distributed.distributed_c10d`` constructs gloo backends with (the
+    ``ProcessGroupGloo`` it names), so that every gloo process group created afterwards
+    (``init_process_group``, ``new_group``, ``init_device_mesh``) runs one worker thread: the
+    workaround for torch's race described above. ``original``: torch's class."""
+    if original is not _GLOO:
+        raise ImportError(f"expected torch's ProcessGroupGloo, found {original!r}")
+    return _OneWorkerGlooType("ProcessGroupGloo", (), {"__doc__": one_worker_gloo.__doc__})
+
+
+def gloo_supports_one_worker() -> bool:
+    """Whether this torch has gloo and the options :func:`one_worker_gloo` sets."""
+    return _GLOO is not None and hasattr(_GLOO._Options(), "_threads")
+
+
+def gloo_worker_threads(group) -> int | None:
+    """The worker threads of ``group``'s gloo backend (``None``: the group has none, or this
+    torch does not say). More than one exposes the group to torch's race (see above)."""
+    if _GLOO is None or group is None:
+        return None
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (RuntimeError, AttributeError):
+        return None
+    if not isinstance(backend, _GLOO):
+        return None
+    return getattr(backend.options, "_threads", None)
 
 
 # The Partial placement torch uses for pending p-norms (module moved between releases).

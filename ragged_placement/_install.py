@@ -8,7 +8,10 @@ every other call to torch's own function unchanged, so DTensors without a Ragged
 exactly as before.
 
 :data:`PATCHES` is the whole list for DTensor: one :class:`Patch` per torch attribute we replace
-(owner, name, the torch original we expect there, the replacement). :data:`FSDP2_PATCHES` holds
+(owner, name, the torch original we expect there, the replacement), and one row outside
+DTensor: the gloo backend class ``torch.distributed`` builds process groups with, so that they
+run one worker thread (a workaround for a memory-safety race in torch's ``ProcessGroupGloo``,
+:func:`ragged_placement._compat.one_worker_gloo`). :data:`FSDP2_PATCHES` holds
 the rows for torch's FSDP2 (its ``register_fsdp_forward_method`` reaches ours for our modules;
 a clear error when its ``fully_shard`` meets a RaggedShard
 parameter), applied when :mod:`ragged_placement.fsdp` is imported. :func:`install` checks every row's
@@ -76,7 +79,8 @@ class Patch:
 
 
 def _describe(value: object) -> str | None:
-    """``module.qualname`` of a function / method / staticmethod / code object, else of its type."""
+    """``module.qualname`` of a class / function / method / staticmethod / code object, else of
+    its type."""
     if value is _ABSENT:
         return None
     if isinstance(value, (staticmethod, classmethod)):
@@ -85,7 +89,7 @@ def _describe(value: object) -> str | None:
         value = value.__func__
     if inspect.iscode(value):
         return f"{value.co_filename.rsplit('/', 1)[-1]}:{value.co_qualname}"
-    if callable(value) and hasattr(value, "__qualname__") and not isinstance(value, type):
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
         return f"{value.__module__}.{value.__qualname__}"
     return f"{type(value).__module__}.{type(value).__qualname__}"
 
@@ -442,6 +446,13 @@ PATCHES: tuple[Patch, ...] = (
         Patch("torch.distributed.tensor._random", name, f"torch.distributed.tensor._random.{name}",
               _build_rng_guard)
         for name in _compat.rng_offset_helpers()
+    ),
+    # not DTensor's: gloo process groups created after the import run one worker thread (the
+    # workaround for torch's double free in ProcessGroupGloo::runLoop, see _compat)
+    *(
+        [Patch("torch.distributed.distributed_c10d", "ProcessGroupGloo",
+               "torch.distributed.distributed_c10d.ProcessGroupGloo", _compat.one_worker_gloo)]
+        if _compat.gloo_supports_one_worker() else []
     ),
 )
 

@@ -88,6 +88,7 @@ def _compare(rank: int, ws: int):
     torch.testing.assert_close(reduced, torch.cat(mine))
     out["mixed"] = _mixed_parts(rank, ws)
     out["gloo"] = _gloo_reduce_scatter(rank, ws)
+    out["threads"] = _gloo_threads(ws)
     return out
 
 
@@ -148,6 +149,11 @@ def test_packed_segments_match_coalesced_ones_with_one_op_and_counted_copies():
             assert ops == {"allgather_into_tensor_coalesced_": 1, "alltoall_base_": 2}, pair
             assert equal == [True] * 4, pair
         _check_gloo_reduce_scatter(out["gloo"])
+        # gloo groups run one worker thread once the package is imported (torch's two race on
+        # a string and free it twice); fully_shard warns on a group that runs two
+        ours, theirs, warned = out["threads"]
+        assert ours == [1, 1, 1] and theirs == 2
+        assert len(warned) == 1 and "Import ragged_placement before creating" in warned[0]
 
 
 def _gloo_reduce_scatter(rank: int, ws: int) -> dict:
@@ -180,6 +186,35 @@ def _gloo_reduce_scatter(rank: int, ws: int) -> dict:
                   for r in range(ws)]
         out[dtype] = sum(c.double().view(ws, -1)[rank] for c in inputs)
     return out
+
+
+def _gloo_threads(ws: int) -> tuple[list[int | None], int | None, list[str]]:
+    """The worker threads of gloo groups created after the import (the default group, a
+    ``new_group``, a mesh's), of one built with torch's own class (as before the import), and
+    the warnings ``fully_shard`` gives on a mesh of each (see ``_compat.one_worker_gloo``)."""
+    import warnings
+
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from ragged_placement import _compat
+    from ragged_placement.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+    ours = [_compat.gloo_worker_threads(g)
+            for g in (dist.group.WORLD, dist.new_group(list(range(ws))), mesh.get_group())]
+    shim, c10d.ProcessGroupGloo = c10d.ProcessGroupGloo, _compat._GLOO
+    try:
+        theirs = dist.new_group(list(range(ws)))
+    finally:
+        c10d.ProcessGroupGloo = shim
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+        for _ in range(2):  # once per group
+            fully_shard(torch.nn.Linear(4, 4), mesh=DeviceMesh.from_group(theirs, "cpu"))
+    warned = [str(w.message) for w in caught if "worker threads" in str(w.message)]
+    return ours, _compat.gloo_worker_threads(theirs), warned
 
 
 def _check_gloo_reduce_scatter(out: dict) -> None:

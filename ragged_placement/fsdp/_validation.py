@@ -9,19 +9,29 @@
   match in every call: each call keeps the patterns that matched nothing in its module tree, and
   the root raises at its lazy init (before the first all-gather, on every rank alike) for those
   that match no parameter of the whole model.
+* A gloo process group created before ``import ragged_placement`` runs torch's two worker
+  threads, which corrupt the heap when two of its collectives complete together (see
+  :func:`ragged_placement._compat.one_worker_gloo`); this runtime overlaps collectives on its
+  groups, so each call warns once per such group of its mesh.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Mapping, Sequence
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ragged_placement._compat import gloo_worker_threads
 from ragged_placement.planner.granularity import Granularity
 
-__all__ = ["check_granularity", "check_not_managed", "record_managed", "unmatched_patterns"]
+__all__ = [
+    "check_granularity", "check_not_managed", "record_managed", "unmatched_patterns",
+    "warn_on_racy_gloo_groups",
+]
 
 # Every parameter object a fully_shard unit took over -> "Module.param" (where it went).
 _MANAGED = WeakIdKeyDictionary()
@@ -79,3 +89,26 @@ def unmatched_patterns(granularity: object, modules: Sequence[nn.Module]) -> set
     if len(modules) > 1:  # a list's names, as the planner sees them, start with the index
         names |= {f"{i}.{fqn}" for i, m in enumerate(modules) for fqn, _ in m.named_parameters()}
     return {p for p in granularity if not any(fnmatch.fnmatchcase(n, p) for n in names)}
+
+
+_WARNED_GROUPS: set[str] = set()
+
+
+def warn_on_racy_gloo_groups(mesh: DeviceMesh) -> None:
+    """Warn once per process group of ``mesh`` that runs gloo on more than one worker thread
+    (created before ``import ragged_placement``; see the module docstring)."""
+    for group in mesh.get_all_groups():
+        threads = gloo_worker_threads(group)
+        name = getattr(group, "group_name", str(id(group)))
+        if threads is None or threads <= 1 or name in _WARNED_GROUPS:
+            continue
+        _WARNED_GROUPS.add(name)
+        warnings.warn(
+            f"process group {name} runs gloo on {threads} worker threads: torch's "
+            f"ProcessGroupGloo frees memory twice when two collectives of one group complete "
+            f"together (a crash, 'malloc(): unaligned tcache chunk detected', or a corrupted "
+            f"heap), and fully_shard overlaps collectives. Import ragged_placement before "
+            f"creating process groups (init_process_group, init_device_mesh): gloo groups "
+            f"created afterwards run one worker thread (ragged_placement._compat.one_worker_gloo)",
+            stacklevel=3,
+        )

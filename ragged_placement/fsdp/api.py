@@ -20,6 +20,7 @@ from ragged_placement.fsdp._validation import (
     check_not_managed,
     record_managed,
     unmatched_patterns,
+    warn_on_racy_gloo_groups,
 )
 from ragged_placement.fsdp.common import UnitOptions
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
@@ -416,6 +417,8 @@ def fully_shard(
         )
     ignored = _check_ignored_params(ignored_params)
     mesh = mesh if mesh is not None else _default_mesh()
+    if isinstance(mesh, DeviceMesh):
+        warn_on_racy_gloo_groups(mesh)
     offload = _check_offload_policy(offload_policy)
     nested = state_sharded_mesh(
         state_sharding, mesh, dp_mesh_dims=dp_mesh_dims, offload=offload,
