@@ -17,7 +17,8 @@ the table gives
   latency of each group of mesh dims measured on the emulated link by
   ``planner.profile.profile_mesh`` inside the job); zero3 and FSDP2 full shard are
   ``P(inter,intra) G(inter,intra) OS(inter,intra)``, HSDP ``P(intra) G(intra) OS(intra)``, both
-  with ``reshard_after_forward=True``. Measured: the trainer's ``comm_seconds``, the wall time a
+  with ``reshard_after_forward=True``; the FSDP2 rows count the reduce-scatters twice (torch's
+  gloo reduce-scatter is an all-reduce, see ``_predicted``). Measured: the trainer's ``comm_seconds``, the wall time a
   rank spends inside a collective call or a wait on an asynchronous one per timed step (what it
   was blocked on, waiting for slower ranks included; overlapped communication is not counted),
   mean over ranks, median over runs; and the link's busy time: the bytes the busier node sent
@@ -106,12 +107,17 @@ def _link_seconds(metrics: dict, steps: int, rate: float) -> float:
 
 def _predicted(label: str, auto: dict) -> float:
     """Predicted communication seconds per step of ``label``'s sharding, from the partitioner
-    run's candidates."""
+    run's candidates. Torch FSDP2 on gloo reduce-scatters with gloo's own, an all-reduce of the
+    whole input: twice the bytes and the ring steps of the model's reduce-scatter (ours runs it
+    as an all-to-all, the model's bytes), so its rows count each reduce-scatter twice."""
     plan = auto["state_sharding"]
     point = (plan["choice"], plan["reshard_after_forward"]) if label == AUTO else POINTS[label]
     for c in plan["candidates"]:
         if (c["sharding"], c["reshard_after_forward"]) == point:
-            return sum(c["comm_seconds"].values())
+            seconds = sum(c["comm_seconds"].values())
+            if label in (FULL, HSDP):
+                seconds += sum(k["seconds"] for k in c["collectives"] if k["op"] == "reduce_scatter")
+            return seconds
     raise ValueError(f"no candidate {point} in the partitioner's table")
 
 

@@ -102,7 +102,8 @@ Entry = tuple[str, tuple[int, ...], torch.dtype]
 class StepCollective:
     """One kind of collective of a step, summed over units: ``op`` (``"all_gather"``,
     ``"reduce_scatter"``, ``"all_reduce"``) over the group of ``dims`` (``ranks`` ranks),
-    ``calls`` times, moving ``bytes`` per rank in all; charged to mesh dim ``charged``."""
+    ``calls`` times, moving ``bytes`` per rank in all; charged to mesh dim ``charged``, whose
+    (or the profiled group's) bandwidth and latency give its ``seconds`` per step."""
 
     op: str
     dims: tuple[str, ...]
@@ -110,6 +111,7 @@ class StepCollective:
     calls: int
     bytes: float
     charged: str
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -527,9 +529,10 @@ def _evaluate(units: list[tuple[tuple[_Part, ...], int]], sharding: StateShardin
         slow = min(group_dims, key=lambda d: m.bandwidth[d])  # first of the slowest, mesh order
         bw, lat = m.profiled.get(group_dims, (m.bandwidth[slow], m.latency[slow]))
         steps = (2 if op == "all_reduce" else 1) * (n_ranks - 1) * n_calls
+        time = total / bw + lat * steps
         comm_bytes[slow] += round(total)
-        seconds[slow] += total / bw + lat * steps
-        collectives.append(StepCollective(op, group_dims, n_ranks, n_calls, total, slow))
+        seconds[slow] += time
+        collectives.append(StepCollective(op, group_dims, n_ranks, n_calls, total, slow, time))
     return ShardingCandidate(sharding, reshard, mem, comm_bytes, seconds,
                              sum(mem.values()) <= m.budget, tuple(collectives))
 

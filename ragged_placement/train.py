@@ -19,6 +19,7 @@ See ``docs/train.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -254,7 +255,9 @@ def _plan_metrics(plan: StateShardingPlan | None) -> dict[str, Any] | None:
             "bandwidth": plan.bandwidth, "latency": plan.latency,
             "candidates": [{"sharding": str(c.sharding), "reshard_after_forward": c.reshard_after_forward,
                             "comm_seconds": c.comm_seconds, "comm_bytes": c.comm_bytes,
-                            "memory_per_rank": c.memory_per_rank} for c in plan.candidates]}
+                            "memory_per_rank": c.memory_per_rank,
+                            "collectives": [dataclasses.asdict(k) for k in c.collectives]}
+                           for c in plan.candidates]}
 
 
 def _unit_plans(model) -> list[str]:

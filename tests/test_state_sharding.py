@@ -245,6 +245,10 @@ def test_comm_bytes_per_dim_match_the_formula():
     # one ring over 4 ranks, charged to inter: 2 all-gathers 3 x 32 x 2 B, reduce-scatter 3 x 32 x 4 B
     assert z3.comm_bytes == {"inter": 2 * 3 * 32 * 2 + 3 * 32 * 4, "intra": 0}
     assert z3.comm_seconds["inter"] == pytest.approx(768 / 1e9 + 1e-3 * 9)
+    # each collective's own time: the reduce-scatter's 3 x 32 x 4 B and 3 ring steps
+    (rs,) = [k for k in z3.collectives if k.op == "reduce_scatter"]
+    assert rs.seconds == pytest.approx(384 / 1e9 + 1e-3 * 3)
+    assert sum(k.seconds for k in z3.collectives) == pytest.approx(z3.comm_seconds["inter"])
     assert _candidate(plan, StateSharding.zero3(MESH), False).comm_bytes["inter"] == 3 * 32 * 2 + 3 * 32 * 4
     hsdp = _candidate(plan, StateSharding.hsdp(MESH, "intra"))
     # intra: 2 all-gathers 1 x 64 x 2 B + reduce-scatter 1 x 64 x 4 B; inter: all-reduce of
