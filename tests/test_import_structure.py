@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ragged_placement"
 
 
@@ -152,3 +154,15 @@ def test_placement_imports_none_of_the_dtensor_core():
     assert "ragged_placement.placement" in graph["ragged_placement.regions"]
     assert "ragged_placement.regions" in graph["ragged_placement.transforms"]
     assert "ragged_placement.transforms" in graph["ragged_placement.redistribute"]
+
+
+def test_every_package_is_in_the_wheel():
+    """``pyproject.toml`` lists every package (setuptools' ``packages``): a package missing
+    there imports in the editable install the tests use but not from a built wheel."""
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = {name: ROOT.parent / path for name, path in config["package-dir"].items()}
+    on_disk = {_module_name(p.parent / "__init__.py") for p in ROOT.rglob("__init__.py")}
+    on_disk |= {f"{name}.{p.parent.relative_to(path).as_posix().replace('/', '.')}".rstrip(".")
+                for name, path in mapped.items() for p in path.rglob("__init__.py")}
+    assert sorted(config["packages"]) == sorted(on_disk)
