@@ -105,23 +105,66 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in text.split(","))
 
 
+# --help: one line per option (docs/train.md has the long form).
+_HELP = {
+    "steps": "training steps",
+    "seed": "seed of the initial weights and of the batches",
+    "log_every": "log a line every N steps (loss, tokens/s, memory, bytes sent)",
+    "output": "rank 0 torch.saves the final full model state dict to FILE",
+    "metrics": "rank 0 writes the run's measurements to FILE (JSON)",
+    "val_batches": "validation batches after training (0: none)",
+    "device": "auto | cpu | cuda (auto: cuda:LOCAL_RANK and NCCL when CUDA is available)",
+    "collective_timeout": "seconds a collective may wait for a dead or frozen rank",
+    "checkpoint_dir": "save DCP checkpoints here, resume from the newest complete one",
+    "checkpoint_every": "save every K steps (needs --checkpoint-dir)",
+    "runtime": "ours | fsdp2 (ragged_placement's fully_shard or torch's)",
+    "state_sharding": "zero3 | hsdp | zero1 | zero2 | amsp | auto (the partitioner's choice)",
+    "mesh": "data-parallel mesh shape, e.g. 4 or 2x2 (none: all ranks, 1-D)",
+    "mesh_dim_names": "comma separated, e.g. inter,intra",
+    "memory_budget": "--state-sharding auto: bytes per rank (0: the device's memory)",
+    "bandwidth": "--state-sharding auto: profile, or bytes/s per mesh dim: inter=1.25e8,intra=1e10",
+    "model": "gpt | llama | hf:TYPE | a Hugging Face config.json",
+    "layers": "transformer blocks",
+    "width": "hidden size",
+    "heads": "attention heads",
+    "seq": "sequence length",
+    "data": "stdlib (the Python standard library's .py sources as bytes) or a token file",
+    "data_bytes": "bytes of the stdlib corpus",
+    "batch": "sequences per rank per step",
+    "optimizer": "adamw | muon | shampoo",
+    "lr": "peak learning rate",
+    "min_lr_ratio": "the cosine schedule ends at lr x this",
+    "warmup": "linear warmup steps",
+    "weight_decay": "decoupled weight decay",
+    "grad_clip": "clip the gradients' global norm to this (0: off)",
+    "precision": "fp32 | bf16 (bf16 parameters, fp32 gradient reduction)",
+    "activation_checkpointing": "checkpoint each block's activations",
+    "compile": "torch.compile each block",
+    "fp8": "block-wise FP8 linears and all-gathers (--runtime ours)",
+}
+
+_METAVARS = {"steps": "N", "seed": "N", "log_every": "N", "output": "FILE", "metrics": "FILE",
+             "val_batches": "N", "collective_timeout": "SECONDS", "checkpoint_every": "K",
+             "memory_budget": "BYTES", "data_bytes": "N"}
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m ragged_placement.train",
         description="Train a model under torchrun with ragged_placement's FSDP or torch FSDP2.",
         argument_default=argparse.SUPPRESS,
+        epilog="Every option is also a key of the --config TOML file. See docs/train.md.",
     )
-    ap.add_argument("--config", help="a TOML file of options (keys: the flags' names with _)")
-    bools = {"activation_checkpointing", "compile", "fp8"}
+    ap.add_argument("--config", metavar="FILE",
+                    help="a TOML file of options (keys: the flags' names with _)")
     for f in dataclasses.fields(TrainConfig):
-        if f.name in bools:
-            ap.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction)
-        elif f.name == "mesh":
-            ap.add_argument("--mesh", type=str, help="mesh shape, e.g. 4 or 2x2")
-        elif f.name == "mesh_dim_names":
-            ap.add_argument("--mesh-dim-names", type=str, help="comma separated, e.g. inter,intra")
+        default = "none" if f.default is None else f.default
+        text = f"{_HELP[f.name]} (default: {default})"
+        if f.type == "bool":
+            ap.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=text)
         else:
-            ap.add_argument(_flag(f.name), type=str)
+            metavar = _METAVARS.get(f.name, f.name.split("_")[-1].upper())
+            ap.add_argument(_flag(f.name), type=str, metavar=metavar, help=text)
     return ap
 
 
