@@ -6,11 +6,13 @@ shapes), ops, factories, random ops, ``from_local``, distributed checkpoint save
 torch's debug helpers (sharding-cache info, ``CommDebugMode`` counts, ``visualize_sharding``'s boxes).
 It runs twice on 4 gloo processes, once with ``import ragged_placement`` first and once without
 (this module imports nothing from the package, so the second run never loads it), and every
-recorded value must be equal: tensors bit for bit, errors by type and message.
+recorded value must be equal: tensors bit for bit, errors by type and message. The ranks are
+forked from multiprocessing's fork server (as ``run_gloo``'s are), which preloads torch alone.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -25,6 +27,8 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.multiprocess
 
 WORLD = 4
+# ragged_placement.launch.PRELOAD, not imported from there: this module must not load the package
+PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.checkpoint")
 
 
 def _record(results: dict, name: str, fn) -> None:
@@ -188,10 +192,11 @@ def _equal(a, b) -> bool:
 
 
 def test_stock_dtensor_gives_the_same_results_with_and_without_the_package():
+    multiprocessing.set_forkserver_preload(list(PRELOAD))  # if this starts the server
     with tempfile.TemporaryDirectory() as with_dir, tempfile.TemporaryDirectory() as without_dir:
         runs = {
             flag: mp.start_processes(_child, args=(flag, _free_port(), out), nprocs=WORLD, join=False,
-                                     start_method="spawn")
+                                     start_method="forkserver")
             for flag, out in ((True, with_dir), (False, without_dir))
         }
         deadline = time.monotonic() + 600
