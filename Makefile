@@ -20,8 +20,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VPY) examples/demo.py
 
+# Two pytest workers (pytest-xdist), each test module on one worker (its module fixtures built
+# once): on 2 cores one worker's gloo ranks fill the other's waits. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope tests
 
 bench: $(STAMP)
 	$(VPY) -m pip install -q -e '.[dev,bench]'
