@@ -116,7 +116,9 @@ def _train(m: nn.Module, rank: int, ws: int) -> torch.Tensor:
     opt = _adamw(m.parameters())
     rows = _rows(rank, ws)
     for s in range(STEPS):
-        F.mse_loss(m(X[s, rows]), Y[s, rows]).backward()
+        # .float(): a bf16 output against fp32 targets (torch 2.11's mse_loss backward refuses
+        # mixed dtypes; 2.13 promotes, to the same values)
+        F.mse_loss(m(X[s, rows]).float(), Y[s, rows]).backward()
         opt.step()
         opt.zero_grad()
     with torch.no_grad():
