@@ -148,11 +148,9 @@ def exit_without_finalization() -> None:
 
 def _start_method() -> str:
     """``"forkserver"`` preloading :data:`PRELOAD` where it exists (POSIX), else ``"spawn"``."""
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
-    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    mp.set_forkserver_preload(list(PRELOAD))
     return "forkserver"
 
 

@@ -18,8 +18,7 @@ run $T $small --runtime ours --output "$out/ours.pt" || echo "FAILED ours fp32"
 run $T $small --runtime fsdp2 --output "$out/fsdp2.pt" || echo "FAILED fsdp2 fp32"
 echo "== fp32: kill rank 0 at step 12, torchrun --max-restarts 1, resume from step 10"
 for rt in ours fsdp2; do
-  RAGGED_PLACEMENT_TRAIN_FAULT=kill:0:12 torchrun --standalone --nproc-per-node 1 --max-restarts 1 \
-    $T $small --runtime $rt --checkpoint-dir "$out/ck_$rt" --checkpoint-every 5 \
+  RAGGED_PLACEMENT_TRAIN_FAULT=kill:0:12 run --max-restarts 1 $T $small --runtime $rt --checkpoint-dir "$out/ck_$rt" --checkpoint-every 5 \
     --output "$out/${rt}_resumed.pt" || echo "FAILED $rt resume"
 done
 python3 - "$out" <<'PY'
