@@ -242,15 +242,15 @@ def _one_sequence_per_rank() -> list[str]:
 
 
 @pytest.mark.multiprocess
-def test_state_sharding_zero2_amsp_auto_match_one_process(tmp_path):
-    """``--state-sharding`` through fully_shard's ``state_sharding`` on 4 ranks as a 2x2 mesh
-    (inter, intra): zero2, AMSP and the partitioner's choice (the bandwidths given, so the choice
-    is known: AMSP, reshard_after_forward False) end with one process's weights (zero3 is the
-    runs fixture's and the other tests'); every point keeps 1/4 of AdamW's state per rank; of
-    the parameters, each rank keeps its shard plus the whole buffer (zero2) or a chunk of 1/2
-    (AMSP): 5 and 3 times the model's bytes over the 4 ranks."""
+def test_state_sharding_zero3_zero2_amsp_auto_match_one_process(tmp_path):
+    """``--state-sharding`` on 4 ranks as a 2x2 mesh (inter, intra): zero3 (the mesh flattened),
+    and through fully_shard's ``state_sharding`` zero2, AMSP and the partitioner's choice (the
+    bandwidths given, so the choice is known: AMSP, reshard_after_forward False), each end with
+    one process's weights; every point keeps 1/4 of AdamW's state per rank; of the parameters,
+    each rank keeps its shard (zero3), plus the whole buffer (zero2) or a chunk of 1/2 (AMSP):
+    1, 5 and 3 times the model's bytes over the 4 ranks."""
     weights, state = {}, {}
-    for sharding in ("zero2", "amsp", "auto"):
+    for sharding in ("zero3", "zero2", "amsp", "auto"):
         extra = ["--bandwidth", "inter=1e8,intra=1e10"] if sharding == "auto" else []
         rc, out, _ = torchrun([*_one_sequence_per_rank(), "--mesh", "2x2", "--mesh-dim-names",
                                "inter,intra", "--state-sharding", sharding, *extra,
@@ -265,11 +265,12 @@ def test_state_sharding_zero2_amsp_auto_match_one_process(tmp_path):
     with torch.device("meta"):  # parameters() counts the tied embedding once
         unique = list(_one_process_model("gpt")[0].parameters())
     numel = sum(p.numel() for p in unique)
-    adam = [r["state_bytes"]["optimizer"] for r in state["zero2"]]
+    adam = [r["state_bytes"]["optimizer"] for r in state["zero3"]]
     assert 8 * numel <= sum(adam) <= 1.1 * (8 * numel) + 4 * 4 * len(unique)
-    for sharding in ("amsp", "auto"):
+    for sharding in ("zero2", "amsp", "auto"):
         assert [r["state_bytes"]["optimizer"] for r in state[sharding]] == adam, sharding
     params = {s: sum(r["state_bytes"]["params"] for r in ranks) for s, ranks in state.items()}
+    assert params["zero3"] == pytest.approx(4 * numel, rel=0.05)
     assert params["zero2"] == pytest.approx(5 * 4 * numel, rel=0.05)
     assert params["amsp"] == params["auto"] == pytest.approx(3 * 4 * numel, rel=0.05)
 
