@@ -166,3 +166,42 @@ def test_every_package_is_in_the_wheel():
     on_disk |= {f"{name}.{p.parent.relative_to(path).as_posix().replace('/', '.')}".rstrip(".")
                 for name, path in mapped.items() for p in path.rglob("__init__.py")}
     assert sorted(config["packages"]) == sorted(on_disk)
+
+
+# The modules that define a unit's meshes (fully_shard builds one UnitMesh per unit): only they
+# may ask which kind of mesh they hold.
+_MESH_MODULES = {"ragged_placement.fsdp.mesh", "ragged_placement.fsdp.nested"}
+_MESH_TYPES = {"UnitMesh", "DataParallelMesh", "StateShardedMesh"}
+
+
+def _mesh_type_tests(tree: ast.Module) -> list[str]:
+    """The ``isinstance`` / ``type(...) is`` tests against a unit-mesh type in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+            named = {getattr(n, "id", getattr(n, "attr", None)) for n in ast.walk(node.args[1])}
+            if named & _MESH_TYPES:
+                found.append(ast.unparse(node))
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) and getattr(
+            node.left.func, "id", None
+        ) == "type":
+            named = {getattr(n, "id", None) for c in node.comparators for n in ast.walk(c)}
+            if named & _MESH_TYPES:
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_the_mesh_type_checker_finds_a_type_test():
+    tree = ast.parse("isinstance(dp, StateShardedMesh)\ntype(m) is DataParallelMesh\n")
+    assert _mesh_type_tests(tree) == [
+        "isinstance(dp, StateShardedMesh)", "type(m) is DataParallelMesh",
+    ]
+
+
+def test_the_runtime_never_asks_which_kind_of_mesh_a_unit_holds():
+    """The unit, its buffers, gradients and hooks call the unit's ``UnitMesh`` (and each
+    buffer's ``BufferComm``); no module outside the meshes' own tests its type."""
+    tests = {
+        _module_name(p): _mesh_type_tests(ast.parse(p.read_text())) for p in ROOT.rglob("*.py")
+    }
+    assert {m: t for m, t in tests.items() if t and m not in _MESH_MODULES} == {}

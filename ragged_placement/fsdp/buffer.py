@@ -63,8 +63,7 @@ from ragged_placement.fsdp.common import CommStats, UnitOptions
 from ragged_placement.fsdp.fp8 import FP8UnitGather, is_fp8_weight
 from ragged_placement.fsdp.gather import PlainGather
 from ragged_placement.fsdp.grads import FlatGrads
-from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
-from ragged_placement.fsdp.nested import NestedBuffer, StateShardedMesh
+from ragged_placement.fsdp.mesh import BufferComm, PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.offload import OffloadStaging
 from ragged_placement.fsdp.param import (
     ParamLayout,
@@ -237,14 +236,16 @@ class FlatBuffer:
         params: the original parameters, parallel to ``slots``, all of one dtype. On the meta
             device they are not copied (the buffer stays on the meta device until
             ``to_empty``).
-        dp: the unit's data-parallel mesh. Parameters may be DTensors on a tensor-parallel
-            sibling mesh, see :mod:`ragged_placement.fsdp.param`.
+        dp: the unit's mesh (:class:`~ragged_placement.fsdp.mesh.UnitMesh`); the buffer is
+            planned over its shard ranks and communicates as its :meth:`~ragged_placement.
+            fsdp.mesh.UnitMesh.buffer_comm` says. Parameters may be DTensors on a
+            tensor-parallel sibling mesh, see :mod:`ragged_placement.fsdp.param`.
         options: the unit's settings.
         stats: the unit's counters (the CPU-offload copies are counted here).
     """
 
     slots: list[ParamSlot]
-    dp: DataParallelMesh
+    dp: UnitMesh
     rank: int
     world_size: int
     quant: object
@@ -269,7 +270,7 @@ class FlatBuffer:
     sharded: torch.Tensor
     grads: FlatGrads
     post_forward_shard: torch.Tensor | None  # see the module docstring
-    nested: NestedBuffer | None  # the nested layout under a state_sharding (fsdp/nested.py)
+    comm: BufferComm  # the all-gather's and the reductions' groups and buffers (dp's)
     mp_dtypes: tuple[torch.dtype | None, torch.dtype | None]  # (param, reduce); None: own dtype
     _gathered_dtype: torch.dtype | None  # the param_dtype the gather was built for
     _ag_send: torch.Tensor | None  # the all-gather's input, alive until it is waited on
@@ -278,7 +279,7 @@ class FlatBuffer:
         self,
         slots: list[ParamSlot],
         params: list[nn.Parameter],
-        dp: DataParallelMesh,
+        dp: UnitMesh,
         options: UnitOptions,
         stats: CommStats,
     ) -> None:
@@ -306,7 +307,7 @@ class FlatBuffer:
             split_by_submodule=options.split_by_submodule,
         )
         self.chunk_numel = self.plan.chunk_numel
-        self.nested = NestedBuffer(self, dp) if isinstance(dp, StateShardedMesh) else None
+        self.comm = dp.buffer_comm(self)
         self.layouts = _param_layouts(
             self.plan, slots, tp_specs, self.rank, self.world_size, self.tp_mesh, self.spmd_mesh
         )
@@ -345,8 +346,7 @@ class FlatBuffer:
         self._ag_send = None
         self.post_forward_shard = None
         self.grads.reset()
-        if self.nested is not None:
-            self.nested.allocate()
+        self.comm.allocate()
 
     @property
     def offload_device(self) -> torch.device | None:
@@ -563,20 +563,11 @@ class FlatBuffer:
                 f"meta device: materialize the model with model.to_empty(device=...) and "
                 f"initialize it (init_weights() / reset_parameters()) before the first forward"
             )
-        if self.nested is not None:
-            gather = self.nested.prepare_unshard()
-            self._ag_send = gather.input
-            return gather
-        self.gather.allocate()
-        send = self._send_buffer(pf)
-        self._ag_send = send
-        world_size = self.world_size if pf is None else pf.size
-        gather = self.gather_segments
-        segments = gather if pf is None else pf.coarsen(gather)
-        group = self.dp.shard_group if pf is None else pf.group
-        return Gather(self.gather.gathered, send, segments, world_size, group, pf is not None)
+        gather = self.comm.prepare_unshard(pf)
+        self._ag_send = gather.input
+        return gather
 
-    def _send_buffer(self, pf: PostForwardMesh | None) -> torch.Tensor:
+    def send_buffer(self, pf: PostForwardMesh | None) -> torch.Tensor:
         """This rank's input of the all-gather: the post-forward shard, or the gather's packing
         (FP8 blocks and scales, or the mixed-precision cast) of the sharded chunk, staged
         host-to-device first under CPU offload (a plain gather's cast in the same copy)."""
@@ -597,8 +588,9 @@ class FlatBuffer:
 
     def free_unsharded(self) -> None:
         """Free the unsharded buffer's storage (the unsharded parameters keep their views),
-        unless a ``state_sharding`` keeps the parameters unsharded (``params=()``)."""
-        if self.nested is None or self.nested.sharded_params:
+        unless the mesh keeps the parameters unsharded (a ``state_sharding`` with
+        ``params=()``)."""
+        if not self.dp.keeps_params_unsharded:
             self.gather.free()
 
     def expose_sharded(self) -> None:

@@ -43,7 +43,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ragged_placement._compat import concatenate_meshes
 from ragged_placement.fsdp.fp8 import fp8_granularity
-from ragged_placement.fsdp.mesh import DataParallelMesh
+from ragged_placement.fsdp.mesh import UnitMesh
 from ragged_placement.placement import RaggedShard
 from ragged_placement.planner import Granularity
 from ragged_placement.planner.granularity import resolve_policy
@@ -106,7 +106,7 @@ def resolve_granularity(
     return policy
 
 
-def tp_spec_of(fqn: str, param: torch.Tensor, dp: DataParallelMesh) -> DTensorSpec | None:
+def tp_spec_of(fqn: str, param: torch.Tensor, dp: UnitMesh) -> DTensorSpec | None:
     """The tensor-parallel spec of ``param`` (``None`` for a plain tensor), validated.
 
     A DTensor parameter must live on a mesh of the same root as ``dp.source`` (the user's
@@ -201,7 +201,7 @@ def tp_policy(policy, tp_specs: dict[str, DTensorSpec | None]):
     return resolved
 
 
-def spmd_mesh(dp: DataParallelMesh, tp_mesh: DeviceMesh | None) -> DeviceMesh:
+def spmd_mesh(dp: UnitMesh, tp_mesh: DeviceMesh | None) -> DeviceMesh:
     """The mesh of a unit's sharded parameters: ``dp.mesh``, then ``tp_mesh``'s dim if any."""
     return dp.mesh if tp_mesh is None else dp.with_tp(tp_mesh)
 
@@ -273,7 +273,7 @@ class ParamLayout:
                     f"{self.tp_spec.mesh.size(0)} ranks = {rows} rows per rank)"
                 )
 
-    def sharded_spec(self, dp: DataParallelMesh, dtype: torch.dtype) -> DTensorSpec:
+    def sharded_spec(self, dp: UnitMesh, dtype: torch.dtype) -> DTensorSpec:
         """The spec of the sharded parameter (and its gradient) on the ``(dp..., tp)`` mesh."""
         fsdp = self.fsdp
         if self.tp_mesh is None:
