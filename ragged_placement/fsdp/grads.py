@@ -140,8 +140,7 @@ class FlatGrads:
         if out.dtype != b.orig_dtype:
             out = out.to(b.orig_dtype)
         self.release_dropped()
-        if b.offload is not None:
-            out = b.offload.to_host(out, landing=self.sharded is None)
+        out = b.staging.to_host(out, landing=self.sharded is None)
         if self.sharded is None:
             self.sharded = out
             views = b.plan.local_views(out, b.rank)
