@@ -388,6 +388,23 @@ class FSDPUnit:
         self._post_forward = pf
         self.state = UnitState.SHARDED_POST_FORWARD
 
+    def sync_requires_grad(self) -> list[int]:
+        """Take each sharded parameter's ``requires_grad`` (the parameter the user holds, which
+        a ``requires_grad_`` after ``fully_shard`` changes) onto its slot and its unsharded
+        parameter, as FSDP2 does at every unshard: a frozen parameter gets no gradient (and
+        no ``.grad``, so the optimizer leaves it), an unfrozen one trains again. Called at
+        every forward; returns the slots that became trainable."""
+        trainable = []
+        for i, (slot, sharded, unsharded) in enumerate(
+            zip(self.slots, self.sharded_params, self.unsharded_params)
+        ):
+            if sharded.requires_grad != slot.requires_grad:
+                slot.requires_grad = sharded.requires_grad
+                unsharded.requires_grad_(slot.requires_grad)
+                if slot.requires_grad:
+                    trainable.append(i)
+        return trainable
+
     # -- gradients -------------------------------------------------------------------------------
     def release_dropped_grads(self) -> None:
         """Free each flat sharded gradient once ``zero_grad()`` dropped every ``.grad`` on it."""
