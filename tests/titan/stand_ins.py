@@ -68,6 +68,8 @@ def install(metrics_path: str | None) -> None:
 
 
 def _with_sum_reductions(disable_division):
+    """torchtitan's ``disable_fsdp_gradient_division``, then every FSDP module sums its reductions."""
+
     def disable_division_and_sum(model: torch.nn.Module) -> None:
         disable_division(model)
         for module in model.modules():
@@ -80,7 +82,8 @@ def _with_sum_reductions(disable_division):
 def _record_metrics(processor_cls, path: str) -> None:
     """Append each logged step's loss and gradient norm, at full precision, to ``path`` (rank 0).
 
-    torchtitan prints them rounded to 4 digits; the comparison needs every bit.
+    torchtitan prints them rounded (the loss to 5 decimals, the norm to 4); the comparison needs
+    every bit.
     """
     log = processor_cls.log
 
