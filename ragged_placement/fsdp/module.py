@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from torch.distributed.tensor import DTensor
 
-from ragged_placement.fsdp.hooks import FSDPState, drop_unused_grads
+from ragged_placement.fsdp.state import FSDPState, drop_unused_grads
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 from ragged_placement.fsdp.unit import FSDPUnit
 

@@ -149,13 +149,8 @@ class FSDPUnit:
     _agreed: bool | None  # the ranks' agreed decision for the next unshard (None: none yet)
     _refresh_work: object | None  # a refresh issued at an optimizer step, not waited on yet
 
-    def __init__(
-        self,
-        slots: list[ParamSlot],
-        params: list[nn.Parameter],
-        dp: UnitMesh,
-        options: UnitOptions,
-    ) -> None:
+    def __init__(self, slots: list[ParamSlot], params: list[nn.Parameter], dp: UnitMesh,
+                 options: UnitOptions) -> None:
         self.slots = slots
         self.dp, self.mesh = dp, dp.source
         dp.attach(self)
@@ -324,7 +319,7 @@ class FSDPUnit:
         return self._stale or (versions or self._versions()) != self._synced_versions
 
     def agree_refresh(self, stale: bool) -> None:
-        """The data-parallel ranks' agreement (:func:`~ragged_placement.fsdp.hooks.
+        """The data-parallel ranks' agreement (:func:`~ragged_placement.fsdp.state.
         agree_on_refreshes`) on whether the next unshard refreshes: it replaces this rank's own
         :meth:`needs_refresh` there, so that a rank that alone wrote (or took a state dict)
         cannot leave its refresh group waiting."""
