@@ -53,14 +53,21 @@ from ragged_placement.trainer.build import (
     build_scheduler,
     loss_fn,
 )
-from ragged_placement.trainer.checkpoint import Checkpointer, latest_checkpoint, read_manifest
+from ragged_placement.trainer.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    check_checkpoint_dir,
+    move_incomplete_aside,
+)
 from ragged_placement.trainer.config import TrainConfig, check_world, parse_config
 from ragged_placement.trainer.distributed import (
     CollectiveWatch,
     DistributedEnv,
     init_distributed,
+    pick_device,
     torchrun_env,
 )
+from ragged_placement.trainer.resume import Resume, find_resume, layout, restore_rng, rng_state
 
 __all__ = ["main"]
 
@@ -68,26 +75,6 @@ __all__ = ["main"]
 # freeze when it starts that step, in torchrun's first attempt only.
 FAULT_ENV = "RAGGED_PLACEMENT_TRAIN_FAULT"
 MiB = 2.0**20
-
-
-def find_resume(cfg: TrainConfig, rank: int) -> Path | None:
-    """The newest complete checkpoint of ``--checkpoint-dir``, verified (checksums, options,
-    this rank's file), or ``None``. Runs before any process-group work."""
-    if not cfg.checkpoint_dir:
-        return None
-    path = latest_checkpoint(cfg.checkpoint_dir)
-    if path is None:
-        return None
-    saved = read_manifest(path)["fingerprint"]
-    for key, value in json.loads(json.dumps(cfg.fingerprint())).items():
-        if saved.get(key) != value:
-            raise ValueError(
-                f"--{key.replace('_', '-')} {value!r} differs from {saved.get(key)!r} in the "
-                f"checkpoint {path}: resume with the same value or use another --checkpoint-dir"
-            )
-    if not (path / f"trainer_rank{rank}.pt").is_file():
-        raise ValueError(f"--checkpoint-dir: {path} was saved by fewer ranks (no trainer_rank{rank}.pt)")
-    return path
 
 
 def _inject_fault(rank: int, step: int) -> None:
@@ -100,20 +87,6 @@ def _inject_fault(rank: int, step: int) -> None:
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(3600)  # "hang": frozen until torchrun's agent ends it
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _local_bytes(tensors) -> int:
@@ -267,7 +240,7 @@ def _unit_plans(model) -> list[str]:
     return [f"plan of unit {name or '<root>'!r}:\n{unit.buffers[0].plan.summary()}" for name, unit in list(units())[:2]]
 
 
-def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[str, Any]:
+def _train(cfg: TrainConfig, env: DistributedEnv, resume: Resume | None) -> dict[str, Any]:
     """Build, resume, train, save; the run's measurements (rank 0's are written by ``--metrics``)."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -281,14 +254,10 @@ def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[s
         sched = build_scheduler(cfg, opt)
         start = 0
         if cfg.checkpoint_dir:
-            ckpt = Checkpointer(cfg.checkpoint_dir, json.loads(json.dumps(cfg.fingerprint())))
+            ckpt = Checkpointer(cfg.checkpoint_dir, json.loads(json.dumps(cfg.fingerprint())),
+                                layout=layout(cfg, env.world_size))
         if resume is not None:
-            state = ckpt.load(resume, model, opt)
-            sched.load_state_dict(state["scheduler"])
-            start = state["step"]
-            _set_rng_state(state["rng"], env.device)
-            if env.rank == 0:
-                print(f"resumed from {resume} at step {start}", flush=True)
+            start = _resume(resume, ckpt, model, opt, sched, env)
         out = _loop(cfg, env, model, opt, sched, data, ckpt, start, mem)
     out.update(val_loss=_validate(model, data, cfg, env), plans=_unit_plans(model),
                state_sharding=_plan_metrics(plan))
@@ -297,6 +266,21 @@ def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[s
         if env.rank == 0:
             torch.save(full, cfg.output)
     return out
+
+
+def _resume(resume: Resume, ckpt: Checkpointer, model, opt, sched, env: DistributedEnv) -> int:
+    """Restore ``resume`` (resharded to this run's layout); the step to start at."""
+    ckpt.load(resume.path, model, opt)
+    sched.load_state_dict(resume.state["scheduler"])
+    if resume.schedule_changed:  # the restored LR is the old schedule's: the new one's instead
+        sched.last_epoch = resume.step - 1
+        sched.step()
+    restore_rng(resume.state["rng"], env.device)
+    if env.rank == 0:
+        print(f"resumed from {resume.path} at step {resume.step}", flush=True)
+        for change in resume.changes:
+            print(f"resume: {change}", flush=True)
+    return resume.step
 
 
 def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]:
@@ -322,7 +306,7 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
             if ckpt is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 ckpt.save(step + 1, model, opt, {"step": step + 1, "scheduler": sched.state_dict(),
                                                  "data": {"next_step": step + 1, "seed": cfg.seed},
-                                                 "rng": _rng_state(env.device)})
+                                                 "rng": rng_state(env.device)})
     n = max(1, cfg.steps - start)
     net1 = _net_bytes()
     return {
@@ -345,15 +329,34 @@ def _header(cfg: TrainConfig, env: DistributedEnv) -> None:
               f"batch {cfg.batch} per rank", flush=True)
 
 
+def _check(argv: list[str] | None) -> tuple[TrainConfig, Resume | None]:
+    """Every check that needs no other rank: the options, the job's size, the device, the
+    checkpoint directory (writable; an unpublished ``step_<S>`` moved aside by rank 0) and the
+    checkpoint to resume; a ``ValueError`` naming the flag."""
+    cfg = parse_config(argv)
+    rank, world_size, local_rank = torchrun_env()
+    check_world(cfg, world_size)
+    pick_device(cfg.device, local_rank)
+    if cfg.checkpoint_dir:
+        check_checkpoint_dir(cfg.checkpoint_dir)
+        for path, aside in move_incomplete_aside(cfg.checkpoint_dir) if rank == 0 else ():
+            print(f"--checkpoint-dir: {path} has no {MANIFEST} (not a complete checkpoint): "
+                  f"moved aside to {aside}, never resumed", file=sys.stderr, flush=True)
+    return cfg, find_resume(cfg, rank, world_size)
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
-    """Parse, check, resume, train; exit status 2 with ``error: ...`` for bad options."""
+    """Check, resume, train. A bad option, file or checkpoint ends the job before any
+    process-group work: ``error: ...`` on stderr and exit status 2 from local rank 0 (the first
+    rank of each node), exit status 0 without a word from the node's other ranks, which made the
+    same checks on the same files; so torchrun reports one failure, not one per rank."""
     try:
-        cfg = parse_config(argv)
-        resume = find_resume(cfg, int(os.environ.get("RANK", "0")))
-        check_world(cfg, torchrun_env()[1])
+        cfg, resume = _check(argv)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            sys.exit(0)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     env = init_distributed(cfg.device, cfg.collective_timeout)
     _header(cfg, env)
