@@ -26,7 +26,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from ragged_placement.trainer.checkpoint import (
     check_checkpoint_dir,
     move_incomplete_aside,
 )
+from ragged_placement.trainer.collective_bytes import CollectiveBytes
 from ragged_placement.trainer.config import TrainConfig, check_world, parse_config
 from ragged_placement.trainer.distributed import (
     CollectiveWatch,
@@ -152,36 +153,42 @@ class _CudaPeakMeter:
 
 
 class _Progress:
-    """One line per ``--log-every`` steps (loss, tokens/s, memory, bytes sent); a bar rewritten
-    in place when stdout is a terminal."""
+    """One line per ``--log-every`` steps, every field named (docs/train.md, "The log line"):
+    ``step``, ``loss`` (the global batch's mean), ``lr``, ``tok/s`` (global tokens per second
+    since the last line), ``state`` (this rank's parameter, gradient and optimizer-state
+    tensors), ``heap`` (CPU: the C heap in use) or ``cuda peak`` (``max_memory_allocated``) and
+    ``comm`` (bytes of every collective of the step, :class:`CollectiveBytes`); a bar
+    rewritten in place when stdout is a terminal."""
 
     def __init__(self, cfg: TrainConfig, env: DistributedEnv, start: int) -> None:
         self.cfg, self.env, self.tty = cfg, env, sys.stdout.isatty()
         self.tokens = cfg.batch * cfg.seq * env.world_size
-        self.t0, self.step0, self.sent0 = time.perf_counter(), start, 0
+        self.t0, self.step0, self.comm0 = time.perf_counter(), start, 0
 
-    def _memory(self) -> float:
+    def _memory(self) -> str:
         if self.env.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.env.device) / MiB
-        return heap_in_use() / MiB
+            return f"cuda peak {torch.cuda.max_memory_allocated(self.env.device) / MiB:.1f} MiB"
+        return f"heap {heap_in_use() / MiB:.1f} MiB"
 
-    def update(self, step: int, loss: float, lr: float, sent: int) -> None:
+    def update(self, step: int, loss: float, lr: float, comm: int, state: Callable[[], int]) -> None:
+        """Log step ``step`` (``comm``: bytes of the collectives so far; ``state``: this rank's
+        state bytes, computed only when a line is printed)."""
         done, total = step + 1, self.cfg.steps
         logged = done % self.cfg.log_every == 0 or done == total
         if self.env.rank != 0 or not (logged or self.tty):
             return
         steps = done - self.step0
         line = (f"step {done:5d}/{total}  loss {loss:.4f}  lr {lr:.2e}  "
-                f"{self.tokens * steps / (time.perf_counter() - self.t0):9,.0f} tok/s  "
-                f"mem {self._memory():8.1f} MiB  "
-                f"sent {(sent - self.sent0) / max(1, steps) / MiB:.3f} MiB/step")
+                f"tok/s {self.tokens * steps / (time.perf_counter() - self.t0):,.0f}  "
+                f"state {state() / MiB:.2f} MiB  {self._memory()}  "
+                f"comm {(comm - self.comm0) / max(1, steps) / MiB:.3f} MiB/step")
         if self.tty:
             bar = "#" * (30 * done // total)
             print(f"\r[{bar:30s}] {line}", end="\n" if logged else "", flush=True)
         else:
             print(line, flush=True)
         if logged:
-            self.t0, self.step0, self.sent0 = time.perf_counter(), done, sent
+            self.t0, self.step0, self.comm0 = time.perf_counter(), done, comm
 
 
 def _train_step(model, opt, sched, data: TokenData, cfg: TrainConfig, env: DistributedEnv,
@@ -286,7 +293,7 @@ def _resume(resume: Resume, ckpt: Checkpointer, model, opt, sched, env: Distribu
 def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]:
     progress, losses, last = _Progress(cfg, env, start), [], cfg.steps - 1
     copies, net0, timed = LayoutCopyMeter(), _net_bytes(), (0.0, 0, 0.0)
-    with CollectiveWatch(env) as watch, CollectiveMeter() as meter:
+    with CollectiveWatch(env) as watch, CollectiveMeter() as meter, CollectiveBytes() as comm:
         for step in range(start, cfg.steps):
             watch.step = step
             _inject_fault(env.rank, step)
@@ -301,8 +308,8 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
             if start < step and not measured:  # the first step warms up
                 timed = (timed[0] + time.perf_counter() - t0, timed[1] + 1,
                          timed[2] + watch.seconds - comm0)
-            sent = meter.all_gather_bytes + meter.reduce_scatter_bytes
-            progress.update(step, losses[-1], sched.get_last_lr()[0], sent)
+            progress.update(step, losses[-1], sched.get_last_lr()[0], comm.total,
+                            lambda: sum(_state_bytes(model, opt).values()))
             if ckpt is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 ckpt.save(step + 1, model, opt, {"step": step + 1, "scheduler": sched.state_dict(),
                                                  "data": {"next_step": step + 1, "seed": cfg.seed},
@@ -315,6 +322,8 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
         "comm_bytes": (meter.all_gather_bytes + meter.reduce_scatter_bytes) / n,
         "comm_seconds": timed[2] / timed[1] if timed[1] else None,
         "collectives": (meter.counts["all_gather"] + meter.counts["reduce_scatter"]) / n,
+        "collective_bytes": comm.total / n, "collective_calls": comm.calls / n,
+        "collective_bytes_by_call": {k: v / n for k, v in comm.by_name.items()},
         "copy_bytes": copies.total, "peak": mem.peak, "state_bytes": _state_bytes(model, opt),
         "net_bytes": {k: net1[k] - net0.get(k, 0) for k in net1} if env.local_rank == 0 else {},
     }

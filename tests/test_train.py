@@ -11,6 +11,7 @@ Bad options are checked in-process (they fail before any process-group work).
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
@@ -26,12 +27,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
+from dist_utils import run_gloo
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement import train
 from ragged_placement.train import FAULT_ENV, main
 from ragged_placement.trainer.checkpoint import MANIFEST, CheckpointCorruptError, Checkpointer
 from ragged_placement.trainer.config import check_world, parse_config
+from ragged_placement.trainer.distributed import DistributedEnv
 from ragged_placement.trainer.resume import find_resume
 
 STEPS, EVERY, FAULT_STEP = 8, 2, 5
@@ -536,3 +542,72 @@ def test_bad_option_under_torchrun_is_reported_once_before_the_process_group(tmp
     assert out.count("error: --heads 3 must divide --width 64") == 1, out
     assert "exitcode  : 2" in out and "<NO_OTHER_FAILURES>" in out, out
     assert "[rank" not in out and "layers x" not in out, out  # no traceback, no header
+
+
+class C10dBytes(TorchDispatchMode):
+    """The bytes of every c10d and functional-collective op dispatched inside ``with`` (the
+    ops every collective reaches, whoever issued it), at the collective's size: an all-gather's
+    output, a reduce-scatter's or all-to-all's input, an all-reduce's or broadcast's tensor."""
+
+    OUTPUT = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_"}
+    SECOND = {"reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
+              "alltoall_base_", "alltoall_"}
+    FUNCTIONAL = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total, self.ops = 0, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # a DTensor's own dispatch, whose collectives come back here
+        out = func(*args, **(kwargs or {}))
+        namespace, name = func.namespace, func._schema.name.split("::")[-1]
+        if namespace == "c10d" and name != "barrier":
+            sized = args[0] if name in self.OUTPUT else args[1] if name in self.SECOND else args[0]
+        elif namespace.startswith("_c10d_functional") and name.startswith(self.FUNCTIONAL):
+            sized = out if name.startswith("all_gather") else args[0]
+        else:
+            return out
+        nbytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(sized)
+                     if isinstance(t, torch.Tensor))
+        self.total += nbytes
+        self.ops[f"{namespace}.{name}"] += nbytes
+        return out
+
+
+def _comm_per_step(rank: int, world: int, argv: list[str]) -> tuple[dict, int, dict]:
+    """A run of ``argv`` on this gloo rank (no torchrun: the process group exists), each step
+    under :class:`C10dBytes`: the trainer's metrics and the bytes the c10d ops carried."""
+    import torch.distributed as dist
+
+    cfg = parse_config(argv)
+    env = DistributedEnv(rank, world, rank, torch.device("cpu"),
+                         dist.distributed_c10d._get_default_store(), 60.0)
+    seen = C10dBytes()
+    step = train._train_step
+
+    def counted(*args, **kwargs):
+        with seen:
+            return step(*args, **kwargs)
+
+    train._train_step = counted
+    try:
+        out = train._train(cfg, env, None)
+    finally:
+        train._train_step = step
+    return out, seen.total, dict(seen.ops)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("runtime", ["ours", "fsdp2"])
+def test_comm_counts_every_collective_of_the_step(runtime):
+    """Muon (its all-to-all exchange), the gradient norm's and the loss's all-reduces, FSDP's
+    all-gathers and reduce-scatters: the trainer's per-step ``collective_bytes`` (the log's
+    ``comm``) equals what the c10d ops of the step carried. Before, ``sent`` counted only the
+    all-gathers and reduce-scatters."""
+    argv = [*SMALL, "--steps", "3", "--optimizer", "muon", "--runtime", runtime]
+    for out, seen, ops in run_gloo(_comm_per_step, 2, argv):
+        assert any("alltoall" in op or "all_to_all" in op for op in ops), ops
+        assert out["collective_bytes"] * 3 == seen, f"{out['collective_bytes_by_call']} {ops}"
+        assert out["collective_bytes"] > out["comm_bytes"]
