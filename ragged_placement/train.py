@@ -37,13 +37,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 from typing_extensions import Self  # a dependency of torch
 
-from ragged_placement.fsdp.profiling import (
+from ragged_placement.testing.profiling import (
     CollectiveMeter,
     HeapPeakMeter,
     LayoutCopyMeter,
     heap_in_use,
 )
-from ragged_placement.launch import exit_without_finalization
+from ragged_placement.testing.launch import exit_without_finalization
 from ragged_placement.planner import StateShardingPlan
 from ragged_placement.trainer.build import (
     TokenData,
@@ -106,9 +106,7 @@ def _param_chunk_bytes(model: torch.nn.Module) -> int:
     total = 0
     for _, unit in units() if units is not None else ():
         for b in unit.buffers:
-            held = None
-            if b.nested is not None:
-                held = b.nested.chunk if b.nested.sharded_params else b.gather.gathered
+            held = b.comm.param_chunk
             total += 0 if held is None else held.numel() * held.element_size()
     return total
 

@@ -1,4 +1,4 @@
-"""The measurement instruments of ragged_placement.fsdp.profiling against known allocations."""
+"""The measurement instruments of ragged_placement.testing.profiling against known allocations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from dist_utils import run_gloo
 
-from ragged_placement.fsdp.profiling import HeapPeakMeter, heap_in_use
+from ragged_placement.testing.profiling import HeapPeakMeter, heap_in_use
 
 MiB = 2**20
 TOL = MiB // 4  # interpreter and allocator noise
@@ -60,7 +60,7 @@ def _one_step_counted(rank: int, cfg, init: dict, mesh, runtime: str, sharding) 
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     from ragged_placement.fsdp import fully_shard
-    from ragged_placement.fsdp.profiling import CollectiveMeter
+    from ragged_placement.testing.profiling import CollectiveMeter
     from ragged_placement.models import GPT
 
     model = GPT(cfg)
@@ -93,7 +93,7 @@ def _counters_on_2x2(rank: int, ws: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from ragged_placement.fsdp import StateSharding
-    from ragged_placement.fsdp.profiling import CollectiveMeter
+    from ragged_placement.testing.profiling import CollectiveMeter
     from ragged_placement.models import GPT, GPTConfig
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))

@@ -356,6 +356,7 @@ def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsy
         (["--seed", str(2**62)], "--seed must be < 2\\*\\*40"),
         (["--heads", "3", "--width", "64"], "--heads 3 must divide --width 64 .* --heads 2"),
         (["--model", "llama", "--heads", "5", "--width", "64"], "--heads 5 must divide --width 64"),
+        (["--model", "hf:gpt2", "--heads", "5", "--width", "64"], "--heads 5 must divide --width 64"),
         (["--data-bytes", "64", "--seq", "64"], "--data-bytes 64 is too small for --seq 64"),
         (["--val-batches", "1", "--data-bytes", "500"], "--data-bytes 500 is too small for --seq 64"),
         (["--state-sharding", "auto", "--bandwidth", "dp=inf"], "--bandwidth must be 'profile' or one"),

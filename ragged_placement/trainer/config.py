@@ -255,7 +255,7 @@ def _positive(cfg: TrainConfig, name: str, *, zero_ok: bool = False) -> None:
 def _check_shapes(cfg: TrainConfig) -> None:
     """What the model and the data need of the sizes: heads dividing the width, and splits of
     the stdlib corpus longer than a sequence."""
-    if cfg.model in ("gpt", "llama") and cfg.width % cfg.heads:
+    if not cfg.model.endswith(".json") and cfg.width % cfg.heads:  # a config.json has its own
         raise ValueError(f"--heads {cfg.heads} must divide --width {cfg.width} (each head gets "
                          f"width / heads features): pass e.g. --heads "
                          f"{max(d for d in range(1, cfg.heads) if cfg.width % d == 0)}")

@@ -156,7 +156,7 @@ class CollectiveMeter:
             (collectives, "_all_gather_uneven", "all_gather"),  # W broadcasts: one collective
             (dist, "reduce_scatter", "reduce_scatter"),  # uneven segments' list reduce-scatter
             (compat, "_reduce_scatter", "reduce_scatter"),
-            (compat, "_reduce_scatter_by_all_to_all", "reduce_scatter"),  # gloo's sums
+            (compat, "reduce_scatter_by_all_to_all", "reduce_scatter"),  # gloo's sums
             (dist, "all_reduce", "all_reduce"),
         ]
         for obj, name, kind in targets:
