@@ -333,7 +333,7 @@ def _unsharded_bytes(model, runtime: str) -> int:
     copied out (and freed)."""
     if runtime == "ours":
         return sum(b.unsharded.untyped_storage().nbytes() for _, u in model.fsdp_units()
-                   for b in u.buffers if b.nested is None or b.nested.sharded_params)
+                   for b in u.buffers if not u.dp.keeps_params_unsharded)
     tensors = []
     for m in model.modules():
         group = m._get_fsdp_state()._fsdp_param_group if hasattr(m, "_get_fsdp_state") else None
@@ -348,16 +348,11 @@ def _unsharded_bytes(model, runtime: str) -> int:
 
 
 def _chunk_bytes(model) -> int:
-    """Bytes of our parameter chunks (:class:`~ragged_placement.fsdp.nested.NestedBuffer`; the
-    unsharded buffer itself for ``params=()``)."""
-    total = 0
-    for _, unit in model.fsdp_units():
-        for b in unit.buffers:
-            if b.nested is not None and b.nested.chunk is not None:
-                total += b.nested.chunk.untyped_storage().nbytes()
-            elif b.nested is not None and not b.nested.sharded_params:
-                total += b.unsharded.untyped_storage().nbytes()
-    return total
+    """Bytes of our parameter chunks (:attr:`~ragged_placement.fsdp.mesh.BufferComm.param_chunk`:
+    :class:`~ragged_placement.fsdp.nested.NestedBuffer`'s, the unsharded buffer itself for
+    ``params=()``)."""
+    chunks = [b.comm.param_chunk for _, unit in model.fsdp_units() for b in unit.buffers]
+    return sum(c.untyped_storage().nbytes() for c in chunks if c is not None)
 
 
 class _PeakOf(TorchDispatchMode):

@@ -132,9 +132,7 @@ def _param_chunk_bytes(model: torch.nn.Module) -> int:
     total = 0
     for _, unit in units() if units is not None else ():
         for b in unit.buffers:
-            held = None
-            if b.nested is not None:
-                held = b.nested.chunk if b.nested.sharded_params else b.gather.gathered
+            held = b.comm.param_chunk
             total += 0 if held is None else held.numel() * held.element_size()
     return total
 

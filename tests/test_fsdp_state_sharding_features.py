@@ -156,7 +156,7 @@ def _accumulate(rank: int, ws: int, mesh: DeviceMesh, sharding: StateSharding, l
         # the step leaves the refreshes it issued in flight (waited on at each unit's next
         # unshard); every stepped unit that refreshes has one
         in_flight = [u._refresh_work is not None for u in _units(m)
-                     if u.state is UnitState.SHARDED and any(b.nested.refreshes for b in u.buffers)]
+                     if u.state is UnitState.SHARDED and u.buffers and u.dp.refreshes]
         assert in_flight and all(in_flight)
         opt.zero_grad()
     return _full(m), {k: v[0] for k, v in _counts(m).items()}, between

@@ -536,9 +536,7 @@ def agree_on_refreshes(states: list[FSDPState]) -> None:
     by_mesh: dict[int, list[FSDPUnit]] = {}
     for s in states:
         unit = s.unit
-        if unit.device.type == "meta" or not any(
-            b.nested is not None and b.nested.refreshes for b in unit.buffers
-        ):
+        if unit.device.type == "meta" or not (unit.buffers and unit.dp.refreshes):
             continue
         by_mesh.setdefault(id(unit.dp), []).append(unit)
     for units in by_mesh.values():

@@ -165,7 +165,7 @@ class FSDPModule:
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
                 if not requires_all_reduce:
-                    _refuse_under_state_sharding(m, "set_requires_all_reduce(False)")
+                    _check_supported(m, "set_requires_all_reduce(False)")
                 m._fsdp_state.unit.requires_all_reduce = requires_all_reduce
 
     def set_separate_reduce_scatter_group(
@@ -184,7 +184,7 @@ class FSDPModule:
                 unit = m._fsdp_state.unit
                 group = None
                 if enable:
-                    _refuse_under_state_sharding(m, "set_separate_reduce_scatter_group(True)")
+                    _check_supported(m, "set_separate_reduce_scatter_group(True)")
                     ranks = tuple(dist.get_process_group_ranks(unit.dp.shard_group))
                     if ranks not in groups:
                         groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
@@ -441,22 +441,17 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, wrapped.__get__(module, type(module)))
 
 
-def _refuse_under_state_sharding(module: FSDPModule, what: str) -> None:
-    """``ValueError`` naming ``what`` if ``module``'s unit has a ``state_sharding`` other than
-    ``fully_shard``'s default (its collectives run over several groups of their own)."""
-    sharding = getattr(module._fsdp_state.unit.dp, "sharding", None)
-    if sharding is not None:
-        raise ValueError(
-            f"{what} on {type(module).__name__}, sharded with state_sharding={sharding}: not "
-            f"supported under a state_sharding (its reductions run over several groups); "
-            f"drop the call, or shard without state_sharding"
-        )
+def _check_supported(module: FSDPModule, what: str) -> None:
+    """``ValueError`` naming ``what`` if ``module``'s unit mesh cannot run it (a
+    ``state_sharding`` other than ``fully_shard``'s default: its collectives run over several
+    groups of their own; :meth:`~ragged_placement.fsdp.mesh.UnitMesh.check_supported`)."""
+    module._fsdp_state.unit.dp.check_supported(what, type(module).__name__)
 
 
 def _check_custom_comm(module: FSDPModule, comm: object) -> Callable:
     if not callable(comm):
         raise ValueError(f"comm must be callable, got {comm!r}")
-    _refuse_under_state_sharding(module, "a custom all-gather / reduce-scatter")
+    _check_supported(module, "a custom all-gather / reduce-scatter")
     unit = module._fsdp_state.unit
     uneven = [s for b in unit.buffers for s in b.plan.segments if s.rank_starts is not None]
     if uneven:
