@@ -294,7 +294,7 @@ class FSDPState:
         for s in states:
             check_no_all_gather_extension(
                 [slot.fqn for slot in s.unit.slots],
-                [p._local_tensor for p in s.unit.sharded_params],
+                [getattr(p, "_local_tensor", p) for p in s.unit.sharded_params],
                 type(s.module).__name__,
             )
         ctx = RootContext(states)
