@@ -25,7 +25,7 @@ from ragged_placement.fsdp._validation import (
 )
 from ragged_placement.fsdp.common import UnitOptions
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
-from ragged_placement.fsdp.hooks import FSDPState
+from ragged_placement.fsdp.state import FSDPState
 from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.module import (
     FSDPModule,

@@ -56,7 +56,7 @@ detached tensors may be loaded into in place before the next forward, as ``dcp.l
 a move. A write through ``.data`` bypasses all of them. Every rank of an ``O \\ P`` group must
 take the same decision, or the refresh would wait for the ranks that skip it: at the root's
 forward the data-parallel ranks agree per unit (one byte per unit, all-reduced: max;
-:func:`~ragged_placement.fsdp.hooks.agree_on_refreshes`), so a state dict or a write on some
+:func:`~ragged_placement.fsdp.state.agree_on_refreshes`), so a state dict or a write on some
 ranks only refreshes everywhere. An unshard outside the root's forward (backward, a submodule
 called on its own) decides locally.
 
