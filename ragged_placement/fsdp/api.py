@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement.fsdp._validation import (
     check_granularity,
+    check_no_all_gather_extension,
     check_not_managed,
     record_managed,
     unmatched_patterns,
@@ -453,6 +454,7 @@ def fully_shard(
     slots, params, owned_modules = _collect_params(modules, ignored)
     where = type(modules[0]).__name__
     check_not_managed([s.fqn for s in slots], params, where)
+    check_no_all_gather_extension([s.fqn for s in slots], params, where)
     _check_shard_placements(shard_placement_fn, slots, params, granularity)
     if check_quant(quant) is not None:
         for m in modules:
