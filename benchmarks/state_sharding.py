@@ -9,7 +9,7 @@ below), against torch FSDP2 full-shard (a 1-D mesh) and FSDP2 HSDP in the same r
 data. Per step, after 2 warm-up steps:
 
 * collectives and the bytes each rank moves, per set of mesh dims the group spans, from one
-  counter for both runtimes (:class:`~ragged_placement.fsdp.profiling.CollectiveMeter` wraps the
+  counter for both runtimes (:class:`~ragged_placement.testing.profiling.CollectiveMeter` wraps the
   c10d calls; ``by_dims`` names each group by the dims it spans): an all-gather's output less
   the rank's input, a reduce-scatter's input less its output, ``2 (n - 1) / n`` of an
   all-reduce (max over ranks). ``across inter``: over ``inter`` alone or with ``intra`` (the
@@ -276,7 +276,7 @@ def _profile_rank(rank, world, runs):
 
 
 def profile_error(runs: int) -> None:
-    from ragged_placement.launch import run_gloo
+    from ragged_placement.testing.launch import run_gloo
 
     fits, rows = run_gloo(_profile_rank, 4, runs, timeout=600)[0]
     print("fitted: " + ", ".join(f"{'+'.join(d)}: {bw / 1e6:.1f} MB/s, {lat * 1e6:.0f} us/step"
@@ -333,7 +333,7 @@ def _unsharded_bytes(model, runtime: str) -> int:
     copied out (and freed)."""
     if runtime == "ours":
         return sum(b.unsharded.untyped_storage().nbytes() for _, u in model.fsdp_units()
-                   for b in u.buffers if b.nested is None or b.nested.sharded_params)
+                   for b in u.buffers if not u.dp.keeps_params_unsharded)
     tensors = []
     for m in model.modules():
         group = m._get_fsdp_state()._fsdp_param_group if hasattr(m, "_get_fsdp_state") else None
@@ -348,16 +348,11 @@ def _unsharded_bytes(model, runtime: str) -> int:
 
 
 def _chunk_bytes(model) -> int:
-    """Bytes of our parameter chunks (:class:`~ragged_placement.fsdp.nested.NestedBuffer`; the
-    unsharded buffer itself for ``params=()``)."""
-    total = 0
-    for _, unit in model.fsdp_units():
-        for b in unit.buffers:
-            if b.nested is not None and b.nested.chunk is not None:
-                total += b.nested.chunk.untyped_storage().nbytes()
-            elif b.nested is not None and not b.nested.sharded_params:
-                total += b.unsharded.untyped_storage().nbytes()
-    return total
+    """Bytes of our parameter chunks (:attr:`~ragged_placement.fsdp.mesh.BufferComm.param_chunk`:
+    :class:`~ragged_placement.fsdp.nested.NestedBuffer`'s, the unsharded buffer itself for
+    ``params=()``)."""
+    chunks = [b.comm.param_chunk for _, unit in model.fsdp_units() for b in unit.buffers]
+    return sum(c.untyped_storage().nbytes() for c in chunks if c is not None)
 
 
 class _PeakOf(TorchDispatchMode):
@@ -396,7 +391,7 @@ def _shard_gpt(model, runtime: str, mesh, sharding, raf: bool, bf16: bool) -> No
 def _run_point(rank, ws, runtime, mesh, sharding, raf, dims_mesh, cfg, init, corpus, args) -> dict:
     """``args.warmup`` AdamW steps, then ``args.steps`` measured ones: the first under the
     collective counter; memory by state from the tensors, heap and unsharded peaks over all."""
-    from ragged_placement.fsdp.profiling import CollectiveMeter, HeapPeakMeter
+    from ragged_placement.testing.profiling import CollectiveMeter, HeapPeakMeter
     from ragged_placement.models import GPT
 
     per, out = args.batch, {}
@@ -501,7 +496,7 @@ def _band_bytes(cfg) -> int:
 
 
 def runtime_table(args) -> None:
-    from ragged_placement.launch import run_gloo
+    from ragged_placement.testing.launch import run_gloo
     from ragged_placement.models import GPTConfig
 
     cfg = GPTConfig(block_size=args.seq, **GPT_SHAPE)

@@ -215,7 +215,7 @@ def _fp8_rank(rank: int, ws: int, steps: int) -> dict[str, tuple[list[float], di
             losses.append(total.item() / ws)
         unit = m.layers[0]._fsdp_state.unit
         b = unit.buffers[0]
-        chunk = b.nested.chunk.numel() if b.nested.chunk is not None else None
+        chunk = b.comm.chunk.numel() if b.comm.chunk is not None else None
         out[name] = (losses, dict(unit.stats.by_dims), b.fp8.gathered_nbytes, chunk)
     return out
 

@@ -156,7 +156,7 @@ def _accumulate(rank: int, ws: int, mesh: DeviceMesh, sharding: StateSharding, l
         # the step leaves the refreshes it issued in flight (waited on at each unit's next
         # unshard); every stepped unit that refreshes has one
         in_flight = [u._refresh_work is not None for u in _units(m)
-                     if u.state is UnitState.SHARDED and any(b.nested.refreshes for b in u.buffers)]
+                     if u.state is UnitState.SHARDED and u.buffers and u.dp.refreshes]
         assert in_flight and all(in_flight)
         opt.zero_grad()
     return _full(m), {k: v[0] for k, v in _counts(m).items()}, between
@@ -527,8 +527,8 @@ def test_bf16_mixed_precision_matches_fsdp2_hsdp(every_feature):
 def test_comm_debug_mode_sees_by_dims_and_the_formula_per_step(every_feature):
     """AMSP, per step: the c10d collectives ``CommDebugMode`` sees, by the mesh dims of their
     group, equal ``by_dims``'s increment plus two all-reduces over both dims that move no
-    state: one byte per parameter (:func:`~ragged_placement.fsdp.hooks.drop_unused_grads`) and
-    one byte per unit (the refresh agreement, :func:`~ragged_placement.fsdp.hooks.
+    state: one byte per parameter (:func:`~ragged_placement.fsdp.state.drop_unused_grads`) and
+    one byte per unit (the refresh agreement, :func:`~ragged_placement.fsdp.state.
     agree_on_refreshes`), and ``by_dims`` equals the formula from the parameter counts."""
     for rank in every_feature:
         steps, numels, n_params = rank["comm"]

@@ -190,7 +190,7 @@ def _nested_runtime_bytes(rank, world_size):
         held = 0
         for _, unit in model.fsdp_units():
             for b in unit.buffers:
-                kept = b.nested.chunk if b.nested.sharded_params else b.unsharded
+                kept = b.comm.param_chunk
                 held += b.sharded.numel() * 4 + kept.numel() * kept.element_size()
         out[name] = held
     return out

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement.fsdp._validation import (
     check_granularity,
+    check_no_all_gather_extension,
     check_not_managed,
     record_managed,
     unmatched_patterns,
@@ -24,8 +25,8 @@ from ragged_placement.fsdp._validation import (
 )
 from ragged_placement.fsdp.common import UnitOptions
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
-from ragged_placement.fsdp.hooks import FSDPState
-from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
+from ragged_placement.fsdp.state import FSDPState
+from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.module import (
     FSDPModule,
     UnshardHandle,
@@ -34,9 +35,9 @@ from ragged_placement.fsdp.module import (
     share_comm_ctx,
 )
 from ragged_placement.fsdp.nested import state_sharded_mesh
-from ragged_placement.fsdp.param import ParamSlot, mesh_device
+from ragged_placement.fsdp.param import ParamSlot, check_tp_dims_disjoint, mesh_device
 from ragged_placement.fsdp.spmd import check_dp_mesh_dims, localize_spmd_params
-from ragged_placement.fsdp.state_sharding import StateSharding
+from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.fsdp.unit import FSDPUnit
 from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config
@@ -150,6 +151,26 @@ def _reshard_setting(value: object, unit) -> bool | PostForwardMesh:
     if isinstance(resolved, bool):
         return resolved
     return PostForwardMesh.of(unit.dp, resolved)
+
+
+def _unit_mesh(
+    mesh: object, state_sharding: object, dp_mesh_dims: object, offload: object,
+    reshard_after_forward: object,
+) -> UnitMesh:
+    """The unit's mesh, built once from ``fully_shard``'s arguments and checked against them: a
+    ``state_sharding``'s (other than ``mesh``'s default), else FSDP / HSDP on ``mesh`` or on
+    the data-parallel sub-mesh ``dp_mesh_dims`` names."""
+    sharded = state_sharded_mesh(
+        state_sharding, mesh, dp_mesh_dims=dp_mesh_dims, offload=offload,
+        reshard_after_forward=reshard_after_forward,
+    )
+    if sharded is not None:
+        return sharded
+    dp = DataParallelMesh.of(
+        mesh if dp_mesh_dims is None else check_dp_mesh_dims(mesh, dp_mesh_dims)
+    )
+    _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # before building
+    return dp
 
 
 def _check_offload_policy(offload_policy: object) -> CPUOffloadPolicy | None:
@@ -419,26 +440,21 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh()
     if isinstance(mesh, DeviceMesh):
         warn_on_racy_gloo_groups(mesh)
+        mesh_device(mesh)  # a device type it cannot compute on: ValueError, before any group
+        if dp_mesh_dims is None:  # with it, parameters are DTensors on the whole mesh
+            check_tp_dims_disjoint(mesh, modules)
     offload = _check_offload_policy(offload_policy)
-    nested = state_sharded_mesh(
-        state_sharding, mesh, dp_mesh_dims=dp_mesh_dims, offload=offload,
-        reshard_after_forward=reshard_after_forward,
-    )
-    if nested is None:
-        dp = DataParallelMesh.of(
-            mesh if dp_mesh_dims is None else check_dp_mesh_dims(mesh, dp_mesh_dims)
-        )
-        _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # before building
+    dp = _unit_mesh(mesh, state_sharding, dp_mesh_dims, offload, reshard_after_forward)
     device = mesh_device(mesh)
     check_granularity(granularity)
     spmd = None
     if dp_mesh_dims is not None:
         _check_spmd_options(reshard_after_forward, quant)
         spmd = localize_spmd_params(mesh, dp_mesh_dims, modules, ignored, FSDPModule)
-        mesh = dp.mesh
     slots, params, owned_modules = _collect_params(modules, ignored)
     where = type(modules[0]).__name__
     check_not_managed([s.fqn for s in slots], params, where)
+    check_no_all_gather_extension([s.fqn for s in slots], params, where)
     _check_shard_placements(shard_placement_fn, slots, params, granularity)
     if check_quant(quant) is not None:
         for m in modules:
@@ -460,7 +476,7 @@ def fully_shard(
         mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
         split_by_submodule=wraps_units, offload_policy=offload, spmd=spmd,
     )
-    unit = FSDPUnit(slots, params, nested or mesh, options)
+    unit = FSDPUnit(slots, params, dp, options)
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
     state.unmatched_granularity = unmatched_patterns(granularity, modules)
     record_managed([s.fqn for s in slots], originals, where)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NoReturn
 from torch import nn
 
 if TYPE_CHECKING:
-    from ragged_placement.fsdp.hooks import FSDPState
+    from ragged_placement.fsdp.state import FSDPState
 
 __all__ = ["FSDP2StateView", "refuse_private_state", "state_view"]
 

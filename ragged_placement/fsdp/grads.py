@@ -105,9 +105,9 @@ class FlatGrads:
         """Release the unsharded gradients into the reduce-scatter inputs (cast to
         ``reduce_dtype``; a segment no gradient reached contributes zeros) and allocate its
         output; returns what to reduce-scatter. The unit issues it with its other buffers'.
-        Under a ``state_sharding`` it is the reduce-scatter over the ``params`` dims
-        (:meth:`~ragged_placement.fsdp.nested.NestedBuffer.params_reduction`; none, and no
-        output, for ``params=()``)."""
+        The buffer's communication builds it (:meth:`~ragged_placement.fsdp.mesh.BufferComm.
+        reduction`: under a ``state_sharding`` the reduce-scatter over the ``params`` dims;
+        none, and no output, for ``params=()``)."""
         b = self._buffer
         assert self.pending and self._reduction is None
         for p in b.unsharded_params:
@@ -120,12 +120,7 @@ class FlatGrads:
         ]
         self.unsharded = [None] * len(rs_in)
         rs_in = [g.to(b.reduce_dtype) for g in rs_in]  # the mixed-precision cast, if any
-        if b.nested is not None:
-            self._reduction = b.nested.params_reduction(rs_in)
-            return self._reduction
-        out = torch.empty(b.chunk_numel, dtype=b.reduce_dtype, device=b.device)
-        group = b.dp.shard_group if self.reduce_group is None else self.reduce_group
-        self._reduction = Reduction(out, rs_in, b.plan.segments, b.world_size, group)
+        self._reduction = b.comm.reduction(rs_in, self.reduce_group)
         return self._reduction
 
     def take_reduced(self) -> Reduction | None:
@@ -145,14 +140,17 @@ class FlatGrads:
         if out.dtype != b.orig_dtype:
             out = out.to(b.orig_dtype)
         self.release_dropped()
-        if b.offload is not None:
-            out = b.offload.to_host(out, landing=self.sharded is None)
+        out = b.staging.to_host(out, landing=self.sharded is None)
         if self.sharded is None:
             self.sharded = out
             views = b.plan.local_views(out, b.rank)
             for slot, spec, p in zip(b.slots, b.specs, b.sharded_params):
-                if slot.requires_grad:
+                if not slot.requires_grad:
+                    continue
+                if p.grad is None:
                     p.grad = DTensor(views[slot.fqn], spec, requires_grad=False)
+                else:  # kept while it was frozen (released with the old buffer): accumulate
+                    p.grad._local_tensor.add_(views[slot.fqn])
         else:
             self._accumulate(out)
 

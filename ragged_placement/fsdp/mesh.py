@@ -1,4 +1,16 @@
-"""The data-parallel meshes of a ``fully_shard`` unit.
+"""The meshes of a ``fully_shard`` unit.
+
+:class:`UnitMesh` is what the runtime (the unit, its flat buffers and gradients, the hooks)
+asks about the unit's process groups and the order of its reductions; ``fully_shard`` builds
+one per unit from its ``mesh`` / ``dp_mesh_dims`` / ``state_sharding`` arguments, and the
+runtime never asks which kind it holds. Each flat buffer gets, from it, its
+:class:`BufferComm`: the all-gather's and the reductions' segments, groups and buffers.
+
+* :class:`DataParallelMesh` (here): FSDP and HSDP, FSDP2's meshes; its buffers' communication
+  is :class:`ShardComm`;
+* :class:`~ragged_placement.fsdp.nested.StateShardedMesh`: per-state sharding
+  (``state_sharding``), whose buffers' communication is the nested layout's
+  (:class:`~ragged_placement.fsdp.nested.NestedBuffer`).
 
 ``fully_shard(module, mesh=...)`` takes FSDP2's call shapes:
 
@@ -15,23 +27,182 @@ shard of its unsharded parameters over groups of ``N`` consecutive ranks of the 
 
 from __future__ import annotations
 
+import abc
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
 from ragged_placement._compat import concatenate_meshes
+from ragged_placement.fsdp.collectives import Gather, Reduction
+from ragged_placement.fsdp.common import CommStats
 from ragged_placement.placement import RaggedShard
 from ragged_placement.planner.plan import Segment
 
-__all__ = ["DataParallelMesh", "PostForwardMesh", "coarsen_segments"]
+if TYPE_CHECKING:
+    from ragged_placement.fsdp.buffer import FlatBuffer
+
+__all__ = [
+    "BufferComm", "DataParallelMesh", "PostForwardMesh", "ShardComm", "UnitMesh",
+    "coarsen_segments",
+]
+
+
+class UnitMesh(abc.ABC):
+    """The process groups of one ``fully_shard`` unit and the order of its reductions.
+
+    The flat buffers are planned over the *shard* ranks (``shard_size`` chunks, this rank's
+    ``shard_rank``); a sharded parameter is a RaggedShard DTensor over them on :attr:`mesh`
+    (with ``Replicate()`` over the replicas first, :meth:`placements`). Gradients are
+    averaged over ``shard_size * replicate_size`` ranks.
+
+    Attributes:
+        source: the user's data-parallel mesh.
+        mesh: the mesh of the sharded parameters (without a tensor-parallel dim).
+    """
+
+    source: DeviceMesh
+    mesh: DeviceMesh
+
+    @property
+    @abc.abstractmethod
+    def shard_group(self) -> dist.ProcessGroup:
+        """The group of the shard ranks (a buffer's chunks)."""
+
+    @property
+    @abc.abstractmethod
+    def shard_rank(self) -> int:
+        """This rank's chunk among the shard ranks."""
+
+    @property
+    @abc.abstractmethod
+    def shard_size(self) -> int:
+        """The number of shard ranks (chunks of a buffer)."""
+
+    @property
+    @abc.abstractmethod
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """The group of this rank's replicas (``None``: no replicas)."""
+
+    @property
+    @abc.abstractmethod
+    def replicate_size(self) -> int:
+        """The number of replicas of a chunk."""
+
+    @property
+    def hsdp(self) -> bool:
+        """Whether each chunk has replicas (HSDP, or dims outside ``state_sharding.optim``)."""
+        return self.replicate_size > 1
+
+    @property
+    def shard_dim(self) -> int:
+        """The dim of :attr:`mesh` the chunks are sharded over (its last)."""
+        return self.mesh.ndim - 1
+
+    def placements(self, fsdp: RaggedShard) -> tuple[Placement, ...]:
+        """The placements of a sharded parameter on :attr:`mesh`: ``(Replicate(),)`` over the
+        replicas if any, then ``fsdp`` over the shard ranks."""
+        return (Replicate(), fsdp) if self.hsdp else (fsdp,)
+
+    @abc.abstractmethod
+    def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh of the sharded parameters beside ``tp_mesh`` (a sibling sub-mesh of
+        :attr:`source` in one root mesh): :attr:`mesh`'s dims, then ``tp_mesh``'s."""
+
+    @abc.abstractmethod
+    def buffer_comm(self, buffer: FlatBuffer) -> BufferComm:
+        """The communication of ``buffer``, a flat buffer planned over the shard ranks."""
+
+    # -- what only some meshes do; the defaults are FSDP's ----------------------------------
+    @property
+    def refreshes(self) -> bool:
+        """Whether the unit's parameter chunks are refreshed from the sharded chunks (an
+        all-gather after each optimizer step, :class:`BufferComm.prepare_refresh`)."""
+        return False
+
+    @property
+    def keeps_params_unsharded(self) -> bool:
+        """Whether the unsharded buffers persist between passes (the refresh fills them and
+        no all-gather runs): parameters sharded over no rank."""
+        return False
+
+    @property
+    def replicas_group(self) -> dist.ProcessGroup | None:
+        """The group over which the unit all-reduces each reduce-scatter output (HSDP's
+        replicas; ``None``: :meth:`BufferComm.start_rest` reduced over the replicas already, or
+        there are none)."""
+        return self.replicate_group
+
+    def attach(self, unit) -> None:
+        """Called once by ``unit``, the :class:`~ragged_placement.fsdp.unit.FSDPUnit` built
+        on this mesh (a mesh that refreshes hooks the optimizer steps and state dicts)."""
+        del unit
+
+    def check_supported(self, what: str, where: str) -> None:
+        """``ValueError`` if ``what`` (an ``FSDPModule`` setting, on module class ``where``)
+        cannot run on this mesh."""
+        del what, where
+
+    def count(self, stats: CommStats, kind: str, level: str, nbytes: int) -> None:
+        """Count ``nbytes`` of collective ``kind`` over the dims of ``level`` (``"params"``:
+        the all-gather and the first reduce-scatter; ``"refresh"``) in ``stats.by_dims``, for
+        meshes that name their dims there."""
+        del stats, kind, level, nbytes
+
+
+class BufferComm(abc.ABC):
+    """One flat buffer's communication on its unit's mesh: what its all-gather sends and
+    where, and the order of its gradient reductions (built once with the buffer,
+    :meth:`UnitMesh.buffer_comm`)."""
+
+    @property
+    def param_chunk(self) -> torch.Tensor | None:
+        """What the buffer keeps for its parameters beside the sharded chunk between passes
+        (``None``: nothing)."""
+        return None
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether :meth:`start_rest` leaves a collective in flight."""
+        return False
+
+    def allocate(self) -> None:
+        """After :meth:`FlatBuffer.allocate`: allocate what this communication keeps."""
+
+    @abc.abstractmethod
+    def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
+        """The all-gather into the unsharded buffer (from the post-forward shard where ``pf``),
+        its output's storage allocated."""
+
+    def prepare_refresh(self) -> Gather:
+        """The refresh's all-gather (only on a mesh that :attr:`~UnitMesh.refreshes`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not refresh")
+
+    def finish_refresh(self) -> None:
+        """Once the refresh is waited on: release its buffers."""
+
+    @abc.abstractmethod
+    def reduction(self, inputs: list[torch.Tensor],
+                  group: dist.ProcessGroup | None) -> Reduction:
+        """The reduce-scatter of the per-segment unsharded gradients ``inputs`` (in
+        ``reduce_dtype``), over ``group`` where it is not ``None``
+        (``set_separate_reduce_scatter_group``)."""
+
+    def start_rest(self, reduction: Reduction,
+                   stats: CommStats) -> Callable[[], torch.Tensor]:
+        """What follows the finished reduce-scatter ``reduction``, issued; returns what
+        completes it and gives the summed gradient chunk."""
+        del stats
+        return lambda: reduction.output
 
 
 @dataclass(frozen=True)
-class DataParallelMesh:
+class DataParallelMesh(UnitMesh):
     """The data-parallel mesh of one unit: ``mesh`` is 1-D (shard) or 2-D (replicate, shard)."""
 
     mesh: DeviceMesh
@@ -55,10 +226,6 @@ class DataParallelMesh:
         return self.mesh.ndim == 2
 
     @property
-    def shard_dim(self) -> int:
-        return self.mesh.ndim - 1
-
-    @property
     def shard_group(self):
         return self.mesh.get_group(self.shard_dim)
 
@@ -78,14 +245,38 @@ class DataParallelMesh:
     def replicate_size(self) -> int:
         return self.mesh.size(0) if self.hsdp else 1
 
-    def placements(self, fsdp: RaggedShard) -> tuple[Placement, ...]:
-        """The data-parallel placements of a parameter: ``(Replicate(),)`` for HSDP, then ``fsdp``."""
-        return (Replicate(), fsdp) if self.hsdp else (fsdp,)
-
     def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh of the sharded parameters beside ``tp_mesh`` (a sibling sub-mesh of the same
-        root): ``mesh``'s dims, then ``tp_mesh``'s."""
         return concatenate_meshes([self.mesh, tp_mesh])
+
+    def buffer_comm(self, buffer: FlatBuffer) -> ShardComm:
+        return ShardComm(buffer, self)
+
+
+class ShardComm(BufferComm):
+    """A flat buffer's communication on a :class:`DataParallelMesh`: the all-gather of the
+    chunks over the shard group (or of the post-forward shards over their group), the
+    reduce-scatter over it; HSDP's all-reduce over the replicas follows in the unit."""
+
+    def __init__(self, buffer: FlatBuffer, mesh: DataParallelMesh) -> None:
+        self._buffer = buffer
+        self._mesh = mesh
+
+    def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
+        b = self._buffer
+        b.gather.allocate()
+        send = b.send_buffer(pf)
+        world_size = b.world_size if pf is None else pf.size
+        gather = b.gather_segments
+        segments = gather if pf is None else pf.coarsen(gather)
+        group = self._mesh.shard_group if pf is None else pf.group
+        return Gather(b.gather.gathered, send, segments, world_size, group, pf is not None)
+
+    def reduction(self, inputs: list[torch.Tensor],
+                  group: dist.ProcessGroup | None) -> Reduction:
+        b = self._buffer
+        out = torch.empty(b.chunk_numel, dtype=b.reduce_dtype, device=b.device)
+        group = self._mesh.shard_group if group is None else group
+        return Reduction(out, inputs, b.plan.segments, b.world_size, group)
 
 
 # id(mesh) -> (a weak reference to the mesh, {N: this rank's N-rank post-forward group})

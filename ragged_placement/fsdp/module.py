@@ -15,7 +15,7 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp.fsdp2_state import refuse_private_state
-from ragged_placement.fsdp.hooks import FSDPState, drop_unused_grads
+from ragged_placement.fsdp.state import FSDPState, drop_unused_grads
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 from ragged_placement.fsdp.unit import FSDPUnit
 
@@ -60,6 +60,19 @@ class FSDPModule(TorchFSDPModule):
             if isinstance(m, FSDPModule) and id(m._fsdp_state) not in seen:
                 seen.add(id(m._fsdp_state))
                 yield name, m._fsdp_state.unit
+
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        """``copy.deepcopy`` of a sharded module (or of a module holding one) raises
+        ``NotImplementedError``, as FSDP2's ``AssertionError`` does: its parameters are views of
+        flat buffers that the unit frees and re-gathers over process groups, which a copy
+        cannot share (copying them used to kill the process with a segfault)."""
+        raise NotImplementedError(
+            f"copy.deepcopy of {type(self).__name__} after fully_shard is not supported (nor "
+            f"is it by torch FSDP2): its parameters are views of flat buffers gathered over "
+            f"process groups. For a copy (an EMA or teacher model), build the model again, "
+            f"apply the same fully_shard calls and load_state_dict(model.state_dict()) into "
+            f"it; to save, use the state dict or torch.distributed.checkpoint"
+        )
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters and register the unsharded ones; with
@@ -175,7 +188,7 @@ class FSDPModule(TorchFSDPModule):
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
                 if not requires_all_reduce:
-                    _refuse_under_state_sharding(m, "set_requires_all_reduce(False)")
+                    _check_supported(m, "set_requires_all_reduce(False)")
                 m._fsdp_state.unit.requires_all_reduce = requires_all_reduce
 
     def set_separate_reduce_scatter_group(
@@ -194,7 +207,7 @@ class FSDPModule(TorchFSDPModule):
                 unit = m._fsdp_state.unit
                 group = None
                 if enable:
-                    _refuse_under_state_sharding(m, "set_separate_reduce_scatter_group(True)")
+                    _check_supported(m, "set_separate_reduce_scatter_group(True)")
                     ranks = tuple(dist.get_process_group_ranks(unit.dp.shard_group))
                     if ranks not in groups:
                         groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
@@ -451,22 +464,17 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, wrapped.__get__(module, type(module)))
 
 
-def _refuse_under_state_sharding(module: FSDPModule, what: str) -> None:
-    """``ValueError`` naming ``what`` if ``module``'s unit has a ``state_sharding`` other than
-    ``fully_shard``'s default (its collectives run over several groups of their own)."""
-    sharding = getattr(module._fsdp_state.unit.dp, "sharding", None)
-    if sharding is not None:
-        raise ValueError(
-            f"{what} on {type(module).__name__}, sharded with state_sharding={sharding}: not "
-            f"supported under a state_sharding (its reductions run over several groups); "
-            f"drop the call, or shard without state_sharding"
-        )
+def _check_supported(module: FSDPModule, what: str) -> None:
+    """``ValueError`` naming ``what`` if ``module``'s unit mesh cannot run it (a
+    ``state_sharding`` other than ``fully_shard``'s default: its collectives run over several
+    groups of their own; :meth:`~ragged_placement.fsdp.mesh.UnitMesh.check_supported`)."""
+    module._fsdp_state.unit.dp.check_supported(what, type(module).__name__)
 
 
 def _check_custom_comm(module: FSDPModule, comm: object) -> Callable:
     if not callable(comm):
         raise ValueError(f"comm must be callable, got {comm!r}")
-    _refuse_under_state_sharding(module, "a custom all-gather / reduce-scatter")
+    _check_supported(module, "a custom all-gather / reduce-scatter")
     unit = module._fsdp_state.unit
     uneven = [s for b in unit.buffers for s in b.plan.segments if s.rank_starts is not None]
     if uneven:

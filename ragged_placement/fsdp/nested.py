@@ -1,6 +1,6 @@
 """Per-state sharding in the runtime: ``fully_shard(..., state_sharding=StateSharding(...))``.
 
-A :class:`~ragged_placement.fsdp.state_sharding.StateSharding` names the mesh dims each state is
+A :class:`~ragged_placement.planner.sharding.StateSharding` names the mesh dims each state is
 sharded over, ``params`` ⊆ ``grads`` ⊆ ``optim`` (AMSP's ``s_P <= s_G <= s_OS``). Write ``P``,
 ``G``, ``O`` for those dim sets, ``R`` for the dims outside ``O`` (everything replicated), and
 ``|X|`` for the number of ranks a set spans.
@@ -56,7 +56,7 @@ detached tensors may be loaded into in place before the next forward, as ``dcp.l
 a move. A write through ``.data`` bypasses all of them. Every rank of an ``O \\ P`` group must
 take the same decision, or the refresh would wait for the ranks that skip it: at the root's
 forward the data-parallel ranks agree per unit (one byte per unit, all-reduced: max;
-:func:`~ragged_placement.fsdp.hooks.agree_on_refreshes`), so a state dict or a write on some
+:func:`~ragged_placement.fsdp.state.agree_on_refreshes`), so a state dict or a write on some
 ranks only refreshes everywhere. An unshard outside the root's forward (backward, a submodule
 called on its own) decides locally.
 
@@ -72,23 +72,24 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ragged_placement._compat import concatenate_meshes, new_group_in_order
 from ragged_placement.fsdp.collectives import Gather, Reduction, reduce_scatter_parts
 from ragged_placement.fsdp.common import CommStats
-from ragged_placement.fsdp.mesh import coarsen_segments
-from ragged_placement.fsdp.state_sharding import StateSharding
-from ragged_placement.placement import RaggedShard
+from ragged_placement.fsdp.mesh import BufferComm, PostForwardMesh, UnitMesh, coarsen_segments
+from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.planner.plan import Segment
 
 if TYPE_CHECKING:
     from ragged_placement.fsdp.buffer import FlatBuffer
+    from ragged_placement.fsdp.unit import FSDPUnit
 
 __all__ = [
     "Level", "NestedBuffer", "StateShardedMesh", "nest_segments",
@@ -139,13 +140,43 @@ class _Groups:
         return Level(len(order), order.index(dist.get_rank()), self._made[order], dims)
 
 
+# the live units under a state_sharding, refreshed after every optimizer step over their parameters
+_STATE_SHARDED_UNITS: weakref.WeakSet[FSDPUnit] = weakref.WeakSet()
+
+
+def _refresh_after_step(optimizer, args, kwargs) -> None:
+    """Every optimizer step in the process: the state-sharded units holding a parameter it
+    stepped issue their refresh (:meth:`FSDPUnit.refresh_after_step`)."""
+    del args, kwargs
+    owner = {id(p): unit for unit in list(_STATE_SHARDED_UNITS) for p in unit.sharded_params}
+    # in the optimizer's parameter order, the same on every rank (the set's order is not)
+    units = {id(owner[id(p)]): owner[id(p)] for group in optimizer.param_groups
+             for p in group["params"] if id(p) in owner}
+    for unit in units.values():
+        unit.refresh_after_step()
+    # All in flight at once (one all-gather per unit: 188 -> 248 tokens/s on the two-node
+    # benchmark against one at a time), each waited on at its unit's next unshard, so the
+    # refreshes run while the next forward starts.
+
+
+register_optimizer_step_post_hook(_refresh_after_step)
+
+
+def _stale_after_state_dict(unit: FSDPUnit, module, state_dict, prefix, local_metadata) -> None:
+    """A state dict holds detached views of the sharded parameters, which may be written in
+    place past every version counter the unit reads (``dcp.load``): refresh ``unit`` before its
+    next all-gather."""
+    del module, state_dict, prefix, local_metadata
+    unit.mark_stale()
+
+
 @dataclass(frozen=True, eq=False)
-class StateShardedMesh:
+class StateShardedMesh(UnitMesh):
     """The process groups and the parameter mesh of a unit under a ``state_sharding`` that is
-    not ``fully_shard``'s default (see the module docstring). It offers the interface of
-    :class:`~ragged_placement.fsdp.mesh.DataParallelMesh` over the optimizer ranks (``mesh`` is
-    the ``(R, O)`` mesh of the sharded parameters, ``shard_*`` its ``O`` dim), so that the flat
-    buffer is planned over ``|O|`` ranks, and adds the levels of the nested layout.
+    not ``fully_shard``'s default (see the module docstring): a
+    :class:`~ragged_placement.fsdp.mesh.UnitMesh` over the optimizer ranks (``mesh`` is the
+    ``(R, O)`` mesh of the sharded parameters, ``shard_*`` its ``O`` dim), so that the flat
+    buffer is planned over ``|O|`` ranks, with the levels of the nested layout.
 
     Build with :meth:`of` (cached per mesh and sharding: group creation is collective over each
     group's members)."""
@@ -223,15 +254,7 @@ class StateShardedMesh:
             ))
         return self._with_tp[key][1]
 
-    # -- the DataParallelMesh interface, over the optimizer ranks ------------------------------
-    @property
-    def hsdp(self) -> bool:
-        return self.replicate.size > 1
-
-    @property
-    def shard_dim(self) -> int:
-        return self.mesh.ndim - 1
-
+    # -- the UnitMesh interface, over the optimizer ranks ---------------------------------------
     @property
     def shard_group(self) -> dist.ProcessGroup:
         return self.optim.group
@@ -252,10 +275,46 @@ class StateShardedMesh:
     def replicate_size(self) -> int:
         return self.replicate.size
 
-    def placements(self, fsdp: RaggedShard) -> tuple[Placement, ...]:
-        """The placements of a sharded parameter: ``(Replicate(),)`` over ``R`` if any, then
-        ``fsdp`` over the optimizer ranks."""
-        return (Replicate(), fsdp) if self.hsdp else (fsdp,)
+    def buffer_comm(self, buffer: FlatBuffer) -> NestedBuffer:
+        return NestedBuffer(buffer, self)
+
+    @property
+    def refreshes(self) -> bool:
+        """Whether updated optimizer chunks must be all-gathered into a parameter chunk of
+        their own: ``optim`` spans more ranks than ``params``, or ``params=()`` (the unsharded
+        buffer is then the parameter chunk). Else (``params == optim``) the all-gather over
+        ``P`` sends the optimizer chunk itself, as without a ``state_sharding``."""
+        return self.params_factor > 1 or self.params.size == 1
+
+    @property
+    def keeps_params_unsharded(self) -> bool:
+        """``params=()``: the unsharded buffer is the parameter chunk, filled by the refresh."""
+        return self.params.size == 1
+
+    @property
+    def replicas_group(self) -> None:
+        """None: :meth:`NestedBuffer.start_rest` all-reduces over ``R`` itself."""
+        return None
+
+    def attach(self, unit: FSDPUnit) -> None:
+        """Where the parameter chunks are refreshed (:attr:`refreshes`) and ``unit`` holds
+        parameters: refresh it after every optimizer step over them, and mark it stale when a
+        state dict of one of its modules is taken."""
+        if not (self.refreshes and unit.slots):
+            return
+        _STATE_SHARDED_UNITS.add(unit)
+        for module in {id(m): m for slot in unit.slots for m, _ in slot.owners}.values():
+            module.register_state_dict_post_hook(partial(_stale_after_state_dict, unit))
+
+    def check_supported(self, what: str, where: str) -> None:
+        raise ValueError(
+            f"{what} on {where}, sharded with state_sharding={self.sharding}: not "
+            f"supported under a state_sharding (its reductions run over several groups); "
+            f"drop the call, or shard without state_sharding"
+        )
+
+    def count(self, stats: CommStats, kind: str, level: str, nbytes: int) -> None:
+        stats.count_dims(kind, getattr(self, level).dims, nbytes)
 
     # -- the nested layout ----------------------------------------------------------------------
     @property
@@ -377,9 +436,10 @@ def _layout_numel(layout: Sequence[Segment]) -> int:
     return max((s.chunk_offset + s.chunk_numel for s in layout), default=0)
 
 
-class NestedBuffer:
+class NestedBuffer(BufferComm):
     """The nested layout of one flat buffer (see the module docstring): its parameter chunk and
-    the segments of its four collectives.
+    the segments of its four collectives; the buffer's communication on a
+    :class:`StateShardedMesh`.
 
     Args:
         buffer: the flat buffer, planned over the optimizer ranks of ``mesh``.
@@ -417,11 +477,16 @@ class NestedBuffer:
 
     @property
     def refreshes(self) -> bool:
-        """Whether updated optimizer chunks must be all-gathered into a parameter chunk of
-        their own: ``optim`` spans more ranks than ``params``, or ``params=()`` (the unsharded
-        buffer is then the parameter chunk). Else (``params == optim``) the all-gather over
-        ``P`` sends the optimizer chunk itself, as without a ``state_sharding``."""
-        return self.mesh.params_factor > 1 or not self.sharded_params
+        """Whether the parameter chunk is refreshed (:attr:`StateShardedMesh.refreshes`)."""
+        return self.mesh.refreshes
+
+    @property
+    def param_chunk(self) -> torch.Tensor | None:
+        """The parameter chunk, or the unsharded buffer for ``params=()``; ``None`` for
+        ``params == optim``."""
+        if self.sharded_params:
+            return self.chunk
+        return self._buffer.gather.gathered if self._buffer.gather is not None else None
 
     @property
     def sharded_params(self) -> bool:
@@ -464,8 +529,11 @@ class NestedBuffer:
         if not self.sharded_params:
             self._buffer.gather.assemble()
 
-    def prepare_unshard(self) -> Gather:
-        """The all-gather over ``P`` of the parameter chunks into the unsharded buffer."""
+    def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
+        """The all-gather over ``P`` of the parameter chunks into the unsharded buffer
+        (``pf`` is ``None``: an ``int`` ``reshard_after_forward`` is refused with a
+        ``state_sharding``)."""
+        del pf
         b = self._buffer
         b.gather.allocate()
         send = self.chunk
@@ -476,10 +544,13 @@ class NestedBuffer:
                       False)
 
     # -- gradients ------------------------------------------------------------------------------
-    def params_reduction(self, inputs: list[torch.Tensor]) -> Reduction:
+    def reduction(self, inputs: list[torch.Tensor],
+                  group: dist.ProcessGroup | None) -> Reduction:
         """The reduce-scatter over ``P`` of the per-segment unsharded gradients ``inputs`` into
         a parameter-chunk-sized buffer; for ``P = ()`` a reduction with no output, which the
-        unit does not issue (:meth:`start_rest` takes its inputs)."""
+        unit does not issue (:meth:`start_rest` takes its inputs). ``group`` is ``None``
+        (``set_separate_reduce_scatter_group`` is refused with a ``state_sharding``)."""
+        del group
         level = self.mesh.params
         if not self.sharded_params:
             return Reduction(None, inputs, self.reduce_segments, 1, None)
@@ -496,7 +567,7 @@ class NestedBuffer:
                    stats: CommStats) -> Callable[[], torch.Tensor]:
         """The gradient sum over the whole data-parallel world of this rank's optimizer chunk,
         in the plan's chunk layout, from the finished reduce-scatter over ``P``
-        (:meth:`params_reduction`), in two halves: issues the reduce-scatter over ``G \\ P``
+        (:meth:`reduction`), in two halves: issues the reduce-scatter over ``G \\ P``
         asynchronously and returns what finishes it (waits, all-reduces over ``R`` and
         ``O \\ G``, takes the optimizer part). Between the two the unit's backward goes on: the
         reduction across ``G \\ P`` (across nodes, where ``P`` is a node) overlaps the next

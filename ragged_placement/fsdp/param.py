@@ -3,9 +3,9 @@
 
 * :class:`ParamSlot`: every ``(module, attribute)`` that registers the parameter, its planned
   shape and ``requires_grad``.
-* :func:`resolve_granularity`: the planner policy of a unit, in one place: the user's
-  ``granularity``, then the tensor-parallel constraint (:func:`tp_policy`), then the FP8 one
-  (:func:`~ragged_placement.fsdp.fp8.fp8_granularity`).
+* :func:`resolve_granularity`: the planner policy of a unit: the user's ``granularity``, then
+  the tensor-parallel constraint (:func:`tp_policy`); the buffer's gather adds its own last
+  (FP8: :meth:`~ragged_placement.fsdp.fp8.FP8UnitGather.granularity`).
 * :class:`ParamLayout`: the parameter's RaggedShard on its (TP-local) shape and the specs of its
   sharded and unsharded DTensors.
 * :func:`alias` and :func:`rebind`: the unsharded parameter as an alias of the flat buffer's
@@ -42,16 +42,15 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ragged_placement._compat import concatenate_meshes
-from ragged_placement.fsdp.fp8 import fp8_granularity
-from ragged_placement.fsdp.mesh import DataParallelMesh
+from ragged_placement.fsdp.mesh import UnitMesh
 from ragged_placement.placement import RaggedShard
 from ragged_placement.planner import Granularity
 from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.regions import contiguous_stride
 
 __all__ = [
-    "ParamLayout", "ParamSlot", "alias", "mesh_device", "rebind", "resolve_granularity",
-    "spmd_mesh", "tp_policy", "tp_spec_of", "unit_tp_mesh",
+    "ParamLayout", "ParamSlot", "alias", "check_tp_dims_disjoint", "mesh_device", "rebind",
+    "resolve_granularity", "spmd_mesh", "tp_policy", "tp_spec_of", "unit_tp_mesh",
 ]
 
 
@@ -81,32 +80,19 @@ def alias(
 
 
 def resolve_granularity(
-    granularity,
-    slots: list[ParamSlot],
-    tp_specs: list[DTensorSpec | None],
-    quantized: list[bool],
-    quant,
+    granularity, slots: list[ParamSlot], tp_specs: list[DTensorSpec | None]
 ):
     """The planner policy of a unit: the user's ``granularity``, then the tensor-parallel
-    constraint (never cut a TP-sharded dim), then the FP8 one (whole quantization blocks).
+    constraint (never cut a TP-sharded dim). The buffer's gather adds its own after it
+    (:meth:`~ragged_placement.fsdp.gather.PlainGather.granularity`).
 
-    ``ValueError`` if FP8 weights and tensor-parallel parameters share the unit, or if the
-    user's policy cuts what a constraint keeps whole."""
-    policy = granularity
-    if any(t is not None for t in tp_specs):
-        if any(quantized):
-            tp_names = [s.fqn for s, t in zip(slots, tp_specs) if t is not None]
-            raise ValueError(
-                f"quant does not compose with tensor-parallel parameters yet: {tp_names}"
-            )
-        policy = tp_policy(policy, {s.fqn: t for s, t in zip(slots, tp_specs)})
-    if any(quantized):
-        fp8_shapes = {s.fqn: tuple(s.shape) for s, q in zip(slots, quantized) if q}
-        policy = fp8_granularity(policy, fp8_shapes, quant.block)
-    return policy
+    ``ValueError`` if the user's policy cuts what the constraint keeps whole."""
+    if all(t is None for t in tp_specs):
+        return granularity
+    return tp_policy(granularity, {s.fqn: t for s, t in zip(slots, tp_specs)})
 
 
-def tp_spec_of(fqn: str, param: torch.Tensor, dp: DataParallelMesh) -> DTensorSpec | None:
+def tp_spec_of(fqn: str, param: torch.Tensor, dp: UnitMesh) -> DTensorSpec | None:
     """The tensor-parallel spec of ``param`` (``None`` for a plain tensor), validated.
 
     A DTensor parameter must live on a mesh of the same root as ``dp.source`` (the user's
@@ -201,7 +187,7 @@ def tp_policy(policy, tp_specs: dict[str, DTensorSpec | None]):
     return resolved
 
 
-def spmd_mesh(dp: DataParallelMesh, tp_mesh: DeviceMesh | None) -> DeviceMesh:
+def spmd_mesh(dp: UnitMesh, tp_mesh: DeviceMesh | None) -> DeviceMesh:
     """The mesh of a unit's sharded parameters: ``dp.mesh``, then ``tp_mesh``'s dim if any."""
     return dp.mesh if tp_mesh is None else dp.with_tp(tp_mesh)
 
@@ -222,10 +208,51 @@ def rebind(param: nn.Parameter, value: torch.Tensor) -> None:
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device of this rank on ``mesh`` (the current CUDA device for a CUDA mesh)."""
-    if mesh.device_type == "cpu":
+    """The device of this rank on ``mesh`` (the current CUDA device for a CUDA mesh).
+
+    ``ValueError`` for a device type that is not one to compute on: ``meta`` (initialize the
+    model on the meta device instead, with the mesh on the real device), or one without a
+    torch device module."""
+    kind = mesh.device_type
+    if kind == "cpu":
         return torch.device("cpu")
-    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+    module = getattr(torch, kind, None)
+    if kind == "meta" or not hasattr(module, "current_device"):
+        raise ValueError(
+            f"fully_shard: mesh is on device type {kind!r}, which holds no data to shard or "
+            f"gather; use a mesh on 'cpu' or an accelerator with a torch device module "
+            f"('cuda', ...). For meta-device initialization keep the mesh on the real device, "
+            f"build the model under torch.device('meta') and call to_empty after fully_shard"
+        )
+    return torch.device(kind, module.current_device())
+
+
+def check_tp_dims_disjoint(mesh: DeviceMesh, modules: Sequence[nn.Module]) -> None:
+    """``ValueError`` (before any collective) if a tensor-parallel parameter of ``modules``
+    (a DTensor not yet sharded by ``fully_shard``) lives on a mesh dim that ``mesh`` has too:
+    ``mesh`` must hold the data-parallel dims only."""
+    names = set(mesh.mesh_dim_names or ())
+    for m in modules:
+        for fqn, p in m.named_parameters():
+            if not isinstance(p, DTensor) or any(
+                isinstance(pl, RaggedShard) for pl in p.placements
+            ):
+                continue
+            shared = [n for n in p.device_mesh.mesh_dim_names or () if n in names]
+            if shared:
+                dp_dims = tuple(n for n in mesh.mesh_dim_names if n not in shared)
+                dp = repr(dp_dims[0]) if len(dp_dims) == 1 else repr(dp_dims)
+                fix = (
+                    f"Pass the data-parallel dims only: mesh=mesh[{dp}] (a state_sharding over "
+                    f"those dims composes with tensor parallel)" if dp_dims else
+                    "Pass a mesh of the data-parallel dims (a sibling of the tensor-parallel "
+                    "dims in one root mesh)"
+                )
+                raise ValueError(
+                    f"fully_shard(mesh={mesh}): parameter {fqn} is tensor-parallel over mesh "
+                    f"dim(s) {shared} of {p.device_mesh}, which mesh has too; a tensor-parallel "
+                    f"dim cannot be a data-parallel (sharding) dim. {fix}"
+                )
 
 
 
@@ -273,7 +300,7 @@ class ParamLayout:
                     f"{self.tp_spec.mesh.size(0)} ranks = {rows} rows per rank)"
                 )
 
-    def sharded_spec(self, dp: DataParallelMesh, dtype: torch.dtype) -> DTensorSpec:
+    def sharded_spec(self, dp: UnitMesh, dtype: torch.dtype) -> DTensorSpec:
         """The spec of the sharded parameter (and its gradient) on the ``(dp..., tp)`` mesh."""
         fsdp = self.fsdp
         if self.tp_mesh is None:

@@ -47,16 +47,13 @@ takes full tensors directly.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
-from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ragged_placement.fsdp.buffer import FlatBuffer
 from ragged_placement.fsdp.collectives import (
@@ -66,8 +63,7 @@ from ragged_placement.fsdp.collectives import (
     issue_reduce_scatter,
 )
 from ragged_placement.fsdp.common import CommStats, UnitOptions, UnitState
-from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh
-from ragged_placement.fsdp.nested import StateShardedMesh
+from ragged_placement.fsdp.mesh import PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 
 __all__ = ["FSDPUnit"]
@@ -100,36 +96,6 @@ def _out_bytes(gathers: list[Gather]) -> int:
     return sum(g.output.numel() * g.output.element_size() for g in gathers)
 
 
-# the live units under a state_sharding, refreshed after every optimizer step over their parameters
-_STATE_SHARDED_UNITS: weakref.WeakSet[FSDPUnit] = weakref.WeakSet()
-
-
-def _refresh_after_step(optimizer, args, kwargs) -> None:
-    """Every optimizer step in the process: the state-sharded units holding a parameter it
-    stepped issue their refresh (:meth:`FSDPUnit.refresh_after_step`)."""
-    del args, kwargs
-    owner = {id(p): unit for unit in list(_STATE_SHARDED_UNITS) for p in unit.sharded_params}
-    # in the optimizer's parameter order, the same on every rank (the set's order is not)
-    units = {id(owner[id(p)]): owner[id(p)] for group in optimizer.param_groups
-             for p in group["params"] if id(p) in owner}
-    for unit in units.values():
-        unit.refresh_after_step()
-    # All in flight at once (one all-gather per unit: 188 -> 248 tokens/s on the two-node
-    # benchmark against one at a time), each waited on at its unit's next unshard, so the
-    # refreshes run while the next forward starts.
-
-
-register_optimizer_step_post_hook(_refresh_after_step)
-
-
-def _stale_after_state_dict(unit: FSDPUnit, module, state_dict, prefix, local_metadata) -> None:
-    """A state dict holds detached views of the sharded parameters, which may be written in
-    place past every version counter the unit reads (``dcp.load``): refresh ``unit`` before its
-    next all-gather."""
-    del module, state_dict, prefix, local_metadata
-    unit.mark_stale()
-
-
 class FSDPUnit:
     """One ``fully_shard`` unit: a :class:`~ragged_placement.fsdp.buffer.FlatBuffer` per
     parameter dtype, one coalesced all-gather per pass and one reduce-scatter per backward for
@@ -143,17 +109,16 @@ class FSDPUnit:
         slots: the parameters this unit owns, in module order (deduplicated by identity).
         params: the original parameters, parallel to ``slots``. On the meta device they are
             not copied (the unit stays on the meta device until ``to_empty``).
-        mesh: a 1-D device mesh (the unit shards over it) or a 2-D ``(replicate, shard)`` one
-            (HSDP). Parameters may be DTensors on a tensor-parallel sibling mesh, see
-            :mod:`ragged_placement.fsdp.param`. A
-            :class:`~ragged_placement.fsdp.nested.StateShardedMesh` shards each state over its
-            own dims (``fully_shard(state_sharding=...)``).
+        dp: the unit's mesh (:class:`~ragged_placement.fsdp.mesh.UnitMesh`: FSDP or HSDP, or a
+            ``state_sharding``'s), which the buffers plan over and communicate on. Parameters
+            may be DTensors on a tensor-parallel sibling mesh, see
+            :mod:`ragged_placement.fsdp.param`.
         options: the unit's settings (dtypes, granularity, FP8, CPU offload).
     """
 
     slots: list[ParamSlot]
-    mesh: DeviceMesh
-    dp: DataParallelMesh | StateShardedMesh
+    mesh: DeviceMesh  # the user's data-parallel mesh
+    dp: UnitMesh
     rank: int
     world_size: int
     buffers: list[FlatBuffer]
@@ -177,28 +142,18 @@ class FSDPUnit:
     _rs_work: object | None  # the reduce-scatter in flight, until start_rest
     # per buffer index, what finishes its reduction once start_rest issued the rest of it
     _rest: list[tuple[int, Callable[[], torch.Tensor | None]]]
-    # under a state_sharding: whether the optimizer chunks may have changed since the last
+    # on a mesh that refreshes: whether the optimizer chunks may have changed since the last
     # refresh of the parameter chunks, and the sharded chunks' versions at that refresh
     _stale: bool
     _synced_versions: list[int]
     _agreed: bool | None  # the ranks' agreed decision for the next unshard (None: none yet)
     _refresh_work: object | None  # a refresh issued at an optimizer step, not waited on yet
 
-    def __init__(
-        self,
-        slots: list[ParamSlot],
-        params: list[nn.Parameter],
-        mesh: DeviceMesh | StateShardedMesh,
-        options: UnitOptions,
-    ) -> None:
+    def __init__(self, slots: list[ParamSlot], params: list[nn.Parameter], dp: UnitMesh,
+                 options: UnitOptions) -> None:
         self.slots = slots
-        if isinstance(mesh, StateShardedMesh):
-            self.dp, self.mesh = mesh, mesh.source
-            _STATE_SHARDED_UNITS.add(self)
-            for module in {id(m): m for slot in slots for m, _ in slot.owners}.values():
-                module.register_state_dict_post_hook(partial(_stale_after_state_dict, self))
-        else:
-            self.dp, self.mesh = DataParallelMesh.of(mesh), mesh
+        self.dp, self.mesh = dp, dp.source
+        dp.attach(self)
         self._stale = True
         self._synced_versions = []
         self._agreed = None
@@ -303,24 +258,22 @@ class FSDPUnit:
         sharded chunks, or over the post-forward group from the post-forward shards."""
         if self.state not in (UnitState.SHARDED, UnitState.SHARDED_POST_FORWARD):
             return
-        nested = isinstance(self.dp, StateShardedMesh)
-        if self.buffers and nested:
+        if self.buffers and self.dp.refreshes:
             self._refresh_if_stale()
-        if self.buffers and nested and self.dp.params.size == 1:
-            self.state = UnitState.UNSHARDED  # params=(): the refresh filled the buffer
+        if self.buffers and self.dp.keeps_params_unsharded:
+            self.state = UnitState.UNSHARDED  # the refresh filled the buffers
         elif self.buffers:
             pf = self._post_forward if self.state is UnitState.SHARDED_POST_FORWARD else None
             gathers = [b.prepare_unshard(pf) for b in self.buffers]
             self._ag_work = issue_all_gather(gathers, self.stats, self.custom_all_gather)
-            if nested:
-                self.stats.count_dims("all_gather", self.dp.params.dims, _out_bytes(gathers))
+            self.dp.count(self.stats, "all_gather", "params", _out_bytes(gathers))
             self.state = UnitState.UNSHARDING
         if not async_op:
             self.wait_unshard()
 
     def _refresh_if_stale(self) -> None:
-        """Under a ``state_sharding``: all-gather the optimizer chunks over ``optim \\
-        params`` into the parameter chunks if they changed since the last refresh (see
+        """On a mesh that refreshes (a ``state_sharding``): all-gather the optimizer chunks over
+        ``optim \\ params`` into the parameter chunks if they changed since the last refresh (see
         :mod:`ragged_placement.fsdp.nested`); blocks until done, as it does for a refresh
         issued at the last optimizer step (:meth:`refresh_after_step`)."""
         self.wait_refresh()
@@ -347,10 +300,9 @@ class FSDPUnit:
         self._synced_versions = self._versions()
 
     def _issue_refresh(self) -> None:
-        refreshes = [b.nested.prepare_refresh() for b in self.buffers if b.nested.refreshes]
-        if refreshes:
-            self._refresh_work = issue_all_gather(refreshes, self.stats)
-            self.stats.count_dims("all_gather", self.dp.refresh.dims, _out_bytes(refreshes))
+        refreshes = [b.comm.prepare_refresh() for b in self.buffers]  # at least one
+        self._refresh_work = issue_all_gather(refreshes, self.stats)
+        self.dp.count(self.stats, "all_gather", "refresh", _out_bytes(refreshes))
 
     def wait_refresh(self) -> None:
         """Wait for an issued refresh and release its send buffers."""
@@ -359,7 +311,7 @@ class FSDPUnit:
         self._refresh_work.wait()
         self._refresh_work = None
         for b in self.buffers:
-            b.nested.finish_refresh()
+            b.comm.finish_refresh()
 
     def needs_refresh(self, versions: list[int] | None = None) -> bool:
         """Whether this rank's optimizer chunks may have changed since the last refresh (an
@@ -367,7 +319,7 @@ class FSDPUnit:
         return self._stale or (versions or self._versions()) != self._synced_versions
 
     def agree_refresh(self, stale: bool) -> None:
-        """The data-parallel ranks' agreement (:func:`~ragged_placement.fsdp.hooks.
+        """The data-parallel ranks' agreement (:func:`~ragged_placement.fsdp.state.
         agree_on_refreshes`) on whether the next unshard refreshes: it replaces this rank's own
         :meth:`needs_refresh` there, so that a rank that alone wrote (or took a state dict)
         cannot leave its refresh group waiting."""
@@ -436,6 +388,23 @@ class FSDPUnit:
         self._post_forward = pf
         self.state = UnitState.SHARDED_POST_FORWARD
 
+    def sync_requires_grad(self) -> list[int]:
+        """Take each sharded parameter's ``requires_grad`` (the parameter the user holds, which
+        a ``requires_grad_`` after ``fully_shard`` changes) onto its slot and its unsharded
+        parameter, as FSDP2 does at every unshard: a frozen parameter gets no gradient (and
+        no ``.grad``, so the optimizer leaves it), an unfrozen one trains again. Called at
+        every forward; returns the slots that became trainable."""
+        trainable = []
+        for i, (slot, sharded, unsharded) in enumerate(
+            zip(self.slots, self.sharded_params, self.unsharded_params)
+        ):
+            if sharded.requires_grad != slot.requires_grad:
+                slot.requires_grad = sharded.requires_grad
+                unsharded.requires_grad_(slot.requires_grad)
+                if slot.requires_grad:
+                    trainable.append(i)
+        return trainable
+
     # -- gradients -------------------------------------------------------------------------------
     def release_dropped_grads(self) -> None:
         """Free each flat sharded gradient once ``zero_grad()`` dropped every ``.grad`` on it."""
@@ -455,31 +424,25 @@ class FSDPUnit:
         issued = [r for r in ready if r.output is not None]  # params=(): reduced later
         if issued:
             self._rs_work = issue_reduce_scatter(issued, self.stats, self.custom_reduce_scatter)
-            if isinstance(self.dp, StateShardedMesh):
-                nbytes = sum(g.numel() * g.element_size() for r in issued for g in r.inputs)
-                self.stats.count_dims("reduce_scatter", self.dp.params.dims, nbytes)
+            nbytes = sum(g.numel() * g.element_size() for r in issued for g in r.inputs)
+            self.dp.count(self.stats, "reduce_scatter", "params", nbytes)
         elif ready:
             self._rs_work = Works([])
 
     def start_rest(self) -> bool:
-        """Wait for the reduce-scatter and issue what follows it: under a ``state_sharding``
-        the reductions over the dims beyond ``params``, asynchronously
-        (:meth:`~ragged_placement.fsdp.nested.NestedBuffer.start_rest`); :meth:`finish_reduce`
-        completes them. Returns whether any collective is in flight (else nothing is left to
-        overlap)."""
+        """Wait for the reduce-scatter and issue what follows it in each buffer's
+        communication (:meth:`~ragged_placement.fsdp.mesh.BufferComm.start_rest`: under a
+        ``state_sharding`` the reductions over the dims beyond ``params``, asynchronously);
+        :meth:`finish_reduce` completes them. Returns whether any collective is in flight (else
+        nothing is left to overlap)."""
         if self._rs_work is not None:
             self._rs_work.wait()
             self._rs_work = None
             for k, b in enumerate(self.buffers):
                 reduction = b.grads.take_reduced()
-                if reduction is None:
-                    continue
-                if b.nested is not None:
-                    self._rest.append((k, b.nested.start_rest(reduction, self.stats)))
-                else:
-                    self._rest.append((k, partial(self._sum_replicas, k, reduction.output)))
-        return any(self.buffers[k].nested is not None and self.buffers[k].nested.overlaps
-                   for k, _ in self._rest)
+                if reduction is not None:
+                    self._rest.append((k, b.comm.start_rest(reduction, self.stats)))
+        return any(self.buffers[k].comm.overlaps for k, _ in self._rest)
 
     def finish_reduce(self, scale: float = 1.0) -> None:
         """Wait for the reduce-scatter (and what :meth:`start_rest` issued after it), sum each
@@ -489,7 +452,7 @@ class FSDPUnit:
         rest, self._rest = self._rest, []
         divisor = self.gradient_divide_factor or self.world_size * self.dp.replicate_size
         for k, finish in rest:
-            out = finish()
+            out = self._sum_replicas(k, finish())
             if out is None:
                 continue
             if self.all_reduce_hook is not None:
@@ -498,8 +461,10 @@ class FSDPUnit:
 
     def _sum_replicas(self, k: int, out: torch.Tensor) -> torch.Tensor | None:
         """HSDP: buffer ``k``'s reduce-scatter output summed over the replicas (``None``: kept
-        for a later all-reduce, ``set_requires_all_reduce(False)``); else ``out`` itself."""
-        if not self.dp.hsdp:
+        for a later all-reduce, ``set_requires_all_reduce(False)``); else (no replicas, or the
+        mesh summed over them already: :attr:`UnitMesh.replicas_group`) ``out`` itself."""
+        group = self.dp.replicas_group
+        if group is None:
             return out
         if self.unreplicated_grads[k] is not None:
             out += self.unreplicated_grads[k]
@@ -507,7 +472,7 @@ class FSDPUnit:
         if not self.requires_all_reduce:
             self.unreplicated_grads[k] = out  # lands after a later all-reduce
             return None
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dp.replicate_group)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         self.stats.all_reduces += 1
         self.stats.all_reduce_bytes += out.numel() * out.element_size()
         return out

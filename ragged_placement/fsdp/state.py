@@ -80,7 +80,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_placement._compat import outside_selective_checkpoint
 from ragged_placement.fsdp._dynamo import dynamo_disable
-from ragged_placement.fsdp._validation import unmatched_patterns
+from ragged_placement.fsdp._validation import check_no_all_gather_extension, unmatched_patterns
 from ragged_placement.fsdp.common import TrainingState
 from ragged_placement.fsdp.mesh import PostForwardMesh
 from ragged_placement.fsdp.unit import FSDPUnit
@@ -270,11 +270,19 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         for m in self.modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        for i, (slot, param) in enumerate(zip(unit.slots, unit.unsharded_params)):
-            if slot.requires_grad:
-                param.register_hook(lambda grad, i=i: self._on_grad(i))
+        self._grad_hooked: set[int] = set()  # slots whose unsharded parameter has _on_grad
+        self._hook_grads([i for i, slot in enumerate(unit.slots) if slot.requires_grad])
         for m in self.modules:
             m.register_forward_hook(self._post_forward, prepend=False)
+
+    def _hook_grads(self, indices: list[int]) -> None:
+        """Register :meth:`_on_grad` on the unsharded parameters of the slots ``indices`` (at
+        wrap time the trainable ones, later those unfrozen), once per slot."""
+        params = self.unit.unsharded_params
+        for i in indices:
+            if i not in self._grad_hooked:
+                params[i].register_hook(lambda grad, i=i: self._on_grad(i))
+                self._grad_hooked.add(i)
 
     # -- lazy root init ----------------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -290,6 +298,12 @@ class FSDPState:
             raise ValueError(
                 f"granularity: the pattern(s) {sorted(typos)} match no parameter of "
                 f"{type(self.module).__name__} (names relative to any of its modules)"
+            )
+        for s in states:
+            check_no_all_gather_extension(
+                [slot.fqn for slot in s.unit.slots],
+                [getattr(p, "_local_tensor", p) for p in s.unit.sharded_params],
+                type(s.module).__name__,
             )
         ctx = RootContext(states)
         for s in states:
@@ -321,6 +335,8 @@ class FSDPState:
                 ctx.record_forward(self)
             # after the root dropped stale gathers (its own POST_FORWARD included)
             self.training_state = TrainingState.FORWARD
+            # requires_grad_ after fully_shard: what this forward records (FSDP2: each unshard)
+            self._hook_grads(self.unit.sync_requires_grad())
             self._unshard_and_register()
             if first:
                 ctx.prefetch_after(self, backward=False)
@@ -530,9 +546,7 @@ def agree_on_refreshes(states: list[FSDPState]) -> None:
     by_mesh: dict[int, list[FSDPUnit]] = {}
     for s in states:
         unit = s.unit
-        if unit.device.type == "meta" or not any(
-            b.nested is not None and b.nested.refreshes for b in unit.buffers
-        ):
+        if unit.device.type == "meta" or not (unit.buffers and unit.dp.refreshes):
             continue
         by_mesh.setdefault(id(unit.dp), []).append(unit)
     for units in by_mesh.values():
