@@ -281,7 +281,7 @@ class FSDPState:
         params = self.unit.unsharded_params
         for i in indices:
             if i not in self._grad_hooked:
-                params[i].register_hook(lambda grad, i=i: self._on_grad(i))
+                params[i].register_hook(lambda grad, i=i: self._on_grad(i, grad))
                 self._grad_hooked.add(i)
 
     # -- lazy root init ----------------------------------------------------------------------
@@ -480,12 +480,14 @@ class FSDPState:
         ctx.prefetch_after(self, backward=True)
 
     @dynamo_disable
-    def _on_grad(self, index: int) -> None:
+    def _on_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         # Runs before AccumulateGrad of unsharded parameter ``index``. A segment's gradient
         # buffer is allocated at its first gradient, not at pre-backward, where it would sit on
         # the activation peak.
         self.got_grad.add(index)
         self.unit.prepare_grads(index)
+        spmd = self.unit.buffers[0].spmd  # fully_shard(dp_mesh_dims=...): every buffer's
+        return None if spmd is None else spmd.rank_grad(grad)
 
     def note_reduce(self) -> None:
         """Called before the unit's reduce-scatter: which sharded parameters had a ``.grad``."""
