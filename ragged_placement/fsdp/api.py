@@ -35,7 +35,7 @@ from ragged_placement.fsdp.module import (
     share_comm_ctx,
 )
 from ragged_placement.fsdp.nested import state_sharded_mesh
-from ragged_placement.fsdp.param import ParamSlot, mesh_device
+from ragged_placement.fsdp.param import ParamSlot, check_tp_dims_disjoint, mesh_device
 from ragged_placement.fsdp.spmd import check_dp_mesh_dims, localize_spmd_params
 from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.fsdp.unit import FSDPUnit
@@ -440,6 +440,9 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh()
     if isinstance(mesh, DeviceMesh):
         warn_on_racy_gloo_groups(mesh)
+        mesh_device(mesh)  # a device type it cannot compute on: ValueError, before any group
+        if dp_mesh_dims is None:  # with it, parameters are DTensors on the whole mesh
+            check_tp_dims_disjoint(mesh, modules)
     offload = _check_offload_policy(offload_policy)
     dp = _unit_mesh(mesh, state_sharding, dp_mesh_dims, offload, reshard_after_forward)
     device = mesh_device(mesh)
