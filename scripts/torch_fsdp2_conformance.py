@@ -88,8 +88,8 @@ KNOWN_DIFFERENCES: dict[str, str] = {
         "through its own collectives)"
     ),
     "TestFullyShardFrozen.test_train_mixed_requires_grad_across_groups": (
-        f"{_STATE}: counts FSDP2's RegisterPostBackwardFunction.backward; before that, the "
-        "losses differ: a parameter frozen after fully_shard still trains (issue 34, reliability)"
+        f"{_STATE}: counts FSDP2's RegisterPostBackwardFunction.backward (the losses agree "
+        "since a parameter frozen after fully_shard stopped training, issue 34)"
     ),
     # training
     "TestFullyShardRegisteredParams.test_param_registration_after_forward": (
