@@ -719,7 +719,7 @@ def _surface_checks(rank: int, ws: int):
     # CPUOffloadPolicy: the sharded chunk on CPU, staged through the mesh's device (see
     # tests/test_fsdp_offload.py); pinned memory needs an accelerator, as in FSDP2
     m = fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    assert isinstance(m, FSDPModule) and not isinstance(m, TorchFSDPModule)
+    assert isinstance(m, FSDPModule) and isinstance(m, TorchFSDPModule)
     assert m.fsdp_unit.buffers[0].offload_device == torch.device("cpu")
     if not torch.accelerator.is_available():
         with pytest.raises(ValueError, match="pin_memory=True needs an accelerator"):

@@ -4,7 +4,7 @@
 reach c10d: ``torch.distributed``'s and their aliases in :mod:`ragged_placement._compat` (FSDP's all-gathers and reduce-scatters, the optimizers'
 all-to-alls, the loss's all-reduce) and the functional collectives that DTensor's
 redistributions use (a gradient norm's all-reduce). Each collective counts once, at its size,
-the same convention as :class:`ragged_placement.fsdp.profiling.CollectiveMeter`: an all-gather's
+the same convention as :class:`ragged_placement.testing.profiling.CollectiveMeter`: an all-gather's
 gathered output, a reduce-scatter's or all-to-all's input, an all-reduce's or broadcast's tensor.
 A call made inside another wrapped one (a functional collective built on another) is not
 counted again.
