@@ -639,8 +639,10 @@ def _domain_collectives(costs: list[tuple[_UnitCost, int]], sharding: StateShard
     for key, (op, group) in _COLLECTIVES.items():
         total = sum(c.traffic[key] * n for c, n in costs)
         n_ranks = dom.ranks(group)
+        # dims the EP group took whole are not in the experts' group (a size-1 dim of the
+        # mesh itself stays, as without EP)
         group_dims = tuple(d for d in _group_dims(sharding, list(dom.sizes), group)
-                           if dom.sizes[d] > 1)
+                           if dom.sizes[d] > 1 or m.sizes[d] == 1)
         if n_ranks == 1 or not total:
             continue
         n_calls = calls * (2 if key == "ag" and reshard else 1)

@@ -106,3 +106,15 @@ def test_moe_table_kimi_k2_fits_80_gb():
     assert len(choices) == 4 and all(r[3] != "1" and "yes" in r for r in choices)
     ep1 = [r for r in rows if r[2:5] == ["FSDP2", "+", "EP"] and r[5] == "1"]
     assert len(ep1) == 4 and all("no" in r for r in ep1)
+
+
+def test_a_size_one_mesh_dim_is_charged_as_without_ep():
+    # without EP a collective over (inter, intra) is charged to inter even where inter has 1
+    # rank (as before EP existed); EP only drops the dims its group takes whole
+    mesh = {"inter": 1, "intra": 4}
+    plan = plan_state_sharding(MOE, mesh, 1e12, bandwidth=BW, param_dtype=None, ep=(1, 2),
+                               tokens_per_rank=10, top_k=2)
+    z3 = StateSharding.zero3(mesh)
+    assert {x.charged for x in plan.find(z3, True, 1).collectives} == {"inter"}
+    assert {(x.op, x.charged) for x in plan.find(z3, True, 2).collectives} == {
+        ("all_gather", "inter"), ("reduce_scatter", "inter"), ("all_to_all", "intra")}
