@@ -59,6 +59,14 @@ def sums_by_all_to_all(op, group) -> bool:
     return op == dist.ReduceOp.SUM and dist.get_backend(group) == "gloo"
 
 
+def coalesces_all_gathers(group, device: torch.device) -> bool:
+    """Whether several all-gathers of tensors on ``device`` over ``group`` may run as one
+    coalesced collective: not on gloo with CUDA tensors, where c10d's coalesced all-gather
+    (``ProcessGroupGloo::allgather_coalesced``) has no CUDA work staging them through host
+    memory, as its ``allgather`` has (CONTRIBUTING.md, "Several ranks on one GPU")."""
+    return not (device.type == "cuda" and dist.get_backend(group) == "gloo")
+
+
 def _coalescing(group) -> bool:
     """Whether ``group`` is inside ``dist._coalescing_manager`` (which records its collectives
     and issues them at its exit)."""

@@ -388,14 +388,15 @@ class FlatBuffer:
             self.gather = None
             return
         old = self.gather
-        if old is not None and (old.gathered.device, self._gathered_dtype) == (
+        shared = self.comm.shared_unsharded()
+        if shared is None and old is not None and (old.gathered.device, self._gathered_dtype) == (
             device,
             self.param_dtype,
         ):
             return
         self._gathered_dtype = self.param_dtype
         if not any(self.quantized):
-            self.gather = PlainGather(self.plan, self.slots, self.param_dtype, device)
+            self.gather = PlainGather(self.plan, self.slots, self.param_dtype, device, shared)
             return
         self.gather = FP8UnitGather(
             self.plan,

@@ -27,6 +27,11 @@ class PlainGather:
         slots: the buffer's parameters.
         dtype: ``param_dtype``, the dtype of the all-gather.
         device: where the buffer lives (the compute device).
+        shared: a tensor (in ``dtype`` on ``device``, laid out as the unsharded buffer) whose
+            storage ``gathered`` and the aliases share, persistently: :meth:`allocate` and
+            :meth:`free` do nothing (the sharded chunk of a buffer over one rank,
+            :meth:`~ragged_placement.fsdp.mesh.BufferComm.shared_unsharded`). ``None``: a
+            storage of its own.
     """
 
     gathered: torch.Tensor
@@ -34,15 +39,26 @@ class PlainGather:
     weights: list[None]  # no FP8 weights
     _storage: torch.UntypedStorage
     _nbytes: int
+    _shared: bool
 
     def __init__(
-        self, plan: FlatLayout, slots: Sequence[ParamSlot], dtype: torch.dtype, device: torch.device
+        self,
+        plan: FlatLayout,
+        slots: Sequence[ParamSlot],
+        dtype: torch.dtype,
+        device: torch.device,
+        shared: torch.Tensor | None = None,
     ) -> None:
-        self.gathered = torch.empty(plan.buffer_numel, dtype=dtype, device=device)
+        self._shared = shared is not None
+        if shared is None:
+            self.gathered = torch.empty(plan.buffer_numel, dtype=dtype, device=device)
+        else:
+            self.gathered = shared[:plan.buffer_numel]
         self._storage = self.gathered.untyped_storage()
         self._nbytes = self._storage.nbytes()
+        base = self.gathered.storage_offset()
         self.params = [
-            alias(self._storage, dtype, device, plan.offsets[slot.fqn], slot.shape)
+            alias(self._storage, dtype, device, base + plan.offsets[slot.fqn], slot.shape)
             for slot in slots
         ]
         self.weights = [None] * len(slots)
@@ -50,11 +66,13 @@ class PlainGather:
 
     def allocate(self) -> None:
         """Give ``gathered`` its storage (before the all-gather)."""
-        self._storage.resize_(self._nbytes)
+        if not self._shared:
+            self._storage.resize_(self._nbytes)
 
     def free(self) -> None:
         """Release the storage (the aliases stay, pointing at empty storage)."""
-        self._storage.resize_(0)
+        if not self._shared:
+            self._storage.resize_(0)
 
     def pack(self, rank: int, sharded: torch.Tensor) -> torch.Tensor:
         """This rank's send buffer: the sharded chunk itself, or its mixed-precision cast (the
