@@ -12,7 +12,7 @@ are this one. With ``W == 1`` it is a real one-rank group (NCCL on CUDA, gloo on
 Per runtime and run: ``--warmup`` steps, then ``--steps`` timed steps (median kept; on CUDA each
 step ends in a device synchronize), the peak of ``torch.cuda.max_memory_allocated`` over them
 (on CPU the heap peak of a fresh model's steps, :func:`_runtime_table.peak_memory`), one step
-under :class:`~ragged_placement.fsdp.profiling.CollectiveMeter` (the bytes each rank would
+under :class:`~ragged_placement.testing.profiling.CollectiveMeter` (the bytes each rank would
 move: what an all-gather receives, what a reduce-scatter sends, on a ring) and one under the
 torch profiler: the device time of the kernels whose names say they copy (``copy``, ``Memcpy``,
 ``chunk_cat``, ``CatArray``: FSDP2's copy-in/copy-out, the mixed-precision casts, any other
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from _runtime_table import peak_memory
-from ragged_placement.fsdp.profiling import CollectiveMeter
+from ragged_placement.testing.profiling import CollectiveMeter
 from ragged_placement.models.llama import LlamaConfig, TransformerBlock
 
 __all__ = ["COPY_KERNEL", "LlamaBlocks", "one_process_world", "run_one_process"]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from ragged_placement.fsdp.profiling import CollectiveMeter, HeapPeakMeter, LayoutCopyMeter
+from ragged_placement.testing.profiling import CollectiveMeter, HeapPeakMeter, LayoutCopyMeter
 
 Step = Callable[[int], object]
 

@@ -39,7 +39,7 @@ from ragged_placement.planner.plan import Segment
 from ragged_placement import _compat
 from ragged_placement.fsdp import collectives
 from ragged_placement.fsdp.fp8 import fp8_granularity
-from ragged_placement.launch import run_gloo
+from ragged_placement.testing.launch import run_gloo
 from ragged_placement.models import Block, GPTConfig
 from ragged_placement.quant import FlatParam, FP8GatherLayout
 

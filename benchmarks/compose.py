@@ -7,13 +7,13 @@ torch's. Training: AdamW(foreach) on the DTensor parameters. No ``clip_grad_norm
 FSDP2 the parameters TP leaves plain (the RMSNorm weights) are DTensors on the 1-D dp mesh, the
 others on the (dp, tp) mesh, and torch's ``clip_grad_norm_`` cannot stack norms across meshes
 (ours puts them on the (dp, tp) mesh with ``Replicate()`` on tp; tests/test_compose.py clips).
-The instruments are :mod:`ragged_placement.fsdp.profiling`, the same for both:
+The instruments are :mod:`ragged_placement.testing.profiling`, the same for both:
 
 * FSDP collectives per step and their bytes (all-gather outputs, reduce-scatter inputs); the
   tensor-parallel collectives are the same in both runs and are not counted;
 * layout-copy bytes per step (FSDP2's copy-in / copy-out ops, the same count on ours);
 * peak memory per rank: the most heap bytes in use during any of 3 steps of a model built under
-  :class:`~ragged_placement.fsdp.profiling.HeapPeakMeter`, above the heap in use before it was
+  :class:`~ragged_placement.testing.profiling.HeapPeakMeter`, above the heap in use before it was
   built (parameters, gradients, optimizer state, activations, communication buffers, whatever a
   runtime keeps across steps), max over ranks;
 * step time: median over ``--steps`` steps of each of ``--runs`` alternating runs, then the
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ragged_placement.fsdp import fully_shard
-from ragged_placement.launch import run_gloo
+from ragged_placement.testing.launch import run_gloo
 
 from _runtime_table import measure_runtime, print_runtime_table  # benchmarks/ is the script directory
 from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama

@@ -25,7 +25,7 @@ train in 128x128-block FP8:
 ``ours`` and ``fsdp2_bf16`` are measured (``src = run``): each runtime shards the unit over a
 fake process group of ``W`` ranks in this process (collectives move no data, their sizes are
 real; an uneven gather, which the fake group cannot run, is a no-op of the same output) and the
-bytes come from :class:`~ragged_placement.fsdp.profiling.CollectiveMeter` around the unit's
+bytes come from :class:`~ragged_placement.testing.profiling.CollectiveMeter` around the unit's
 real ``unshard()``. A step gathers a unit twice (forward, and again in backward after
 ``reshard_after_forward``) in both runtimes. Units with more than ``--max-run-params``
 parameters do not fit in this machine's memory (the runtime takes the full fp32 unit as input):
@@ -78,7 +78,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ragged_placement.fsdp import MixedPrecisionPolicy, collectives, fully_shard
 from ragged_placement.fsdp.fp8 import FP8UnitGather, fp8_granularity
-from ragged_placement.fsdp.profiling import CollectiveMeter
+from ragged_placement.testing.profiling import CollectiveMeter
 from ragged_placement.models import Block, GPTConfig
 from ragged_placement.quant import BlockFP8Config
 

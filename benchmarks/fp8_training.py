@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
-from ragged_placement.launch import run_gloo
+from ragged_placement.testing.launch import run_gloo
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement.quant import BlockFP8Config, convert_to_fp8_linear
 

@@ -2,14 +2,14 @@
 
 Spawns ``--world`` gloo ranks on this machine (CPU). Both runtimes wrap every transformer block
 and then the root, train with ``torch.optim.AdamW(foreach=True)`` on the DTensor parameters, and
-are measured with the same instruments (:mod:`ragged_placement.fsdp.profiling`):
+are measured with the same instruments (:mod:`ragged_placement.testing.profiling`):
 
 * collectives per step and their bytes (all-gather outputs, reduce-scatter inputs);
 * layout-copy bytes per step: bytes written by FSDP2's ``all_gather_copy_in``,
   ``split_with_sizes_copy`` and ``_chunk_cat`` (its copy-in / copy-out), the same dispatch-level
   count on ours;
 * peak memory per rank: the most heap bytes in use during any of 3 steps of a model built under
-  :class:`~ragged_placement.fsdp.profiling.HeapPeakMeter`, above the heap in use before it was
+  :class:`~ragged_placement.testing.profiling.HeapPeakMeter`, above the heap in use before it was
   built (parameters, gradients, optimizer state, activations, communication buffers, whatever a
   runtime keeps across steps), max over ranks;
 * step time: median over ``--steps`` timed steps of each of ``--runs`` alternating runs, then
@@ -43,7 +43,7 @@ import sys
 import torch
 
 from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
-from ragged_placement.launch import run_gloo
+from ragged_placement.testing.launch import run_gloo
 
 from _runtime_table import measure_runtime, print_runtime_table  # benchmarks/ is the script directory
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus

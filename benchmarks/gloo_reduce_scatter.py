@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ragged_placement import _compat
-from ragged_placement.launch import run_gloo
+from ragged_placement.testing.launch import run_gloo
 
 WORLD = 4
 GROUPS = {"inter": ([0, 2], [1, 3]), "intra": ([0, 1], [2, 3]), "all 4": ([0, 1, 2, 3],)}

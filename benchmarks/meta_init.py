@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from dist_utils import run_threaded  # noqa: E402
 
 from ragged_placement.fsdp import fully_shard  # noqa: E402
-from ragged_placement.fsdp.profiling import AllocationMeter  # noqa: E402
+from ragged_placement.testing.profiling import AllocationMeter  # noqa: E402
 from ragged_placement.models import GPT, GPTConfig  # noqa: E402
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ragged_placement import RaggedShard
 from ragged_placement._compat import all_gather_single
-from ragged_placement.launch import run_gloo
+from ragged_placement.testing.launch import run_gloo
 from ragged_placement.optim import Muon, newton_schulz, newton_schulz_flops
 from ragged_placement.optim._sharding import Exchange, Item, Layout, assign_owners
 from ragged_placement.planner.models import load_configs

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 from ragged_placement import RaggedShard
-from ragged_placement.launch import run_gloo
+from ragged_placement.testing.launch import run_gloo
 
 MESH = (2, 2)  # (replicate, shard)
 

@@ -404,7 +404,7 @@ def _collective_times(rank: int, world: int, numel: int, repeats: int) -> dict[s
 def collectives(world: int = 4, numels=(1 << 20, 1 << 24), repeats: int = 7) -> None:
     """Equal vs uneven all-gather / reduce-scatter through the runtime's ``_compat`` wrappers on
     spawned gloo ranks (medians; rank 0's view)."""
-    from ragged_placement.launch import run_gloo
+    from ragged_placement.testing.launch import run_gloo
 
     for numel in numels:
         t = run_gloo(_collective_times, world, numel, repeats)[0]

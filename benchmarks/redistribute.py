@@ -31,7 +31,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ragged_placement import RaggedShard
-from ragged_placement.launch import run_gloo
+from ragged_placement.testing.launch import run_gloo
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

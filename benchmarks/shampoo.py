@@ -35,7 +35,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from ragged_placement import RaggedShard
 from ragged_placement._compat import all_gather_single
-from ragged_placement.launch import run_gloo
+from ragged_placement.testing.launch import run_gloo
 from ragged_placement.optim import Shampoo
 from ragged_placement.planner.models import load_configs
 

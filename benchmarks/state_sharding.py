@@ -9,7 +9,7 @@ below), against torch FSDP2 full-shard (a 1-D mesh) and FSDP2 HSDP in the same r
 data. Per step, after 2 warm-up steps:
 
 * collectives and the bytes each rank moves, per set of mesh dims the group spans, from one
-  counter for both runtimes (:class:`~ragged_placement.fsdp.profiling.CollectiveMeter` wraps the
+  counter for both runtimes (:class:`~ragged_placement.testing.profiling.CollectiveMeter` wraps the
   c10d calls; ``by_dims`` names each group by the dims it spans): an all-gather's output less
   the rank's input, a reduce-scatter's input less its output, ``2 (n - 1) / n`` of an
   all-reduce (max over ranks). ``across inter``: over ``inter`` alone or with ``intra`` (the
@@ -276,7 +276,7 @@ def _profile_rank(rank, world, runs):
 
 
 def profile_error(runs: int) -> None:
-    from ragged_placement.launch import run_gloo
+    from ragged_placement.testing.launch import run_gloo
 
     fits, rows = run_gloo(_profile_rank, 4, runs, timeout=600)[0]
     print("fitted: " + ", ".join(f"{'+'.join(d)}: {bw / 1e6:.1f} MB/s, {lat * 1e6:.0f} us/step"
@@ -391,7 +391,7 @@ def _shard_gpt(model, runtime: str, mesh, sharding, raf: bool, bf16: bool) -> No
 def _run_point(rank, ws, runtime, mesh, sharding, raf, dims_mesh, cfg, init, corpus, args) -> dict:
     """``args.warmup`` AdamW steps, then ``args.steps`` measured ones: the first under the
     collective counter; memory by state from the tensors, heap and unsharded peaks over all."""
-    from ragged_placement.fsdp.profiling import CollectiveMeter, HeapPeakMeter
+    from ragged_placement.testing.profiling import CollectiveMeter, HeapPeakMeter
     from ragged_placement.models import GPT
 
     per, out = args.batch, {}
@@ -496,7 +496,7 @@ def _band_bytes(cfg) -> int:
 
 
 def runtime_table(args) -> None:
-    from ragged_placement.launch import run_gloo
+    from ragged_placement.testing.launch import run_gloo
     from ragged_placement.models import GPTConfig
 
     cfg = GPTConfig(block_size=args.seq, **GPT_SHAPE)

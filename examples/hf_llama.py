@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ragged_placement.launch import run_gloo
+from ragged_placement.testing.launch import run_gloo
 from ragged_placement.models import StdlibCorpus
 
 try:

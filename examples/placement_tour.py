@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 from ragged_placement import RaggedShard
-from ragged_placement.launch import run_gloo
+from ragged_placement.testing.launch import run_gloo
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

@@ -6,7 +6,7 @@ with the least padding it can find, and gives each parameter the :class:`RaggedS
 boundaries induce. See :mod:`.packing` for the algorithm and its lower bound.
 
 ``plan_state_sharding(model, mesh, memory_budget)`` chooses how far to shard parameters,
-gradients and optimizer state (a :class:`~ragged_placement.fsdp.StateSharding`) from a memory
+gradients and optimizer state (a :class:`~ragged_placement.planner.StateSharding`) from a memory
 and communication model (:mod:`.state_sharding`).
 """
 
@@ -15,7 +15,8 @@ from ragged_placement.planner.layout import FlatLayout
 from ragged_placement.planner.packing import chunk_lower_bound
 from ragged_placement.planner.plan import Plan, Segment, plan, plan_units
 from ragged_placement.planner.profile import profile_mesh
-from ragged_placement.planner.segments import SegmentedPlan, plan_segmented
+from ragged_placement.planner.segments import SegmentedPlan, layers_per_unit, plan_segmented
+from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.planner.state_sharding import (
     ShardingCandidate,
     StateShardingPlan,
@@ -24,7 +25,6 @@ from ragged_placement.planner.state_sharding import (
 from ragged_placement.planner.uneven import (
     UnevenPlan,
     gather_starts,
-    layers_per_unit,
     plan_uneven,
     shard0_padding,
 )
@@ -33,5 +33,5 @@ __all__ = [
     "plan", "plan_units", "plan_segmented", "Plan", "SegmentedPlan", "Segment", "Granularity",
     "GranularityPolicy", "CutSpec", "chunk_lower_bound", "UnevenPlan", "plan_uneven",
     "shard0_padding", "layers_per_unit", "plan_state_sharding", "StateShardingPlan",
-    "ShardingCandidate", "profile_mesh", "gather_starts", "FlatLayout",
+    "ShardingCandidate", "profile_mesh", "gather_starts", "FlatLayout", "StateSharding",
 ]

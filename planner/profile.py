@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ragged_placement.planner.sharding import mesh_dims
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -75,7 +77,6 @@ def profile_mesh(mesh: DeviceMesh, numels: Sequence[int] | None = None,
     import torch.distributed as dist
 
     from ragged_placement._compat import all_gather_single, reduce_scatter_single
-    from ragged_placement.fsdp.state_sharding import mesh_dims
 
     sizes = mesh_dims(mesh)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) \

@@ -323,3 +323,47 @@ def _fold_groups(groups: list[list[str]], fold) -> list[list[str]]:
         else:
             out.append(carry)
     return out
+
+
+def layers_per_unit(
+    layers: Sequence[NamedShapes],
+    world_size: int,
+    granularity: GranularityPolicy = None,
+    *,
+    max_padding: float = 0.01,
+    max_imbalance: float = 0.25,
+    uneven: bool = True,
+) -> int | None:
+    """The smallest number ``k`` of consecutive layers to wrap in one ``fully_shard`` unit
+    (``fully_shard([l0, ..., l{k-1}])``) so that every unit pads at most ``max_padding`` of its
+    parameters and its largest chunk is at most ``(1 + max_imbalance)`` times the mean.
+
+    ``layers`` are the layers' ``named_shapes`` in module order; units are ``layers[i:i + k]``
+    for ``i = 0, k, 2k, ...`` (a shorter remainder is meant to join the last unit, and is not
+    checked). Each unit is planned as the runtime plans it (:func:`plan_segmented`, ``uneven``).
+    Uneven plans never pad and keep every chunk within one band of the mean, so for them the
+    imbalance decides: the default 0.25 is one band at four bands per rank, the issue-16 target.
+    Equal-chunk plans (``uneven=False``) are decided by their padding. Returns ``None`` if not
+    even all the layers in one unit qualify (the mesh is too large for the model).
+    """
+    if not layers:
+        raise ValueError("layers is empty")
+    for name, value in (("max_padding", max_padding), ("max_imbalance", max_imbalance)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name} must be a non-negative float, got {value!r}")
+    for k in range(1, len(layers) + 1):
+        ok = True
+        for i in range(0, len(layers) - k + 1, k):
+            unit = [entry for layer in layers[i:i + k] for entry in _entries(layer)]
+            p = plan_segmented(unit, world_size, granularity, uneven=uneven)
+            mean = p.numel / world_size
+            if p.padding_numel > max_padding * p.numel or p.chunk_numel > (1 + max_imbalance) * mean:
+                ok = False
+                break
+        if ok:
+            return k
+    return None
+
+
+def _entries(named_shapes: NamedShapes) -> list:
+    return list(named_shapes.items()) if isinstance(named_shapes, Mapping) else list(named_shapes)

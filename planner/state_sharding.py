@@ -77,14 +77,13 @@ import torch
 from ragged_placement.planner.granularity import GranularityPolicy, resolve_policy
 from ragged_placement.planner.profile import profile_mesh
 from ragged_placement.planner.segments import plan_segmented
+from ragged_placement.planner.sharding import StateSharding, mesh_dims
 from ragged_placement.planner.uneven import UnevenPlan
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from ragged_placement.fsdp.state_sharding import StateSharding
 
 __all__ = [
     "OPTIMIZERS", "ShardingCandidate", "StateShardingPlan", "StepCollective", "plan_state_sharding",
@@ -596,8 +595,6 @@ def plan_state_sharding(
             value per mesh dim), bad named shapes, or a ``memory_budget`` no candidate fits
             (naming the least memory found).
     """
-    from ragged_placement.fsdp.state_sharding import StateSharding, mesh_dims
-
     if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r} is not modelled: use one of {OPTIMIZERS}")
     sizes = mesh_dims(mesh)

@@ -11,7 +11,7 @@ exactly as before.
 (owner, name, the torch original we expect there, the replacement), and one row outside
 DTensor: the gloo backend class ``torch.distributed`` builds process groups with, so that they
 run one worker thread (a workaround for a memory-safety race in torch's ``ProcessGroupGloo``,
-:func:`ragged_placement._compat.one_worker_gloo`). :data:`FSDP2_PATCHES` holds
+:func:`ragged_placement._gloo.one_worker_gloo`). :data:`FSDP2_PATCHES` holds
 the rows for torch's FSDP2 (its ``register_fsdp_forward_method`` reaches ours for our modules;
 a clear error when its ``fully_shard`` meets a RaggedShard
 parameter), applied when :mod:`ragged_placement.fsdp` is imported. :func:`install` checks every row's
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from ragged_placement import _compat
+from ragged_placement import _compat, _gloo
 from ragged_placement.placement import RaggedShard
 
 __all__ = ["FSDP2_PATCHES", "PATCHES", "Patch", "install", "install_fsdp2", "installed", "uninstall"]
@@ -451,8 +451,8 @@ PATCHES: tuple[Patch, ...] = (
     # workaround for torch's double free in ProcessGroupGloo::runLoop, see _compat)
     *(
         [Patch("torch.distributed.distributed_c10d", "ProcessGroupGloo",
-               "torch.distributed.distributed_c10d.ProcessGroupGloo", _compat.one_worker_gloo)]
-        if _compat.gloo_supports_one_worker() else []
+               "torch.distributed.distributed_c10d.ProcessGroupGloo", _gloo.one_worker_gloo)]
+        if _gloo.gloo_supports_one_worker() else []
     ),
 )
 

@@ -37,13 +37,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 from typing_extensions import Self  # a dependency of torch
 
-from ragged_placement.fsdp.profiling import (
+from ragged_placement.testing.profiling import (
     CollectiveMeter,
     HeapPeakMeter,
     LayoutCopyMeter,
     heap_in_use,
 )
-from ragged_placement.launch import exit_without_finalization
+from ragged_placement.testing.launch import exit_without_finalization
 from ragged_placement.planner import StateShardingPlan
 from ragged_placement.trainer.build import (
     TokenData,

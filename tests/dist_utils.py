@@ -4,7 +4,7 @@
   torch's in-process "threaded" process group. Collectives really move data, so our code runs
   unmodified on every rank. Fast enough for hypothesis property tests.
 * :func:`run_gloo` spawns ``world_size`` real processes over gloo (integration tests), through
-  :func:`ragged_placement.launch.run_gloo`.
+  :func:`ragged_placement.testing.launch.run_gloo`.
 * :func:`recording_collectives` records which rank called which c10d collective (threaded ranks
   share the patched module), for tests that assert what a step communicates.
 
@@ -35,7 +35,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from ragged_placement import launch
+from ragged_placement.testing import launch
 
 __all__ = [
     "CollectiveCalls",
@@ -281,7 +281,7 @@ def run_threaded(
 def run_gloo(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = GLOO_TIMEOUT
 ) -> list[Any]:
-    """:func:`ragged_placement.launch.run_gloo` with tests/ importable in the spawned ranks (``fn``
+    """:func:`ragged_placement.testing.launch.run_gloo` with tests/ importable in the spawned ranks (``fn``
     is a module-level function of a test module). ``timeout`` is a hang guard: on expiry the
     ``TimeoutError`` names each rank still running, the c10d call it is blocked in and its
     stack."""

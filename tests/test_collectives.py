@@ -3,7 +3,7 @@
 A unit of several equal segments is reduce-scattered on gloo as one packed collective (a staging
 buffer filled by FSDP2's copy-in op, :func:`ragged_placement.fsdp.collectives._packed_sizes`) instead of
 one per segment; all-gathers stay coalesced and zero-copy. Every gloo reduce-scatter (a sum) is
-an all-to-all and a local sum (``_compat._reduce_scatter_by_all_to_all``: gloo's own
+an all-to-all and a local sum (``_gloo.reduce_scatter_by_all_to_all``: gloo's own
 reduce-scatter is a whole all-reduce), checked against gloo's at an odd world size.
 Both paths must give the same results (the gathers bitwise; the reductions up to the rounding of
 the summation order): each is compared with the other on the same inputs, and
@@ -19,7 +19,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from dist_utils import run_gloo
 from ragged_placement.fsdp import collectives
-from ragged_placement.fsdp.profiling import LayoutCopyMeter
+from ragged_placement.testing.profiling import LayoutCopyMeter
 from ragged_placement.planner.plan import Segment
 
 pytestmark = pytest.mark.multiprocess
@@ -160,7 +160,7 @@ def _gloo_reduce_scatter(rank: int, ws: int) -> dict:
     """``reduce_scatter_single`` (an all-to-all on gloo) against gloo's own reduce-scatter
     (``_compat._reduce_scatter``) on the same inputs; the meter's and CommDebugMode's view."""
     from ragged_placement import _compat
-    from ragged_placement.fsdp.profiling import CollectiveMeter
+    from ragged_placement.testing.profiling import CollectiveMeter
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -191,19 +191,19 @@ def _gloo_reduce_scatter(rank: int, ws: int) -> dict:
 def _gloo_threads(ws: int) -> tuple[list[int | None], int | None, list[str]]:
     """The worker threads of gloo groups created after the import (the default group, a
     ``new_group``, a mesh's), of one built with torch's own class (as before the import), and
-    the warnings ``fully_shard`` gives on a mesh of each (see ``_compat.one_worker_gloo``)."""
+    the warnings ``fully_shard`` gives on a mesh of each (see ``_gloo.one_worker_gloo``)."""
     import warnings
 
     from torch.distributed import distributed_c10d as c10d
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from ragged_placement import _compat
+    from ragged_placement import _gloo
     from ragged_placement.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (ws,))
-    ours = [_compat.gloo_worker_threads(g)
+    ours = [_gloo.gloo_worker_threads(g)
             for g in (dist.group.WORLD, dist.new_group(list(range(ws))), mesh.get_group())]
-    shim, c10d.ProcessGroupGloo = c10d.ProcessGroupGloo, _compat._GLOO
+    shim, c10d.ProcessGroupGloo = c10d.ProcessGroupGloo, _gloo._GLOO
     try:
         theirs = dist.new_group(list(range(ws)))
     finally:
@@ -214,7 +214,7 @@ def _gloo_threads(ws: int) -> tuple[list[int | None], int | None, list[str]]:
         for _ in range(2):  # once per group
             fully_shard(torch.nn.Linear(4, 4), mesh=DeviceMesh.from_group(theirs, "cpu"))
     warned = [str(w.message) for w in caught if "worker threads" in str(w.message)]
-    return ours, _compat.gloo_worker_threads(theirs), warned
+    return ours, _gloo.gloo_worker_threads(theirs), warned
 
 
 def _check_gloo_reduce_scatter(out: dict) -> None:

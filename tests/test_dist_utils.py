@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from dist_utils import run_gloo, run_threaded
 
 import dist_utils
-from ragged_placement import launch
+from ragged_placement.testing import launch
 
 TESTS = Path(__file__).parent
 

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
 from ragged_placement.fsdp.fp8 import fp8_granularity
-from ragged_placement.fsdp.profiling import CollectiveMeter
+from ragged_placement.testing.profiling import CollectiveMeter
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement.quant import (
     BlockFP8Config,

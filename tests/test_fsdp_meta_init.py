@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ragged_placement.fsdp import fully_shard
-from ragged_placement.fsdp.profiling import AllocationMeter
+from ragged_placement.testing.profiling import AllocationMeter
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
 

@@ -527,8 +527,8 @@ def test_bf16_mixed_precision_matches_fsdp2_hsdp(every_feature):
 def test_comm_debug_mode_sees_by_dims_and_the_formula_per_step(every_feature):
     """AMSP, per step: the c10d collectives ``CommDebugMode`` sees, by the mesh dims of their
     group, equal ``by_dims``'s increment plus two all-reduces over both dims that move no
-    state: one byte per parameter (:func:`~ragged_placement.fsdp.hooks.drop_unused_grads`) and
-    one byte per unit (the refresh agreement, :func:`~ragged_placement.fsdp.hooks.
+    state: one byte per parameter (:func:`~ragged_placement.fsdp.state.drop_unused_grads`) and
+    one byte per unit (the refresh agreement, :func:`~ragged_placement.fsdp.state.
     agree_on_refreshes`), and ``by_dims`` equals the formula from the parameter counts."""
     for rank in every_feature:
         steps, numels, n_params = rank["comm"]

@@ -42,7 +42,7 @@ def _train(model, opt, batches, meter_cls=None) -> tuple[list[float], list, list
     (``CollectiveMeter.by_group`` and ``CommDebugMode``'s total)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from ragged_placement.fsdp.profiling import CollectiveMeter
+    from ragged_placement.testing.profiling import CollectiveMeter
 
     losses, params, comms = [], [], []
     for x, y in batches:

@@ -5,25 +5,48 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ragged_placement"
 
 
+def _package_dirs() -> dict[str, pathlib.Path]:
+    """Each import root's folder: ``ragged_placement``, and the packages ``pyproject.toml``
+    maps from elsewhere (``planner/`` and ``optim/`` at the top of the repository import as
+    ``ragged_placement.planner`` and ``ragged_placement.optim``), longest name first."""
+    text = (ROOT.parent / "pyproject.toml").read_text()
+    section = text.split("[tool.setuptools.package-dir]", 1)[1].split("\n[", 1)[0]
+    dirs = {name: ROOT.parent / path
+            for name, path in re.findall(r'^"([\w.]+)"\s*=\s*"([^"]+)"', section, re.M)}
+    dirs["ragged_placement"] = ROOT
+    return dict(sorted(dirs.items(), key=lambda item: -len(item[0])))
+
+
+PACKAGE_DIRS = _package_dirs()
+
+
+def _sources() -> dict[str, pathlib.Path]:
+    """Every module of the package, ``planner`` and ``optim`` included, by its import name."""
+    return {_module_name(p): p for root in PACKAGE_DIRS.values() for p in root.rglob("*.py")}
+
+
 def _module_path(name: str) -> pathlib.Path | None:
     """The source of package module ``name`` (``None`` if it is not one)."""
-    if not name.startswith("ragged_placement."):
-        return None
-    base = ROOT.joinpath(*name.split(".")[1:])
-    for path in (base.with_suffix(".py"), base / "__init__.py"):
-        if path.is_file():
-            return path
+    for package, root in PACKAGE_DIRS.items():
+        if name == package or name.startswith(package + "."):
+            base = root.joinpath(*name[len(package):].split(".")[1:])
+            for path in (base.with_suffix(".py"), base / "__init__.py"):
+                if path.is_file():
+                    return path
+            return None
     return None
 
 
 def _module_name(path: pathlib.Path) -> str:
-    parts = ["ragged_placement", *path.relative_to(ROOT).with_suffix("").parts]
+    package, root = next((n, r) for n, r in PACKAGE_DIRS.items() if path.is_relative_to(r))
+    parts = [*package.split("."), *path.relative_to(root).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -54,7 +77,7 @@ def _runtime_imports(tree: ast.Module) -> list[str]:
 def _import_graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports (a package's own ``__init__`` excluded for
     its submodules, which Python runs first anyway)."""
-    sources = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    sources = _sources()
 
     def resolve(name: str) -> str | None:
         while name and name not in sources:
@@ -117,7 +140,7 @@ def test_fsdp_runtime_has_no_import_cycle():
 
 def test_no_import_cycle_at_import_time():
     """Module-level imports only: importing any module never re-enters a half-imported one."""
-    sources = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    sources = _sources()
     graph = {}
     for module, path in sources.items():
         top = [n for n in ast.parse(path.read_text()).body
@@ -145,6 +168,24 @@ def test_no_import_cycle():
     """No cycle in the package, function-local imports included: the DTensor core imports one
     way, as torch's does (redistribute -> transforms -> regions -> placement)."""
     assert _cycles(_import_graph()) == []
+
+
+def test_the_graph_covers_planner_and_optim():
+    """``planner/`` and ``optim/`` are read as ``ragged_placement.planner`` / ``.optim``: their
+    imports are edges of the graph the cycle tests check."""
+    graph = _import_graph()
+    assert "ragged_placement.planner.segments" in graph
+    assert "ragged_placement.optim" in graph
+    assert "ragged_placement.planner.uneven" in graph["ragged_placement.planner.segments"]
+
+
+def test_planner_imports_nothing_from_the_runtime():
+    """The planner owns its value types (``StateSharding``, ``GranularityPolicy``,
+    ``Segment``); the FSDP runtime imports it one way."""
+    graph = _import_graph()
+    back = {m: sorted(t for t in ts if t.startswith("ragged_placement.fsdp"))
+            for m, ts in graph.items() if m.startswith("ragged_placement.planner")}
+    assert {m: ts for m, ts in back.items() if ts} == {}
 
 
 def test_placement_imports_none_of_the_dtensor_core():
@@ -201,7 +242,5 @@ def test_the_mesh_type_checker_finds_a_type_test():
 def test_the_runtime_never_asks_which_kind_of_mesh_a_unit_holds():
     """The unit, its buffers, gradients and hooks call the unit's ``UnitMesh`` (and each
     buffer's ``BufferComm``); no module outside the meshes' own tests its type."""
-    tests = {
-        _module_name(p): _mesh_type_tests(ast.parse(p.read_text())) for p in ROOT.rglob("*.py")
-    }
+    tests = {m: _mesh_type_tests(ast.parse(p.read_text())) for m, p in _sources().items()}
     assert {m: t for m, t in tests.items() if t and m not in _MESH_MODULES} == {}

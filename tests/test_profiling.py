@@ -1,4 +1,4 @@
-"""The measurement instruments of ragged_placement.fsdp.profiling against known allocations."""
+"""The measurement instruments of ragged_placement.testing.profiling against known allocations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from dist_utils import run_gloo
 
-from ragged_placement.fsdp.profiling import HeapPeakMeter, heap_in_use
+from ragged_placement.testing.profiling import HeapPeakMeter, heap_in_use
 
 MiB = 2**20
 TOL = MiB // 4  # interpreter and allocator noise
@@ -60,7 +60,7 @@ def _one_step_counted(rank: int, cfg, init: dict, mesh, runtime: str, sharding) 
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     from ragged_placement.fsdp import fully_shard
-    from ragged_placement.fsdp.profiling import CollectiveMeter
+    from ragged_placement.testing.profiling import CollectiveMeter
     from ragged_placement.models import GPT
 
     model = GPT(cfg)
@@ -93,7 +93,7 @@ def _counters_on_2x2(rank: int, ws: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from ragged_placement.fsdp import StateSharding
-    from ragged_placement.fsdp.profiling import CollectiveMeter
+    from ragged_placement.testing.profiling import CollectiveMeter
     from ragged_placement.models import GPT, GPTConfig
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
@@ -142,3 +142,47 @@ def test_collective_meter_by_dims_matches_fsdp2_and_comm_stats_on_2x2():
         assert hsdp == {**hsdp2, ("all_reduce", intra): flags_2,
                         ("all_reduce", inter): [a + b for a, b in zip(ar, flags_2)]}, rank
         assert out["fsdp2_full"][1] == out["fsdp2_hsdp"][1] == out["hsdp"][1] == {}
+
+
+def _uneven_fp8_metered(rank: int, ws: int) -> list[tuple[int, int, int]]:
+    """One step of the FP8 GPT, whose blocks gather uneven FP8 sends, under the meter: as the
+    runtime issues it, and with the uneven all-gather behind a ``*args`` wrapper (a benchmark's
+    stand-in, a tracer). Per way: (meter's all-gather bytes, the units' own count, gathers)."""
+    from test_fsdp_fp8 import SEQ, _corpus, _gpt, _mesh, _rows, _shard
+
+    from ragged_placement.fsdp import collectives
+    from ragged_placement.fsdp.profiling import CollectiveMeter
+
+    torch.set_num_threads(1)
+    m = _gpt()
+    _shard(m, _mesh(ws))
+    units = [u for _, u in m.fsdp_units()]
+    assert any(b.fp8 is not None and b.fp8.segment.rank_starts is not None
+               for u in units for b in u.buffers)
+    real = collectives._all_gather_uneven
+    out = []
+    for wrapped in (False, True):
+        if wrapped:
+            collectives._all_gather_uneven = lambda *args: real(*args)
+        before = sum(u.stats.all_gather_bytes for u in units)
+        try:
+            with CollectiveMeter() as meter:
+                x, y = _corpus().batch(0, 8, SEQ)
+                m(_rows(x, rank, ws), _rows(y, rank, ws)).backward()
+        finally:
+            collectives._all_gather_uneven = real
+        counted = sum(u.stats.all_gather_bytes for u in units) - before
+        out.append((meter.all_gather_bytes, counted, meter.counts["all_gather"]))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_collective_meter_counts_uneven_fp8_all_gathers_through_any_wrapper():
+    """The meter (the trainer's log line and ``--metrics``, the benchmarks) counts an uneven
+    all-gather's output, a tuple of per-rank views when it is called through a wrapper taking
+    ``*args`` (``benchmarks/fp8.py``'s fake-group stand-in crashed the meter there), as the
+    units' own counters do."""
+    for ways in run_gloo(_uneven_fp8_metered, 4):
+        assert ways[0] == ways[1]
+        metered, counted, gathers = ways[0]
+        assert metered == counted > 0 and gathers > 0

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.multiprocess
 
 WORLD = 4
-# ragged_placement.launch.PRELOAD, not imported from there: this module must not load the package
+# ragged_placement.testing.launch.PRELOAD, not imported from there: this module must not load the package
 PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.checkpoint")
 
 

@@ -20,7 +20,7 @@ from ragged_placement.fsdp.api import (
     share_comm_ctx,
 )
 from ragged_placement.fsdp.common import CommStats
-from ragged_placement.fsdp.state_sharding import StateSharding
+from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.fsdp.unit import FSDPUnit
 
 install_fsdp2()  # torch's fully_shard over these modules: a ValueError naming the module

@@ -11,7 +11,7 @@
   that match no parameter of the whole model.
 * A gloo process group created before ``import ragged_placement`` runs torch's two worker
   threads, which corrupt the heap when two of its collectives complete together (see
-  :func:`ragged_placement._compat.one_worker_gloo`); this runtime overlaps collectives on its
+  :func:`ragged_placement._gloo.one_worker_gloo`); this runtime overlaps collectives on its
   groups, so each call warns once per such group of its mesh.
 """
 
@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ragged_placement._compat import gloo_worker_threads
+from ragged_placement._gloo import gloo_worker_threads
 from ragged_placement.planner.granularity import Granularity
 
 __all__ = [
@@ -109,6 +109,6 @@ def warn_on_racy_gloo_groups(mesh: DeviceMesh) -> None:
             f"together (a crash, 'malloc(): unaligned tcache chunk detected', or a corrupted "
             f"heap), and fully_shard overlaps collectives. Import ragged_placement before "
             f"creating process groups (init_process_group, init_device_mesh): gloo groups "
-            f"created afterwards run one worker thread (ragged_placement._compat.one_worker_gloo)",
+            f"created afterwards run one worker thread (ragged_placement._gloo.one_worker_gloo)",
             stacklevel=3,
         )

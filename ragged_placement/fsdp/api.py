@@ -24,7 +24,7 @@ from ragged_placement.fsdp._validation import (
 )
 from ragged_placement.fsdp.common import UnitOptions
 from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
-from ragged_placement.fsdp.hooks import FSDPState
+from ragged_placement.fsdp.state import FSDPState
 from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.module import (
     FSDPModule,
@@ -36,7 +36,7 @@ from ragged_placement.fsdp.module import (
 from ragged_placement.fsdp.nested import state_sharded_mesh
 from ragged_placement.fsdp.param import ParamSlot, mesh_device
 from ragged_placement.fsdp.spmd import check_dp_mesh_dims, localize_spmd_params
-from ragged_placement.fsdp.state_sharding import StateSharding
+from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.fsdp.unit import FSDPUnit
 from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.quant import BlockFP8Config

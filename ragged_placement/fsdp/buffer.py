@@ -64,7 +64,7 @@ from ragged_placement.fsdp.fp8 import FP8UnitGather, is_fp8_weight
 from ragged_placement.fsdp.gather import PlainGather
 from ragged_placement.fsdp.grads import FlatGrads
 from ragged_placement.fsdp.mesh import BufferComm, PostForwardMesh, UnitMesh
-from ragged_placement.fsdp.offload import OffloadStaging
+from ragged_placement.fsdp.offload import DeviceStaging, OffloadStaging, staging
 from ragged_placement.fsdp.param import (
     ParamLayout,
     ParamSlot,
@@ -190,31 +190,11 @@ def check_move_target(
     buffer: FlatBuffer, device: torch.device, dtype: torch.dtype, fqn: str
 ) -> None:
     """``ValueError`` unless ``buffer`` can live on ``device`` in ``dtype`` (a move or cast of
-    its module, :meth:`FlatBuffer.apply_`; ``fqn`` names the parameter moved first)."""
-    fp8 = [s.fqn for s, q in zip(buffer.slots, buffer.quantized) if q]
-    allowed = (torch.float32, torch.bfloat16, torch.float16)
-    if fp8 and buffer.mp_dtypes[0] is None and dtype not in allowed:
-        raise ValueError(
-            f"cannot cast the FP8 unit holding {fp8[0]} to {dtype}: the parameters it "
-            f"all-gathers next to the FP8 weights must be float32, bfloat16 or float16"
-        )
-    mesh_type = buffer.dp.mesh.device_type
-    if buffer.offload is not None:
-        if device.type not in (buffer.offload.host.type, "meta"):
-            raise ValueError(
-                f"cannot move parameter {fqn} of a fully_shard unit to {device}: the unit "
-                f"offloads its sharded parameters (offload_policy=CPUOffloadPolicy()), so "
-                f"they stay on {buffer.offload.host} and are copied to the mesh's "
-                f"{mesh_type} device for each all-gather; materialize a "
-                f"meta-device model with to_empty(device='cpu') (as FSDP2 requires)"
-            )
-        return
-    if device.type not in (mesh_type, "meta"):
-        raise ValueError(
-            f"cannot move parameter {fqn} of a fully_shard unit to {device}: its mesh is on "
-            f"{mesh_type} (move the model before fully_shard, or build the mesh "
-            f"on {device.type})"
-        )
+    its module, :meth:`FlatBuffer.apply_`; ``fqn`` names the parameter moved first): as its
+    gather (an FP8 one keeps its other parameters floating) and its staging (CPU offload keeps
+    the chunk on the host) allow."""
+    buffer.gather_kind.check_cast(buffer, dtype)
+    buffer.staging.check_move(device, fqn, buffer.dp.mesh.device_type)
 
 
 class FlatBuffer:
@@ -223,7 +203,7 @@ class FlatBuffer:
     Construction runs four steps, each a method or function of its own:
 
     1. :func:`~ragged_placement.fsdp.param.resolve_granularity`: the planner policy (the
-       user's, then tensor-parallel, then FP8 constraints);
+       user's, then tensor-parallel constraints), then the gather's (FP8: whole blocks);
     2. :func:`plan_buffer`: the flat layout and, per parameter, its :class:`ParamLayout`;
     3. :meth:`allocate`: the flat buffers on a device in a dtype (nothing on the meta device);
     4. :meth:`bind`: the sharded and unsharded parameters as views of those buffers.
@@ -260,9 +240,12 @@ class FlatBuffer:
     unsharded_specs: list[DTensorSpec | None]
     sharded_params: list[nn.Parameter]
     unsharded_params: list[nn.Parameter]
-    # the all-gather output and the unsharded tensors (None on the meta device)
+    # the all-gather output and the unsharded tensors (None on the meta device), of the kind
+    # chosen once by whether the buffer holds FP8 weights (fsdp/gather.py)
     gather: PlainGather | FP8UnitGather | None
-    offload: OffloadStaging | None
+    gather_kind: type[PlainGather] | type[FP8UnitGather]
+    # where the sharded chunk and gradient live, and their copies (CPU offload's, or none)
+    staging: DeviceStaging | OffloadStaging
     device: torch.device  # the compute device (the mesh's under CPU offload)
     orig_dtype: torch.dtype
     param_dtype: torch.dtype
@@ -290,16 +273,16 @@ class FlatBuffer:
         self.quant = options.quant
         self.spmd = options.spmd
         self.mp_dtypes = (options.param_dtype, options.reduce_dtype)
-        policy = options.offload_policy
-        self.offload = OffloadStaging(policy, stats) if policy is not None else None
+        self.staging = staging(options.offload_policy, stats)
         dtype = params[0].dtype
         tp_specs = [tp_spec_of(s.fqn, p, dp) for s, p in zip(slots, params)]
         self.quantized = [
             self.quant is not None and is_fp8_weight(s.owners, s.shape) for s in slots
         ]
-        policy = resolve_granularity(
-            options.granularity, slots, tp_specs, self.quantized, self.quant
-        )
+        self.gather_kind = FP8UnitGather if any(self.quantized) else PlainGather
+        self.gather_kind.check_params(self, tp_specs)
+        policy = resolve_granularity(options.granularity, slots, tp_specs)
+        policy = self.gather_kind.granularity(self, policy)
         self.tp_mesh = unit_tp_mesh([s.fqn for s in slots], tp_specs)
         self.spmd_mesh = spmd_mesh(dp, self.tp_mesh)  # the mesh of the sharded parameters
         self.plan = plan_buffer(
@@ -333,8 +316,7 @@ class FlatBuffer:
         ``device`` is but meta. Gradients and the binding of the parameters are left to the
         caller (:meth:`bind`)."""
         device = torch.device(device)
-        offloaded = self.offload is not None and device.type != "meta"
-        self.device = mesh_device(self.dp.mesh) if offloaded else device
+        self.device = self.staging.compute_device(device, mesh_device(self.dp.mesh))
         self.orig_dtype = dtype
         param_dtype, reduce_dtype = self.mp_dtypes
         self.param_dtype = param_dtype or dtype
@@ -351,23 +333,18 @@ class FlatBuffer:
     @property
     def offload_device(self) -> torch.device | None:
         """Where ``sharded`` and the sharded gradient live under CPU offload (``None``: none)."""
-        return self.offload.host if self.offload is not None else None
+        return self.staging.host
 
     @property
     def sharded_device(self) -> torch.device:
         """Where ``sharded`` and the sharded gradient live: the host under CPU offload (unless on
         the meta device), else the compute device :attr:`device`."""
-        if self.offload is None or self.device.type == "meta":
-            return self.device
-        return self.offload.host
+        return self.staging.sharded_device(self.device)
 
     def new_sharded(self, dtype: torch.dtype, *, zero: bool = True) -> torch.Tensor:
         """A new ``[S]`` buffer for the sharded chunk or gradient on :attr:`sharded_device`,
         in pinned memory under ``CPUOffloadPolicy(pin_memory=True)``."""
-        if self.sharded_device.type == "cpu" and self.offload is not None:
-            return self.offload.new_host(self.chunk_numel, dtype, zero=zero)
-        new = torch.zeros if zero else torch.empty
-        return new(self.chunk_numel, dtype=dtype, device=self.sharded_device)
+        return self.staging.new_sharded(self.chunk_numel, dtype, self.sharded_device, zero=zero)
 
     @property
     def fp8(self) -> FP8UnitGather | None:
@@ -395,19 +372,7 @@ class FlatBuffer:
         ):
             return
         self._gathered_dtype = self.param_dtype
-        if not any(self.quantized):
-            self.gather = PlainGather(self.plan, self.slots, self.param_dtype, device, shared)
-            return
-        self.gather = FP8UnitGather(
-            self.plan,
-            [s.fqn for s in self.slots],
-            [s.shape for s in self.slots],
-            self.quantized,
-            [s.requires_grad for s in self.slots],
-            self.quant,
-            self.param_dtype,
-            device,
-        )
+        self.gather = self.gather_kind.for_buffer(self, device)
 
     def _copy_in(self, params: list[torch.Tensor]) -> None:
         """Copy this rank's run of each (TP-local) parameter into the sharded chunk."""
@@ -453,10 +418,9 @@ class FlatBuffer:
     def _unsharded_views(self) -> list[torch.Tensor]:
         """The unsharded parameters' tensors (and :attr:`unsharded_specs`): the gather's
         (tensor-parallel ones wrapped as DTensors on the TP mesh, TP-local views), or
-        placeholders on the meta device."""
-        if self.fp8 is not None:
-            self.unsharded_specs = [None] * len(self.slots)
-            return self.fp8.params
+        placeholders on the meta device. (An FP8 buffer has no tensor-parallel parameter,
+        :meth:`FP8UnitGather.check_params`, nor a full SPMD mesh: ``dp_mesh_dims`` refuses
+        ``quant``.)"""
         self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
         if self.spmd is not None:  # fully_shard(dp_mesh_dims=...): on the full SPMD mesh
             self.unsharded_specs = [
@@ -485,11 +449,8 @@ class FlatBuffer:
         for slot, p in zip(self.slots, params):
             for module, attr in slot.owners:
                 module._parameters[attr] = p
-        if self.fp8 is not None:  # FP8Linear reads the gathered (q, s), not the parameter
-            for slot, w in zip(self.slots, self.fp8.weights):
-                if w is not None:
-                    for module, _ in slot.owners:
-                        module.weight_fp8 = None if sharded else w
+        if self.gather is not None:  # FP8Linear reads the gathered (q, s), not the parameter
+            self.gather.register_weights(self.slots, sharded=sharded)
 
     def unregister(self) -> None:
         """Hide the parameters from their modules (so that ``nn.Module._apply`` does not map
@@ -574,10 +535,8 @@ class FlatBuffer:
         host-to-device first under CPU offload (a plain gather's cast in the same copy)."""
         if pf is not None:
             return self.post_forward_shard
-        own = self.sharded
-        if self.offload is not None:
-            dtype = self.orig_dtype if self.fp8 is not None else self.param_dtype
-            own = self.offload.to_device(self.sharded, dtype, self.device)
+        dtype = self.gather.stage_dtype(self.orig_dtype)
+        own = self.staging.to_device(self.sharded, dtype, self.device)
         return self.gather.pack(self.rank, own)
 
     def finish_unshard(self) -> None:
@@ -597,22 +556,20 @@ class FlatBuffer:
     def expose_sharded(self) -> None:
         """Register the sharded parameters once a CPU-offload staging copy still reading the
         host chunk has finished: from here on the host may write it (an optimizer step)."""
-        if self.offload is not None:
-            self.offload.wait_to_device()
+        self.staging.wait_to_device()
         self.register(sharded=True)
 
     def wait_offload_copies(self) -> None:
         """Block the host until the asynchronous staging copies are complete (see
         :meth:`~ragged_placement.fsdp.offload.OffloadStaging.wait`)."""
-        if self.offload is not None:
-            self.offload.wait()
+        self.staging.wait()
 
     # -- reshard after forward to a smaller group (an int reshard_after_forward) ---------------
     @property
     def gather_segments(self) -> Sequence[Segment]:
         """The segments of the all-gather: the plan's, or for an FP8 buffer the one segment of
         its send buffers (bytes, in rank order; uneven where they are)."""
-        return [self.fp8.segment] if self.fp8 is not None else self.plan.segments
+        return self.gather.send_segments
 
     def post_forward_copy(self, pf: PostForwardMesh) -> torch.Tensor:
         """This rank's place of the gathered buffer (``1/N`` of it, one copy), to keep in

@@ -24,12 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ragged_placement._compat import (
-    all_gather_single,
-    coalesces_all_gathers,
-    reduce_scatter_single,
-    sums_by_all_to_all,
-)
+from ragged_placement._compat import all_gather_single, reduce_scatter_single
+from ragged_placement._gloo import coalesces_all_gathers, sums_by_all_to_all
 from ragged_placement.fsdp.common import CommStats
 from ragged_placement.planner.plan import Segment
 
@@ -145,7 +141,7 @@ def _packed_sizes(segments, group) -> list[int] | None:
     (``benchmarks/collectives.py``, table in ``docs/fsdp.md``). There several equal segments
     that tile the chunk in order are reduce-scattered as one collective from a rank-major
     staging buffer that FSDP2's copy-in op fills (``torch._chunk_cat``, counted by
-    :class:`~ragged_placement.fsdp.profiling.LayoutCopyMeter`). NCCL groups coalesced calls
+    :class:`~ragged_placement.testing.profiling.LayoutCopyMeter`). NCCL groups coalesced calls
     without copies: segments stay zero-copy there, and all-gathers everywhere."""
     if len(segments) < 2 or any(s.rank_starts is not None for s in segments):
         return None

@@ -71,7 +71,7 @@ class UnitState(enum.Enum):
 
 class TrainingState(enum.Enum):
     """Where one unit is in the current iteration (torch FSDP2's ``TrainingState``; the state
-    diagram is in :mod:`ragged_placement.fsdp.hooks`)."""
+    diagram is in :mod:`ragged_placement.fsdp.state`)."""
 
     IDLE = enum.auto()  # outside forward and backward, or between a forward and its backward
     FORWARD = enum.auto()  # between the unit's pre-forward and post-forward

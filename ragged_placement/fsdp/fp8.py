@@ -40,6 +40,7 @@ import fnmatch
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -56,6 +57,11 @@ from ragged_placement.quant import (
 from ragged_placement.quant.reference import FP8_DTYPE, scale_shape
 from ragged_placement.quant.sharded import _alias as _byte_alias
 from ragged_placement.quant.sharded import _align
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    from ragged_placement.fsdp.buffer import FlatBuffer
 
 __all__ = [
     "FP8UnitGather",
@@ -181,7 +187,49 @@ class FP8UnitGather:
         gathered: the uint8 all-gather output, ``send_starts[-1]`` bytes.
         params: the unsharded ``nn.Parameter`` per parameter (gradient sinks for FP8 weights).
         weights: ``(q, s)`` per FP8 weight (``None`` for the others), for ``FP8Linear.weight_fp8``.
+
+    It has the interface of :class:`~ragged_placement.fsdp.gather.PlainGather` (chosen in its
+    place for a flat buffer holding FP8 weights, see :mod:`ragged_placement.fsdp.gather`).
     """
+
+    # -- the gather's constraints, read before it exists ---------------------------------------
+    @staticmethod
+    def check_params(buffer: FlatBuffer, tp_specs: Sequence[DTensorSpec | None]) -> None:
+        """``ValueError`` if tensor-parallel parameters share the unit with FP8 weights."""
+        tp_names = [s.fqn for s, t in zip(buffer.slots, tp_specs) if t is not None]
+        if tp_names:
+            raise ValueError(
+                f"quant does not compose with tensor-parallel parameters yet: {tp_names}"
+            )
+
+    @staticmethod
+    def granularity(buffer: FlatBuffer, policy):
+        """``policy`` keeping whole quantization blocks of the FP8 weights
+        (:func:`fp8_granularity`)."""
+        fp8_shapes = {s.fqn: tuple(s.shape) for s, q in zip(buffer.slots, buffer.quantized) if q}
+        return fp8_granularity(policy, fp8_shapes, buffer.quant.block)
+
+    @staticmethod
+    def check_cast(buffer: FlatBuffer, dtype: torch.dtype) -> None:
+        """``ValueError`` unless the parameters gathered beside the FP8 weights stay float32,
+        bfloat16 or float16 (without a ``param_dtype``, the buffer's dtype is theirs)."""
+        allowed = (torch.float32, torch.bfloat16, torch.float16)
+        if buffer.mp_dtypes[0] is None and dtype not in allowed:
+            fp8 = next(s.fqn for s, q in zip(buffer.slots, buffer.quantized) if q)
+            raise ValueError(
+                f"cannot cast the FP8 unit holding {fp8} to {dtype}: the parameters it "
+                f"all-gathers next to the FP8 weights must be float32, bfloat16 or float16"
+            )
+
+    @classmethod
+    def for_buffer(cls, buffer: FlatBuffer, device: torch.device) -> FP8UnitGather:
+        """The FP8 gather of ``buffer`` on ``device`` (its other parameters in
+        ``param_dtype``)."""
+        slots = buffer.slots
+        return cls(
+            buffer.plan, [s.fqn for s in slots], [s.shape for s in slots], buffer.quantized,
+            [s.requires_grad for s in slots], buffer.quant, buffer.param_dtype, device,
+        )
 
     def __init__(
         self,
@@ -253,6 +301,7 @@ class FP8UnitGather:
                 t = _byte_alias(buf, data, raw_dtype, tuple(shape))
                 self.params.append(nn.Parameter(t, requires_grad=requires_grad[i]))
                 self.weights.append(None)
+        self.send_segments = [self.segment]
         self._storages = [self.gathered.untyped_storage(), self.assembled.untyped_storage()]
         self._nbytes = [s.nbytes() for s in self._storages]
         self.free()
@@ -310,6 +359,19 @@ class FP8UnitGather:
         """Release both storages (the aliases stay, pointing at empty storage)."""
         for storage in self._storages:
             storage.resize_(0)
+
+    def stage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """:meth:`pack` quantizes the sharded chunk from its own ``dtype`` (a CPU-offload
+        staging copy keeps it)."""
+        return dtype
+
+    def register_weights(self, slots, *, sharded: bool) -> None:
+        """Point each FP8 weight's ``FP8Linear.weight_fp8`` at its gathered ``(q, s)``
+        (``None`` while ``sharded``): the module reads them, not the parameter."""
+        for slot, w in zip(slots, self.weights):
+            if w is not None:
+                for module, _ in slot.owners:
+                    module.weight_fp8 = None if sharded else w
 
     def pack(self, rank: int, sharded: torch.Tensor) -> torch.Tensor:
         """Quantize ``rank``'s blocks of its flat master chunk (all segments) into a new send

@@ -140,14 +140,17 @@ class FlatGrads:
         if out.dtype != b.orig_dtype:
             out = out.to(b.orig_dtype)
         self.release_dropped()
-        if b.offload is not None:
-            out = b.offload.to_host(out, landing=self.sharded is None)
+        out = b.staging.to_host(out, landing=self.sharded is None)
         if self.sharded is None:
             self.sharded = out
             views = b.plan.local_views(out, b.rank)
             for slot, spec, p in zip(b.slots, b.specs, b.sharded_params):
-                if slot.requires_grad:
+                if not slot.requires_grad:
+                    continue
+                if p.grad is None:
                     p.grad = DTensor(views[slot.fqn], spec, requires_grad=False)
+                else:  # kept while it was frozen (released with the old buffer): accumulate
+                    p.grad._local_tensor.add_(views[slot.fqn])
         else:
             self._accumulate(out)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Mapping
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from torch.distributed.tensor import DTensor
 
-from ragged_placement.fsdp.hooks import FSDPState, drop_unused_grads
+from ragged_placement.fsdp.state import FSDPState, drop_unused_grads
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 from ragged_placement.fsdp.unit import FSDPUnit
 
@@ -55,6 +56,19 @@ class FSDPModule:
             if isinstance(m, FSDPModule) and id(m._fsdp_state) not in seen:
                 seen.add(id(m._fsdp_state))
                 yield name, m._fsdp_state.unit
+
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        """``copy.deepcopy`` of a sharded module (or of a module holding one) raises
+        ``NotImplementedError``, as FSDP2's ``AssertionError`` does: its parameters are views of
+        flat buffers that the unit frees and re-gathers over process groups, which a copy
+        cannot share (copying them used to kill the process with a segfault)."""
+        raise NotImplementedError(
+            f"copy.deepcopy of {type(self).__name__} after fully_shard is not supported (nor "
+            f"is it by torch FSDP2): its parameters are views of flat buffers gathered over "
+            f"process groups. For a copy (an EMA or teacher model), build the model again, "
+            f"apply the same fully_shard calls and load_state_dict(model.state_dict()) into "
+            f"it; to save, use the state dict or torch.distributed.checkpoint"
+        )
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters and register the unsharded ones; with

@@ -1,6 +1,6 @@
 """Per-state sharding in the runtime: ``fully_shard(..., state_sharding=StateSharding(...))``.
 
-A :class:`~ragged_placement.fsdp.state_sharding.StateSharding` names the mesh dims each state is
+A :class:`~ragged_placement.planner.sharding.StateSharding` names the mesh dims each state is
 sharded over, ``params`` ⊆ ``grads`` ⊆ ``optim`` (AMSP's ``s_P <= s_G <= s_OS``). Write ``P``,
 ``G``, ``O`` for those dim sets, ``R`` for the dims outside ``O`` (everything replicated), and
 ``|X|`` for the number of ranks a set spans.
@@ -56,7 +56,7 @@ detached tensors may be loaded into in place before the next forward, as ``dcp.l
 a move. A write through ``.data`` bypasses all of them. Every rank of an ``O \\ P`` group must
 take the same decision, or the refresh would wait for the ranks that skip it: at the root's
 forward the data-parallel ranks agree per unit (one byte per unit, all-reduced: max;
-:func:`~ragged_placement.fsdp.hooks.agree_on_refreshes`), so a state dict or a write on some
+:func:`~ragged_placement.fsdp.state.agree_on_refreshes`), so a state dict or a write on some
 ranks only refreshes everywhere. An unshard outside the root's forward (backward, a submodule
 called on its own) decides locally.
 
@@ -84,7 +84,7 @@ from ragged_placement._compat import concatenate_meshes, new_group_in_order
 from ragged_placement.fsdp.collectives import Gather, Reduction, reduce_scatter_parts
 from ragged_placement.fsdp.common import CommStats
 from ragged_placement.fsdp.mesh import BufferComm, PostForwardMesh, UnitMesh, coarsen_segments
-from ragged_placement.fsdp.state_sharding import StateSharding
+from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.planner.plan import Segment
 
 if TYPE_CHECKING:

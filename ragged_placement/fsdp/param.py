@@ -3,9 +3,9 @@
 
 * :class:`ParamSlot`: every ``(module, attribute)`` that registers the parameter, its planned
   shape and ``requires_grad``.
-* :func:`resolve_granularity`: the planner policy of a unit, in one place: the user's
-  ``granularity``, then the tensor-parallel constraint (:func:`tp_policy`), then the FP8 one
-  (:func:`~ragged_placement.fsdp.fp8.fp8_granularity`).
+* :func:`resolve_granularity`: the planner policy of a unit: the user's ``granularity``, then
+  the tensor-parallel constraint (:func:`tp_policy`); the buffer's gather adds its own last
+  (FP8: :meth:`~ragged_placement.fsdp.fp8.FP8UnitGather.granularity`).
 * :class:`ParamLayout`: the parameter's RaggedShard on its (TP-local) shape and the specs of its
   sharded and unsharded DTensors.
 * :func:`alias` and :func:`rebind`: the unsharded parameter as an alias of the flat buffer's
@@ -42,7 +42,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ragged_placement._compat import concatenate_meshes
-from ragged_placement.fsdp.fp8 import fp8_granularity
 from ragged_placement.fsdp.mesh import UnitMesh
 from ragged_placement.placement import RaggedShard
 from ragged_placement.planner import Granularity
@@ -81,29 +80,16 @@ def alias(
 
 
 def resolve_granularity(
-    granularity,
-    slots: list[ParamSlot],
-    tp_specs: list[DTensorSpec | None],
-    quantized: list[bool],
-    quant,
+    granularity, slots: list[ParamSlot], tp_specs: list[DTensorSpec | None]
 ):
     """The planner policy of a unit: the user's ``granularity``, then the tensor-parallel
-    constraint (never cut a TP-sharded dim), then the FP8 one (whole quantization blocks).
+    constraint (never cut a TP-sharded dim). The buffer's gather adds its own after it
+    (:meth:`~ragged_placement.fsdp.gather.PlainGather.granularity`).
 
-    ``ValueError`` if FP8 weights and tensor-parallel parameters share the unit, or if the
-    user's policy cuts what a constraint keeps whole."""
-    policy = granularity
-    if any(t is not None for t in tp_specs):
-        if any(quantized):
-            tp_names = [s.fqn for s, t in zip(slots, tp_specs) if t is not None]
-            raise ValueError(
-                f"quant does not compose with tensor-parallel parameters yet: {tp_names}"
-            )
-        policy = tp_policy(policy, {s.fqn: t for s, t in zip(slots, tp_specs)})
-    if any(quantized):
-        fp8_shapes = {s.fqn: tuple(s.shape) for s, q in zip(slots, quantized) if q}
-        policy = fp8_granularity(policy, fp8_shapes, quant.block)
-    return policy
+    ``ValueError`` if the user's policy cuts what the constraint keeps whole."""
+    if all(t is None for t in tp_specs):
+        return granularity
+    return tp_policy(granularity, {s.fqn: t for s, t in zip(slots, tp_specs)})
 
 
 def tp_spec_of(fqn: str, param: torch.Tensor, dp: UnitMesh) -> DTensorSpec | None:

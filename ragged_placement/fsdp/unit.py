@@ -149,13 +149,8 @@ class FSDPUnit:
     _agreed: bool | None  # the ranks' agreed decision for the next unshard (None: none yet)
     _refresh_work: object | None  # a refresh issued at an optimizer step, not waited on yet
 
-    def __init__(
-        self,
-        slots: list[ParamSlot],
-        params: list[nn.Parameter],
-        dp: UnitMesh,
-        options: UnitOptions,
-    ) -> None:
+    def __init__(self, slots: list[ParamSlot], params: list[nn.Parameter], dp: UnitMesh,
+                 options: UnitOptions) -> None:
         self.slots = slots
         self.dp, self.mesh = dp, dp.source
         dp.attach(self)
@@ -324,7 +319,7 @@ class FSDPUnit:
         return self._stale or (versions or self._versions()) != self._synced_versions
 
     def agree_refresh(self, stale: bool) -> None:
-        """The data-parallel ranks' agreement (:func:`~ragged_placement.fsdp.hooks.
+        """The data-parallel ranks' agreement (:func:`~ragged_placement.fsdp.state.
         agree_on_refreshes`) on whether the next unshard refreshes: it replaces this rank's own
         :meth:`needs_refresh` there, so that a rank that alone wrote (or took a state dict)
         cannot leave its refresh group waiting."""
@@ -392,6 +387,23 @@ class FSDPUnit:
             b.post_forward_shard = shard
         self._post_forward = pf
         self.state = UnitState.SHARDED_POST_FORWARD
+
+    def sync_requires_grad(self) -> list[int]:
+        """Take each sharded parameter's ``requires_grad`` (the parameter the user holds, which
+        a ``requires_grad_`` after ``fully_shard`` changes) onto its slot and its unsharded
+        parameter, as FSDP2 does at every unshard: a frozen parameter gets no gradient (and
+        no ``.grad``, so the optimizer leaves it), an unfrozen one trains again. Called at
+        every forward; returns the slots that became trainable."""
+        trainable = []
+        for i, (slot, sharded, unsharded) in enumerate(
+            zip(self.slots, self.sharded_params, self.unsharded_params)
+        ):
+            if sharded.requires_grad != slot.requires_grad:
+                slot.requires_grad = sharded.requires_grad
+                unsharded.requires_grad_(slot.requires_grad)
+                if slot.requires_grad:
+                    trainable.append(i)
+        return trainable
 
     # -- gradients -------------------------------------------------------------------------------
     def release_dropped_grads(self) -> None:

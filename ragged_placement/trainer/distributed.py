@@ -33,7 +33,7 @@ _WATCHED = [
     (dist, ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
             "reduce_scatter_tensor", "all_to_all_single", "all_gather_object",
             "all_gather_single", "reduce_scatter_single")),
-    (compat, ("_all_gather", "_reduce_scatter", "_reduce_scatter_by_all_to_all")),
+    (compat, ("_all_gather", "_reduce_scatter", "reduce_scatter_by_all_to_all")),
     (collectives, ("_coalesced",)),
 ]
 # Waits on an asynchronous collective (c10d's Work, which _CoalescingManager.wait also uses)

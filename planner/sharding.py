@@ -1,4 +1,6 @@
-"""Which mesh dims each training state is sharded over (AMSP's per-state sharding degrees).
+"""Which mesh dims each training state is sharded over (AMSP's per-state sharding degrees): the
+value type :class:`StateSharding` the planner chooses (:mod:`.state_sharding`) and the runtime
+takes (``fully_shard(state_sharding=...)``, re-exported as ``ragged_placement.fsdp.StateSharding``).
 
 Torch FSDP2 shards parameters, gradients and optimizer state over the same ranks: all of them
 over one mesh dim, replicated over the other (HSDP) if there is one. AMSP (arXiv 2311.00257)
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["StateSharding"]
+__all__ = ["StateSharding", "mesh_dims"]
 
 MeshLike = DeviceMesh | Mapping[str, int]
 _STATES = ("params", "grads", "optim")

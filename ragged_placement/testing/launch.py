@@ -103,7 +103,7 @@ def _hang_report(ctx, out_dir: str, fn_name: str, timeout: float) -> str:
             continue
         first, _, dump = open(paths[r]).read().partition("\n")  # main thread id, then the dump
         frames = _parse_faulthandler(dump, int(first)) if first.isdigit() else []
-        here = os.path.join("ragged_placement", "launch.py")
+        here = os.path.join("ragged_placement", "testing", "launch.py")
         entry = [i for i, (f, _, n) in enumerate(frames) if f.endswith(here) and n == "_rank_main"]
         frames = frames[entry[-1] :] if entry else frames  # drop the spawn machinery above it
         where = in_flight_call(frames) if frames else f"no stack {_STACK_DUMP_WAIT}s after SIGUSR1"

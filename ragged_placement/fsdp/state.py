@@ -270,11 +270,19 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         for m in self.modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        for i, (slot, param) in enumerate(zip(unit.slots, unit.unsharded_params)):
-            if slot.requires_grad:
-                param.register_hook(lambda grad, i=i: self._on_grad(i))
+        self._grad_hooked: set[int] = set()  # slots whose unsharded parameter has _on_grad
+        self._hook_grads([i for i, slot in enumerate(unit.slots) if slot.requires_grad])
         for m in self.modules:
             m.register_forward_hook(self._post_forward, prepend=False)
+
+    def _hook_grads(self, indices: list[int]) -> None:
+        """Register :meth:`_on_grad` on the unsharded parameters of the slots ``indices`` (at
+        wrap time the trainable ones, later those unfrozen), once per slot."""
+        params = self.unit.unsharded_params
+        for i in indices:
+            if i not in self._grad_hooked:
+                params[i].register_hook(lambda grad, i=i: self._on_grad(i))
+                self._grad_hooked.add(i)
 
     # -- lazy root init ----------------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -321,6 +329,8 @@ class FSDPState:
                 ctx.record_forward(self)
             # after the root dropped stale gathers (its own POST_FORWARD included)
             self.training_state = TrainingState.FORWARD
+            # requires_grad_ after fully_shard: what this forward records (FSDP2: each unshard)
+            self._hook_grads(self.unit.sync_requires_grad())
             self._unshard_and_register()
             if first:
                 ctx.prefetch_after(self, backward=False)

@@ -113,7 +113,7 @@ class CollectiveMeter:
         @functools.wraps(fn)  # keeps the signature for a wrapper around this one
         def counted(*args, **kwargs):
             arguments = signature.bind(*args, **kwargs).arguments
-            tensors = list(arguments.values())
+            tensors = _positional(signature, arguments)
             if kind == "all_reduce":
                 nbytes = _nbytes(tensors[0])
                 n = dist.get_world_size(arguments.get("group"))
@@ -156,7 +156,7 @@ class CollectiveMeter:
             (collectives, "_all_gather_uneven", "all_gather"),  # W broadcasts: one collective
             (dist, "reduce_scatter", "reduce_scatter"),  # uneven segments' list reduce-scatter
             (compat, "_reduce_scatter", "reduce_scatter"),
-            (compat, "_reduce_scatter_by_all_to_all", "reduce_scatter"),  # gloo's sums
+            (compat, "reduce_scatter_by_all_to_all", "reduce_scatter"),  # gloo's sums
             (dist, "all_reduce", "all_reduce"),
         ]
         for obj, name, kind in targets:
@@ -174,9 +174,22 @@ class CollectiveMeter:
         self._saved.clear()
 
 
-def _nbytes(x: torch.Tensor | list[torch.Tensor]) -> int:
-    """Bytes of a tensor or of a list of them (an uneven reduce-scatter's inputs)."""
-    return sum(t.numel() * t.element_size() for t in (x if isinstance(x, list) else [x]))
+def _positional(signature: inspect.Signature, arguments: dict) -> list:
+    """The bound arguments in order, a ``*args`` parameter's values spread in place (a wrapper
+    of a collective, such as a benchmark's no-op, that takes ``*args``)."""
+    out = []
+    for name, value in arguments.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+            out.extend(value)
+        else:
+            out.append(value)
+    return out
+
+
+def _nbytes(x: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]) -> int:
+    """Bytes of a tensor or of a list or tuple of them (an uneven reduce-scatter's inputs, an
+    uneven all-gather's outputs)."""
+    return sum(t.numel() * t.element_size() for t in ([x] if torch.is_tensor(x) else x))
 
 
 def _dim_spans(mesh: DeviceMesh) -> dict[frozenset[int], tuple[str, ...]]:
