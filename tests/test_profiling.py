@@ -151,7 +151,7 @@ def _uneven_fp8_metered(rank: int, ws: int) -> list[tuple[int, int, int]]:
     from test_fsdp_fp8 import SEQ, _corpus, _gpt, _mesh, _rows, _shard
 
     from ragged_placement.fsdp import collectives
-    from ragged_placement.fsdp.profiling import CollectiveMeter
+    from ragged_placement.testing.profiling import CollectiveMeter
 
     torch.set_num_threads(1)
     m = _gpt()
