@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "coalesces_all_gathers", "coalescing", "gloo_supports_one_worker", "gloo_worker_threads", "one_worker_gloo",
-    "reduce_scatter_by_all_to_all", "sums_by_all_to_all",
+    "coalesces_all_gathers", "coalescing", "gloo_supports_one_worker", "gloo_worker_threads",
+    "one_worker_gloo", "reduce_scatter_by_all_to_all", "sums_by_all_to_all",
 ]
 
 

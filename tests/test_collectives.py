@@ -234,7 +234,7 @@ def _check_gloo_reduce_scatter(out: dict) -> None:
 
 
 def _coalescing_decisions(rank: int, ws: int) -> tuple[bool, bool]:
-    from ragged_placement._compat import coalesces_all_gathers
+    from ragged_placement._gloo import coalesces_all_gathers
 
     return (coalesces_all_gathers(None, torch.device("cpu")),
             coalesces_all_gathers(None, torch.device("cuda")))

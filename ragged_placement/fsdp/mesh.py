@@ -291,13 +291,14 @@ class ShardComm(BufferComm):
 
     def shared_unsharded(self) -> torch.Tensor | None:
         b = self._buffer
-        plain = b.offload is None and not any(b.quantized) and b.param_dtype == b.orig_dtype
+        plain = (b.offload_device is None and not any(b.quantized)
+                 and b.param_dtype == b.orig_dtype)
         return b.sharded if plain and self._one_rank() else None
 
     def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
         b = self._buffer
         b.gather.allocate()
-        if pf is None and b.offload is None and b.fp8 is None and self._one_rank():
+        if pf is None and b.offload_device is None and b.fp8 is None and self._one_rank():
             # one rank: the mixed-precision cast written into the unsharded buffer (a no-op
             # where it shares the chunk's storage), which the local all-gather leaves as it is
             send = b.gather.gathered
