@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench conformance clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,14 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VPY) -m pip install -q -e '.[dev,bench]'
 	for b in benchmarks/[!_]*.py; do $(VPY) $$b || exit 1; done
+
+# torch's own FSDP2 tests (test/distributed/_composable/fsdp of a pytorch checkout at the installed
+# version's tag) with torch's fully_shard, then with ours: a table per file (docs/conformance.md).
+TORCH_TESTS ?=
+CONFORMANCE_ARGS ?=
+conformance: $(STAMP)
+	$(VPY) -m pip install -q -e '.[dev,conformance]'
+	$(VPY) scripts/torch_fsdp2_conformance.py --tests "$(TORCH_TESTS)" $(CONFORMANCE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

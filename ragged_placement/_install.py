@@ -12,9 +12,9 @@ exactly as before.
 DTensor: the gloo backend class ``torch.distributed`` builds process groups with, so that they
 run one worker thread (a workaround for a memory-safety race in torch's ``ProcessGroupGloo``,
 :func:`ragged_placement._gloo.one_worker_gloo`). :data:`FSDP2_PATCHES` holds
-the rows for torch's FSDP2 (its ``register_fsdp_forward_method`` reaches ours for our modules;
-a clear error when its ``fully_shard`` meets a RaggedShard
-parameter), applied when :mod:`ragged_placement.fsdp` is imported. :func:`install` checks every row's
+the rows for torch's FSDP2 (its ``register_fsdp_forward_method`` reaches ours for our modules,
+its ``fully_shard.state`` returns our units' view for pipelining; a clear error when its
+``fully_shard`` meets a RaggedShard parameter), applied when :mod:`ragged_placement.fsdp` is imported. :func:`install` checks every row's
 current value against its expected original before patching anything (``ImportError`` naming the
 row if torch changed, so a torch upgrade fails loudly at import instead of misbehaving), and
 :func:`uninstall` puts every original back, so torch is exactly as before the import.
@@ -525,6 +525,23 @@ def _build_forward_method_trampoline(_code):
     return _forward_method_trampoline.__code__
 
 
+def _build_fsdp2_state_lookup(original):
+    """``torch.distributed.fsdp.fully_shard.state(m)`` (where ``torch.distributed.pipelining``
+    reaches FSDP2's state of a module that is a ``torch.distributed.fsdp.FSDPModule``): torch's
+    state where torch's ``fully_shard`` stored one (also the one it is building over ours, to
+    fail at our guard above), else for ours the view of :mod:`ragged_placement.fsdp.fsdp2_state`.
+    """
+
+    @functools.wraps(original)
+    def state(module):
+        from ragged_placement.fsdp.fsdp2_state import state_view
+
+        found = original(module)
+        return state_view(module) if found is None else found
+
+    return state
+
+
 _FSDP_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam"
 _FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard"
 
@@ -539,6 +556,9 @@ FSDP2_PATCHES: tuple[Patch, ...] = (
           _build_forward_method_dispatch),
     Patch(f"{_FULLY_SHARD}:register_fsdp_forward_method", "__code__",
           "_fully_shard.py:register_fsdp_forward_method", _build_forward_method_trampoline),
+    Patch(f"{_FULLY_SHARD}:fully_shard", "state",
+          "torch.distributed._composable.contract.contract.<locals>.inner.<locals>.get_state",
+          _build_fsdp2_state_lookup),
 )
 
 # (patch, owner, original raw value) of every applied row, in install order

@@ -26,7 +26,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +53,22 @@ from ragged_placement.trainer.build import (
     build_scheduler,
     loss_fn,
 )
-from ragged_placement.trainer.checkpoint import Checkpointer, latest_checkpoint, read_manifest
+from ragged_placement.trainer.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    check_checkpoint_dir,
+    move_incomplete_aside,
+)
+from ragged_placement.trainer.collective_bytes import CollectiveBytes
 from ragged_placement.trainer.config import TrainConfig, check_world, parse_config
 from ragged_placement.trainer.distributed import (
     CollectiveWatch,
     DistributedEnv,
     init_distributed,
+    pick_device,
     torchrun_env,
 )
+from ragged_placement.trainer.resume import Resume, find_resume, layout, restore_rng, rng_state
 
 __all__ = ["main"]
 
@@ -68,26 +76,6 @@ __all__ = ["main"]
 # freeze when it starts that step, in torchrun's first attempt only.
 FAULT_ENV = "RAGGED_PLACEMENT_TRAIN_FAULT"
 MiB = 2.0**20
-
-
-def find_resume(cfg: TrainConfig, rank: int) -> Path | None:
-    """The newest complete checkpoint of ``--checkpoint-dir``, verified (checksums, options,
-    this rank's file), or ``None``. Runs before any process-group work."""
-    if not cfg.checkpoint_dir:
-        return None
-    path = latest_checkpoint(cfg.checkpoint_dir)
-    if path is None:
-        return None
-    saved = read_manifest(path)["fingerprint"]
-    for key, value in json.loads(json.dumps(cfg.fingerprint())).items():
-        if saved.get(key) != value:
-            raise ValueError(
-                f"--{key.replace('_', '-')} {value!r} differs from {saved.get(key)!r} in the "
-                f"checkpoint {path}: resume with the same value or use another --checkpoint-dir"
-            )
-    if not (path / f"trainer_rank{rank}.pt").is_file():
-        raise ValueError(f"--checkpoint-dir: {path} was saved by fewer ranks (no trainer_rank{rank}.pt)")
-    return path
 
 
 def _inject_fault(rank: int, step: int) -> None:
@@ -100,20 +88,6 @@ def _inject_fault(rank: int, step: int) -> None:
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(3600)  # "hang": frozen until torchrun's agent ends it
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _local_bytes(tensors) -> int:
@@ -177,36 +151,42 @@ class _CudaPeakMeter:
 
 
 class _Progress:
-    """One line per ``--log-every`` steps (loss, tokens/s, memory, bytes sent); a bar rewritten
-    in place when stdout is a terminal."""
+    """One line per ``--log-every`` steps, every field named (docs/train.md, "The log line"):
+    ``step``, ``loss`` (the global batch's mean), ``lr``, ``tok/s`` (global tokens per second
+    since the last line), ``state`` (this rank's parameter, gradient and optimizer-state
+    tensors), ``heap`` (CPU: the C heap in use) or ``cuda peak`` (``max_memory_allocated``) and
+    ``comm`` (bytes of every collective of the step, :class:`CollectiveBytes`); a bar
+    rewritten in place when stdout is a terminal."""
 
     def __init__(self, cfg: TrainConfig, env: DistributedEnv, start: int) -> None:
         self.cfg, self.env, self.tty = cfg, env, sys.stdout.isatty()
         self.tokens = cfg.batch * cfg.seq * env.world_size
-        self.t0, self.step0, self.sent0 = time.perf_counter(), start, 0
+        self.t0, self.step0, self.comm0 = time.perf_counter(), start, 0
 
-    def _memory(self) -> float:
+    def _memory(self) -> str:
         if self.env.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.env.device) / MiB
-        return heap_in_use() / MiB
+            return f"cuda peak {torch.cuda.max_memory_allocated(self.env.device) / MiB:.1f} MiB"
+        return f"heap {heap_in_use() / MiB:.1f} MiB"
 
-    def update(self, step: int, loss: float, lr: float, sent: int) -> None:
+    def update(self, step: int, loss: float, lr: float, comm: int, state: Callable[[], int]) -> None:
+        """Log step ``step`` (``comm``: bytes of the collectives so far; ``state``: this rank's
+        state bytes, computed only when a line is printed)."""
         done, total = step + 1, self.cfg.steps
         logged = done % self.cfg.log_every == 0 or done == total
         if self.env.rank != 0 or not (logged or self.tty):
             return
         steps = done - self.step0
         line = (f"step {done:5d}/{total}  loss {loss:.4f}  lr {lr:.2e}  "
-                f"{self.tokens * steps / (time.perf_counter() - self.t0):9,.0f} tok/s  "
-                f"mem {self._memory():8.1f} MiB  "
-                f"sent {(sent - self.sent0) / max(1, steps) / MiB:.3f} MiB/step")
+                f"tok/s {self.tokens * steps / (time.perf_counter() - self.t0):,.0f}  "
+                f"state {state() / MiB:.2f} MiB  {self._memory()}  "
+                f"comm {(comm - self.comm0) / max(1, steps) / MiB:.3f} MiB/step")
         if self.tty:
             bar = "#" * (30 * done // total)
             print(f"\r[{bar:30s}] {line}", end="\n" if logged else "", flush=True)
         else:
             print(line, flush=True)
         if logged:
-            self.t0, self.step0, self.sent0 = time.perf_counter(), done, sent
+            self.t0, self.step0, self.comm0 = time.perf_counter(), done, comm
 
 
 def _train_step(model, opt, sched, data: TokenData, cfg: TrainConfig, env: DistributedEnv,
@@ -265,7 +245,7 @@ def _unit_plans(model) -> list[str]:
     return [f"plan of unit {name or '<root>'!r}:\n{unit.buffers[0].plan.summary()}" for name, unit in list(units())[:2]]
 
 
-def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[str, Any]:
+def _train(cfg: TrainConfig, env: DistributedEnv, resume: Resume | None) -> dict[str, Any]:
     """Build, resume, train, save; the run's measurements (rank 0's are written by ``--metrics``)."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -279,14 +259,10 @@ def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[s
         sched = build_scheduler(cfg, opt)
         start = 0
         if cfg.checkpoint_dir:
-            ckpt = Checkpointer(cfg.checkpoint_dir, json.loads(json.dumps(cfg.fingerprint())))
+            ckpt = Checkpointer(cfg.checkpoint_dir, json.loads(json.dumps(cfg.fingerprint())),
+                                layout=layout(cfg, env.world_size))
         if resume is not None:
-            state = ckpt.load(resume, model, opt)
-            sched.load_state_dict(state["scheduler"])
-            start = state["step"]
-            _set_rng_state(state["rng"], env.device)
-            if env.rank == 0:
-                print(f"resumed from {resume} at step {start}", flush=True)
+            start = _resume(resume, ckpt, model, opt, sched, env)
         out = _loop(cfg, env, model, opt, sched, data, ckpt, start, mem)
     out.update(val_loss=_validate(model, data, cfg, env), plans=_unit_plans(model),
                state_sharding=_plan_metrics(plan))
@@ -297,10 +273,25 @@ def _train(cfg: TrainConfig, env: DistributedEnv, resume: Path | None) -> dict[s
     return out
 
 
+def _resume(resume: Resume, ckpt: Checkpointer, model, opt, sched, env: DistributedEnv) -> int:
+    """Restore ``resume`` (resharded to this run's layout); the step to start at."""
+    ckpt.load(resume.path, model, opt)
+    sched.load_state_dict(resume.state["scheduler"])
+    if resume.schedule_changed:  # the restored LR is the old schedule's: the new one's instead
+        sched.last_epoch = resume.step - 1
+        sched.step()
+    restore_rng(resume.state["rng"], env.device)
+    if env.rank == 0:
+        print(f"resumed from {resume.path} at step {resume.step}", flush=True)
+        for change in resume.changes:
+            print(f"resume: {change}", flush=True)
+    return resume.step
+
+
 def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]:
     progress, losses, last = _Progress(cfg, env, start), [], cfg.steps - 1
     copies, net0, timed = LayoutCopyMeter(), _net_bytes(), (0.0, 0, 0.0)
-    with CollectiveWatch(env) as watch, CollectiveMeter() as meter:
+    with CollectiveWatch(env) as watch, CollectiveMeter() as meter, CollectiveBytes() as comm:
         for step in range(start, cfg.steps):
             watch.step = step
             _inject_fault(env.rank, step)
@@ -315,12 +306,12 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
             if start < step and not measured:  # the first step warms up
                 timed = (timed[0] + time.perf_counter() - t0, timed[1] + 1,
                          timed[2] + watch.seconds - comm0)
-            sent = meter.all_gather_bytes + meter.reduce_scatter_bytes
-            progress.update(step, losses[-1], sched.get_last_lr()[0], sent)
+            progress.update(step, losses[-1], sched.get_last_lr()[0], comm.total,
+                            lambda: sum(_state_bytes(model, opt).values()))
             if ckpt is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 ckpt.save(step + 1, model, opt, {"step": step + 1, "scheduler": sched.state_dict(),
                                                  "data": {"next_step": step + 1, "seed": cfg.seed},
-                                                 "rng": _rng_state(env.device)})
+                                                 "rng": rng_state(env.device)})
     n = max(1, cfg.steps - start)
     net1 = _net_bytes()
     return {
@@ -329,6 +320,8 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
         "comm_bytes": (meter.all_gather_bytes + meter.reduce_scatter_bytes) / n,
         "comm_seconds": timed[2] / timed[1] if timed[1] else None,
         "collectives": (meter.counts["all_gather"] + meter.counts["reduce_scatter"]) / n,
+        "collective_bytes": comm.total / n, "collective_calls": comm.calls / n,
+        "collective_bytes_by_call": {k: v / n for k, v in comm.by_name.items()},
         "copy_bytes": copies.total, "peak": mem.peak, "state_bytes": _state_bytes(model, opt),
         "net_bytes": {k: net1[k] - net0.get(k, 0) for k in net1} if env.local_rank == 0 else {},
     }
@@ -343,15 +336,34 @@ def _header(cfg: TrainConfig, env: DistributedEnv) -> None:
               f"batch {cfg.batch} per rank", flush=True)
 
 
+def _check(argv: list[str] | None) -> tuple[TrainConfig, Resume | None]:
+    """Every check that needs no other rank: the options, the job's size, the device, the
+    checkpoint directory (writable; an unpublished ``step_<S>`` moved aside by rank 0) and the
+    checkpoint to resume; a ``ValueError`` naming the flag."""
+    cfg = parse_config(argv)
+    rank, world_size, local_rank = torchrun_env()
+    check_world(cfg, world_size)
+    pick_device(cfg.device, local_rank)
+    if cfg.checkpoint_dir:
+        check_checkpoint_dir(cfg.checkpoint_dir)
+        for path, aside in move_incomplete_aside(cfg.checkpoint_dir) if rank == 0 else ():
+            print(f"--checkpoint-dir: {path} has no {MANIFEST} (not a complete checkpoint): "
+                  f"moved aside to {aside}, never resumed", file=sys.stderr, flush=True)
+    return cfg, find_resume(cfg, rank, world_size)
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
-    """Parse, check, resume, train; exit status 2 with ``error: ...`` for bad options."""
+    """Check, resume, train. A bad option, file or checkpoint ends the job before any
+    process-group work: ``error: ...`` on stderr and exit status 2 from local rank 0 (the first
+    rank of each node), exit status 0 without a word from the node's other ranks, which made the
+    same checks on the same files; so torchrun reports one failure, not one per rank."""
     try:
-        cfg = parse_config(argv)
-        resume = find_resume(cfg, int(os.environ.get("RANK", "0")))
-        check_world(cfg, torchrun_env()[1])
+        cfg, resume = _check(argv)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            sys.exit(0)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     env = init_distributed(cfg.device, cfg.collective_timeout)
     _header(cfg, env)

@@ -119,14 +119,14 @@ def _hsdp(rank: int, state) -> list[float]:
 
 
 def _pipeline_losses(
-    mesh, state, schedule_cls, lr: float, tp_mesh=None, deferred: list | None = None,
-    first_grads: dict | None = None,
+    mesh, state, schedule_cls, lr: float, tp_mesh=None, deferred: bool = False,
+    first_grads: dict | None = None, counts: list | None = None,
 ) -> list[float]:
     """Two pipeline stages on ``mesh["pp"]``, each ``fully_shard``ed on ``mesh["dp"]`` (after the
     tensor-parallel plan on ``tp_mesh``, if given); the last stage's losses, averaged over dp.
-    With ``deferred`` (a list), the micro-batches run with gradient sync off and one
-    ``reduce_gradients()`` follows each step; (reduce-scatters, units) per step are appended.
-    ``first_grads`` receives the full gradients of the first step."""
+    With ``deferred``, the micro-batches run with gradient sync off and one
+    ``reduce_gradients()`` follows each step. ``counts`` (a list) receives (reduce-scatters,
+    units) per step, ``first_grads`` the full gradients of the first step."""
     s, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     part = pipeline_stage(_model(state), s, 2)
     if tp_mesh is not None:
@@ -157,17 +157,18 @@ def _pipeline_losses(
     for b in _batches():
         b = b[d * half : (d + 1) * half]
         mb_losses: list[torch.Tensor] = []
-        if deferred is not None:
+        before = sum(u.stats.reduce_scatters for _, u in part.fsdp_units())
+        if deferred:
             part.set_requires_gradient_sync(False)
-            before = sum(u.stats.reduce_scatters for _, u in part.fsdp_units())
         if s == 0:
             schedule.step(b[:, :-1])
         else:
             schedule.step(target=b[:, 1:], losses=mb_losses)
-        if deferred is not None:
-            part.reduce_gradients(scale=1 / n_micro)  # the schedule's mean over micro-batches
+        if deferred:
+            part.reduce_gradients(scale=1 / n_micro)  # a no-op: the schedule reduced already
+        if counts is not None:
             after = sum(u.stats.reduce_scatters for _, u in part.fsdp_units())
-            deferred.append((after - before, len(list(part.fsdp_units()))))
+            counts.append((after - before, len(list(part.fsdp_units()))))
         if first_grads is not None and not first_grads:
             first_grads.update((n, p.grad.full_tensor()) for n, p in part.named_parameters())
         opt.step()
@@ -176,9 +177,11 @@ def _pipeline_losses(
     return _mean_over(losses, mesh["dp"].get_group()) if s == 1 else []
 
 
-def _pp(rank: int, state, schedule_cls, first_grads: dict | None = None) -> list[float]:
+def _pp(
+    rank: int, state, schedule_cls, first_grads: dict | None = None, counts: list | None = None
+) -> list[float]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    return _pipeline_losses(mesh, state, schedule_cls, LR, first_grads=first_grads)
+    return _pipeline_losses(mesh, state, schedule_cls, LR, first_grads=first_grads, counts=counts)
 
 
 def _pp_deferred(rank: int, state) -> tuple[list[float], list[tuple[int, int]], dict, dict]:
@@ -186,7 +189,9 @@ def _pp_deferred(rank: int, state) -> tuple[list[float], list[tuple[int, int]], 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     counts: list[tuple[int, int]] = []
     grads: dict[str, torch.Tensor] = {}
-    losses = _pipeline_losses(mesh, state, Schedule1F1B, LR, deferred=counts, first_grads=grads)
+    losses = _pipeline_losses(
+        mesh, state, Schedule1F1B, LR, deferred=True, first_grads=grads, counts=counts
+    )
     per_micro_batch: dict[str, torch.Tensor] = {}
     _pp(rank, state, Schedule1F1B, first_grads=per_micro_batch)
     return losses, counts, grads, per_micro_batch
@@ -209,7 +214,8 @@ def _worker(rank: int, world_size: int, state, ckpt: str) -> dict:
     torch.set_num_threads(1)
     out = {"tp": _tp(rank, state, ckpt)}
     out["hsdp"] = _hsdp(rank, state)
-    out["gpipe"] = _pp(rank, state, ScheduleGPipe)
+    out["gpipe_counts"] = []
+    out["gpipe"] = _pp(rank, state, ScheduleGPipe, counts=out["gpipe_counts"])
     out["1f1b"] = _pp(rank, state, Schedule1F1B)
     out["1f1b_deferred"] = _pp_deferred(rank, state)
     out["dp4"] = _load_dp4(rank, ckpt)
@@ -267,9 +273,19 @@ def test_pipeline_losses(results, schedule):
         _close(losses, results["ref"]["noclip"])
 
 
+def test_pipeline_schedule_drives_our_units_as_fsdp2s(results):
+    # The stages are torch.distributed.fsdp.FSDPModule instances: the schedule turns gradient
+    # sync off for the micro-batches and reduces once per unit after the last one, through
+    # fully_shard.state(stage) (ragged_placement.fsdp.fsdp2_state), as it does for FSDP2's;
+    # test_pipeline_losses checks the values (the schedule divides by the micro-batches after)
+    for r in results["ranks"]:
+        counts = r["gpipe_counts"]
+        assert len(counts) == STEPS and all(rs == units > 0 for rs, units in counts), counts
+
+
 def test_pipeline_gradient_sync_deferred_to_the_last_micro_batch(results):
-    # 2 micro-batches accumulate unsharded gradients with sync off; reduce_gradients() then
-    # issues one reduce-scatter per unit per step instead of one per unit per micro-batch
+    # the user's own deferral (sync off around the step, reduce_gradients() after it) composes
+    # with the schedule's: still one reduce-scatter per unit per step, reduce_gradients() a no-op
     outs = [r["1f1b_deferred"] for r in results["ranks"]]
     for _, counts, deferred, per_micro_batch in outs:
         assert len(counts) == STEPS and all(rs == units > 0 for rs, units in counts), counts

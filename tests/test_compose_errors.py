@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_threaded
+from dist_utils import COLLECTIVES, recording_collectives, run_threaded
 from ragged_placement.planner import Granularity
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -74,7 +74,8 @@ def _cases(rank: int, world_size: int) -> list[str]:
     # The TP mesh and the FSDP mesh must be disjoint sub-meshes of one root.
     msgs.append(
         _raises(
-            lambda: fully_shard(_colwise(8, mesh), mesh=mesh["tp"]), r"mesh .* must be disjoint"
+            lambda: fully_shard(_colwise(8, mesh), mesh=mesh["tp"]),
+            r"tensor-parallel over mesh dim\(s\) \['tp'\].* cannot be a data-parallel",
         )
     )
     other = init_device_mesh("cpu", (4,), mesh_dim_names=("flat",))
@@ -99,3 +100,37 @@ def _cases(rank: int, world_size: int) -> list[str]:
 def test_bad_meshes_and_plans_raise_value_error():
     msgs = run_threaded(_cases, 4)
     assert all(m == msgs[0] for m in msgs)  # every rank raises the same errors
+
+
+def _before_any_collective(rank: int, world_size: int, record) -> list[str]:
+    """fully_shard of a block tensor-parallel over ``tp`` on the whole ``(dp, tp)`` mesh
+    (plain, and with a state_sharding over both dims or over ``dp``), and on a meta-device
+    mesh: each a ``ValueError`` before this rank issued any collective or created a group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ragged_placement.fsdp import StateSharding
+
+    mesh = _mesh()
+    meta = DeviceMesh("meta", list(range(world_size)))
+    cases = [
+        (lambda: fully_shard(_colwise(8, mesh), mesh=mesh), "tensor-parallel over mesh dim"),
+        (lambda: fully_shard(_colwise(8, mesh), mesh=mesh,
+                             state_sharding=StateSharding.zero1(mesh)), "mesh=mesh\\['dp'\\]"),
+        (lambda: fully_shard(_colwise(8, mesh), mesh=mesh, state_sharding=StateSharding(
+            params=("dp",), grads=("dp",), optim=("dp", "tp"))), "cannot be a data-parallel"),
+        (lambda: fully_shard(nn.Linear(4, 4), mesh=meta), "device type 'meta'"),
+    ]
+    msgs = []
+    for fn, match in cases:
+        before = sum(r == rank for calls in record.calls.values() for r in calls)
+        msgs.append(_raises(fn, match))
+        assert sum(r == rank for calls in record.calls.values() for r in calls) == before, match
+    return msgs
+
+
+def test_tp_dim_as_sharding_dim_and_meta_mesh_raise_before_any_collective():
+    with recording_collectives((*COLLECTIVES, "new_group")) as record:
+        msgs = run_threaded(_before_any_collective, 4, record)
+    assert all(m == msgs[0] for m in msgs)
+    assert "a tensor-parallel dim cannot be a data-parallel (sharding) dim" in msgs[0][0]
+    assert "use a mesh on 'cpu' or an accelerator" in msgs[0][3]

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from dist_utils import run_threaded
 from torch.distributed.device_mesh import init_device_mesh
@@ -45,3 +46,52 @@ def test_load_full_and_redistributed_state_into_fsdp_tp():
         states.append(Llama(CFG).state_dict())
     for r in run_threaded(_load, 4, *states):
         assert all(r["init"]) and all(r["full"]) and all(r["dtensor"]), r
+
+
+def _state_sharded_tp(rank: int, world_size: int, init, sharding: str | None) -> tuple:
+    """4 AdamW steps of the Llama, tensor parallel over ``tp`` and ``fully_shard`` over
+    ``mesh["dp"]`` with ``StateSharding.<sharding>(mesh["dp"])`` (``None``: without one):
+    the losses (mean over the ranks) and the full parameters."""
+    from test_compose import CFG as TRAIN_CFG
+    from test_compose import _batches, _full, _mean_over, _train
+
+    from ragged_placement.fsdp import StateSharding
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Llama(TRAIN_CFG)
+    model.load_state_dict(init)
+    parallelize_llama(model, mesh["tp"])
+    dp = mesh["dp"]
+    kwargs = {} if sharding is None else {"state_sharding": getattr(StateSharding, sharding)(dp)}
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp, **kwargs)
+    fully_shard(model, mesh=dp, **kwargs)
+    d, half = dp.get_local_rank(), 2
+    losses = _train(model, [b[d * half:(d + 1) * half] for b in _batches()[:4]], clip=False)
+    return _mean_over(losses), _full(model)
+
+
+def test_zero1_and_zero2_over_dp_compose_with_tensor_parallel_exactly():
+    """``state_sharding`` zero1 / zero2 on ``mesh["dp"]`` of a ``(dp, tp)`` mesh, the blocks
+    tensor parallel over ``tp``: the losses and parameters of the plain FSDP x TP run (bitwise)
+    and of one process (losses within 1e-5, parameters 1e-4: Adam's normalized update turns
+    summation-order noise in near-zero gradients into ~lr*1e-3, as in tests/test_compose.py)."""
+    from test_compose import CFG as TRAIN_CFG
+    from test_compose import _batches, _train
+
+    torch.manual_seed(0)
+    init = Llama(TRAIN_CFG).state_dict()
+    ref_model = Llama(TRAIN_CFG)
+    ref_model.load_state_dict(init)
+    ref_losses = _train(ref_model, _batches()[:4], clip=False)
+    plain = run_threaded(_state_sharded_tp, 4, init, None)
+    for sharding in ("zero1", "zero2"):
+        for (losses, full), (plain_losses, plain_full) in zip(
+            run_threaded(_state_sharded_tp, 4, init, sharding), plain
+        ):
+            assert losses == pytest.approx(ref_losses, abs=1e-5), sharding
+            assert losses == plain_losses, sharding
+            for k, v in ref_model.state_dict().items():
+                torch.testing.assert_close(full[k], v, atol=1e-4, rtol=0, msg=f"{sharding} {k}")
+                assert torch.equal(full[k], plain_full[k]), (sharding, k)

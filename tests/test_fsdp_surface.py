@@ -678,6 +678,39 @@ def test_shard_placement_fn_other_dims_raise_naming_the_parameter():
     assert all(run_threaded(_placement_fn_errors, WORLD))
 
 
+# -- FSDP2's all-gather extensions (fsdp_pre_all_gather / fsdp_post_all_gather) -----------------
+
+
+class _Bf16GatherWeight(torch.Tensor):
+    """A parameter type carrying FSDP2's all-gather extension: gather a bf16 copy (as in torch's
+    test_fully_shard_extensions.py), which this runtime would skip."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self.to(torch.bfloat16),), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        return outputs[0].to(param_dtype), outputs
+
+
+def _all_gather_extension_errors(rank: int, ws: int):
+    mesh = DeviceMesh("cpu", list(range(ws)))
+    net = _net()
+    net.blocks[0].fc1.weight = nn.Parameter(net.blocks[0].fc1.weight.as_subclass(_Bf16GatherWeight))
+    with pytest.raises(NotImplementedError, match=r"'fc1.weight' .*fsdp_pre_all_gather"):
+        fully_shard(net.blocks[0], mesh=mesh)
+    # set on a local tensor after fully_shard (FSDP2's monkey-patching idiom): the first forward
+    model = fully_shard(_net(), mesh=mesh)
+    local = model.blocks[0].fc1.weight._local_tensor
+    local.fsdp_pre_all_gather = _Bf16GatherWeight.fsdp_pre_all_gather.__get__(local)
+    with pytest.raises(NotImplementedError, match=r"'blocks.0.fc1.weight' .*fsdp_pre_all_gather"):
+        model(X[0])
+    return True
+
+
+def test_all_gather_extensions_raise_instead_of_being_skipped():
+    assert all(run_threaded(_all_gather_extension_errors, WORLD))
+
+
 # -- offload_policy, FSDPModule, bad input -----------------------------------------------------
 
 
@@ -686,7 +719,7 @@ def _surface_checks(rank: int, ws: int):
     # CPUOffloadPolicy: the sharded chunk on CPU, staged through the mesh's device (see
     # tests/test_fsdp_offload.py); pinned memory needs an accelerator, as in FSDP2
     m = fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    assert isinstance(m, FSDPModule) and not isinstance(m, TorchFSDPModule)
+    assert isinstance(m, FSDPModule) and isinstance(m, TorchFSDPModule)
     assert m.fsdp_unit.buffers[0].offload_device == torch.device("cpu")
     if not torch.accelerator.is_available():
         with pytest.raises(ValueError, match="pin_memory=True needs an accelerator"):

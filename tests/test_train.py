@@ -11,7 +11,9 @@ Bad options are checked in-process (they fail before any process-group work).
 
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 import json
 import math
 import os
@@ -25,11 +27,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
+from dist_utils import run_gloo
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
-from ragged_placement.train import FAULT_ENV, find_resume, main
-from ragged_placement.trainer.checkpoint import CheckpointCorruptError, Checkpointer
+from ragged_placement import train
+from ragged_placement.train import FAULT_ENV, main
+from ragged_placement.trainer.checkpoint import MANIFEST, CheckpointCorruptError, Checkpointer
 from ragged_placement.trainer.config import check_world, parse_config
+from ragged_placement.trainer.distributed import DistributedEnv
+from ragged_placement.trainer.resume import find_resume
 
 STEPS, EVERY, FAULT_STEP = 8, 2, 5
 SMALL = ["--layers", "2", "--width", "32", "--heads", "2", "--seq", "16", "--batch", "2",
@@ -91,6 +100,15 @@ def torchrun(args: list[str], *, restarts: int = 0, env: dict[str, str] | None =
     return rc, out, time.monotonic() - t0
 
 
+@pytest.fixture
+def torchrun_rank(monkeypatch):
+    """torchrun's environment of rank 0 of 2, for ``main`` in-process (its checks run before
+    any process-group work, which is never reached here)."""
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+
+
 @pytest.fixture(scope="module", params=["ours", "fsdp2"])
 def runs(request, tmp_path_factory) -> dict:
     """An uninterrupted run and a failed-then-restarted run of ``--runtime``."""
@@ -124,20 +142,27 @@ def _one_process_model(model: str) -> tuple[torch.nn.Module, Callable]:
 
 
 @functools.cache
-def _reference(model: str = "gpt") -> dict[str, torch.Tensor]:
-    """One process, the concatenated batch of both ranks, the same schedule (warmup, cosine)."""
+def _reference(model: str = "gpt", extended: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """One process, the concatenated batch of both ranks, the same schedule (warmup, cosine).
+    ``extended=(at, steps)``: from step ``at`` on, the schedule of ``steps`` steps and training
+    to ``steps`` (a run resumed at ``at`` with a larger ``--steps``)."""
     torch.manual_seed(3)
     net, loss_of = _one_process_model(model)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    total = STEPS
 
     def factor(s: int) -> float:
         if s < 2:
             return (s + 1) / 2
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 2) / (STEPS - 2)))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - 2) / (total - 2))))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     corpus = StdlibCorpus(max_bytes=65536)
-    for s in range(STEPS):
+    for s in range(STEPS if extended is None else extended[1]):
+        if extended is not None and s == extended[0]:
+            total = extended[1]
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 * factor(s)
         loss = loss_of(*corpus.batch(s, 4, 16, seed=3))
         opt.zero_grad()
         loss.backward()
@@ -185,7 +210,7 @@ def test_trained_weights_match_one_process_and_two_checkpoints_kept(runs):
 
 
 @pytest.mark.multiprocess
-def test_flipped_byte_is_refused_naming_the_file(runs, tmp_path, capsys):
+def test_flipped_byte_is_refused_naming_the_file(runs, tmp_path, capsys, torchrun_rank):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(runs["dir"] / "full", ckpt)
     shard = ckpt / f"step_{STEPS:08d}" / "__1_0.distcp"
@@ -194,7 +219,7 @@ def test_flipped_byte_is_refused_naming_the_file(runs, tmp_path, capsys):
     shard.write_bytes(data)
     cfg = parse_config([*SMALL, "--runtime", runs["runtime"], "--checkpoint-dir", str(ckpt)])
     with pytest.raises(CheckpointCorruptError, match=f"{shard}.* corrupt"):
-        find_resume(cfg, rank=0)
+        find_resume(cfg, 0, 2)
     with pytest.raises(SystemExit) as e:  # the entrypoint: before any process-group work
         main([*SMALL, "--checkpoint-dir", str(ckpt)])
     assert e.value.code == 2 and str(shard) in capsys.readouterr().err
@@ -280,7 +305,7 @@ def _tree(path: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.multiprocess
-def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsys):
+def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsys, torchrun_rank):
     ckpt = runs["dir"] / "full"
     before = _tree(ckpt)
     with pytest.raises(SystemExit) as e:
@@ -305,7 +330,7 @@ def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsy
         (["--bandwidth", "dp=1e9"], "--bandwidth is the partitioner's input: it needs --state-sharding auto"),
         (["--memory-budget", "1e9", "--state-sharding", "amsp", "--mesh", "2x2"],
          "--memory-budget is the partitioner's input"),
-        (["--state-sharding", "auto", "--memory-budget", "-1"], "--memory-budget must be >= 0"),
+        (["--state-sharding", "auto", "--memory-budget", "-1"], "--memory-budget must be a finite number >= 0, got -1.0"),
         (["--state-sharding", "auto", "--bandwidth", "dp=fast"],
          "--bandwidth must be 'profile' or one positive bytes/s per mesh dim \\(dp=...\\)"),
         (["--state-sharding", "auto", "--mesh", "2x2", "--mesh-dim-names", "inter,intra",
@@ -320,6 +345,21 @@ def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsy
         (["--optimizer", "sgd"], "--optimizer must be one of adamw, muon, shampoo"),
         (["--data", "/nonexistent.bin"], "--data must be 'stdlib' or a token file"),
         (["--config", "/nonexistent.toml"], "--config /nonexistent.toml: no such file"),
+        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+        (["--lr=-1e-3"], "--lr must be a finite number > 0, got -0.001"),
+        (["--min-lr-ratio", "nan"], "--min-lr-ratio must be a finite number >= 0, got nan"),
+        (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got inf"),
+        (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0, got nan"),
+        (["--collective-timeout", "inf"], "--collective-timeout must be a finite number > 0"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--seed", str(2**62)], "--seed must be < 2\\*\\*40"),
+        (["--heads", "3", "--width", "64"], "--heads 3 must divide --width 64 .* --heads 2"),
+        (["--model", "llama", "--heads", "5", "--width", "64"], "--heads 5 must divide --width 64"),
+        (["--model", "hf:gpt2", "--heads", "5", "--width", "64"], "--heads 5 must divide --width 64"),
+        (["--data-bytes", "64", "--seq", "64"], "--data-bytes 64 is too small for --seq 64"),
+        (["--val-batches", "1", "--data-bytes", "500"], "--data-bytes 500 is too small for --seq 64"),
+        (["--state-sharding", "auto", "--bandwidth", "dp=inf"], "--bandwidth must be 'profile' or one"),
     ],
 )
 def test_bad_flags_raise_naming_the_flag(argv, message):
@@ -365,3 +405,210 @@ def test_two_emulated_nodes_hsdp_match_one_process(tmp_path):
     veth = [b for r in metrics["per_rank"] for k, b in r["net_bytes"].items() if k.startswith(tag)]
     assert len(veth) == 2 and min(veth) > 0  # each node sent over the link
     _assert_matches_reference(torch.load(tmp_path / "out.pt"))
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """``main``'s error line for ``argv``, which must end it with status 2 before any
+    process-group work."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    return err
+
+
+def test_checkpoint_dir_that_is_a_file_or_read_only_is_refused_at_start(tmp_path, capsys,
+                                                                         torchrun_rank):
+    """Before: training ran to the first save, then a raw NotADirectoryError / OSError."""
+    file = tmp_path / "file"
+    file.write_text("")
+    err = _refused([*SMALL, "--checkpoint-dir", str(file), "--checkpoint-every", "2"], capsys)
+    assert f"error: --checkpoint-dir {file} is a file, not a directory" in err
+    if os.geteuid() == 0:  # root writes through file modes: sysfs refuses new files to anyone
+        read_only = Path("/sys/kernel")
+    else:
+        read_only = tmp_path / "read_only"
+        read_only.mkdir(mode=0o555)
+    err = _refused([*SMALL, "--checkpoint-dir", str(read_only), "--checkpoint-every", "2"], capsys)
+    assert f"error: --checkpoint-dir {read_only} is not writable (" in err
+    assert list(read_only.glob(".write-probe-*")) == []
+
+
+@pytest.mark.multiprocess
+def test_step_directory_without_manifest_is_moved_aside_at_start(runs, tmp_path, capsys,
+                                                                 torchrun_rank):
+    """Before: skipped, its steps trained again, then FileExistsError at its save. Now rank 0
+    moves it aside at start and says so; the newest complete checkpoint is resumed."""
+    if runs["runtime"] != "ours":
+        pytest.skip("the checkpoint directory does not depend on the runtime")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(runs["dir"] / "full", ckpt)
+    newest = ckpt / f"step_{STEPS:08d}"
+    (newest / MANIFEST).unlink()
+    cfg, resume = train._check([*SMALL, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"])
+    assert f"{newest} has no {MANIFEST}" in capsys.readouterr().err
+    assert not newest.exists() and (ckpt / f".incomplete-step_{STEPS:08d}").is_dir()
+    assert resume.path == ckpt / f"step_{STEPS - EVERY:08d}"
+
+
+def _rewrite(path: Path, name: str, state: object) -> None:
+    """Replace file ``name`` of checkpoint ``path`` and its checksum in the manifest."""
+    torch.save(state, path / name)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"][name] = hashlib.sha256((path / name).read_bytes()).hexdigest()
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.multiprocess
+def test_resume_checks_what_carries_over(runs, tmp_path):
+    """On 2 ranks x --batch 2 (a global batch of 4): another global batch is refused naming
+    --batch, 4 ranks x 1 accepted and logged; --steps may grow, not shrink; Shampoo's
+    rank-local state and RNG states that differ between ranks are refused on another world size."""
+    if runs["runtime"] != "ours":
+        pytest.skip("the trainer state does not depend on the runtime")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(runs["dir"] / "full", ckpt)
+
+    def resume(*argv: str, world: int = 2):
+        return find_resume(parse_config([*SMALL, "--checkpoint-dir", str(ckpt), *argv]), 0, world)
+
+    with pytest.raises(ValueError, match="--batch 2 on 4 ranks is a global batch of 8 .* "
+                                         "--batch 2 on 2 ranks \\(4\\): pass --batch 1"):
+        resume(world=4)
+    with pytest.raises(ValueError, match="--batch 2 on 3 ranks .* resume on a number of ranks that divides 4"):
+        resume(world=3)
+    moved = resume("--batch", "1", "--mesh", "2x2", "--state-sharding", "zero2", world=4)
+    assert moved.step == STEPS and not moved.schedule_changed
+    assert moved.changes[0] == ("world size 2 -> 4, state sharding zero3 -> zero2, mesh 2 -> 2x2: "
+                                "DCP reshards the model and optimizer state")
+    assert "--batch 2 -> 1: the same global batch of 4 sequences" in moved.changes[1]
+    longer = resume("--steps", "12")
+    assert longer.schedule_changed and longer.changes == [
+        "--steps 8 -> 12: the LR schedule now runs to step 12 (its warmup and cosine recomputed "
+        "for 12 steps)"]
+    with pytest.raises(ValueError, match="--steps 6 is below the step 8 of the checkpoint"):
+        resume("--steps", "6")
+    path = ckpt / f"step_{STEPS:08d}"
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["fingerprint"]["optimizer"] = "shampoo"  # the manifest does not checksum itself
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="--optimizer shampoo keeps its preconditioners .*\\(world size 2 -> 4"):
+        resume("--optimizer", "shampoo", "--batch", "1", world=4)
+    assert resume("--optimizer", "shampoo").step == STEPS  # its own layout: resumed
+    manifest["fingerprint"]["optimizer"] = "adamw"
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    state = torch.load(path / "trainer_rank1.pt", weights_only=False)
+    state["rng"]["torch"] = torch.Generator().manual_seed(1).get_state()
+    _rewrite(path, "trainer_rank1.pt", state)
+    with pytest.raises(ValueError, match="the rng of rank 1 differs from rank 0's .* resume on 2 ranks"):
+        resume("--batch", "1", world=4)
+
+
+@pytest.mark.multiprocess
+def test_resume_on_another_world_size_and_sharding_matches_one_process(runs, tmp_path):
+    """4 ranks -> 2 (and --steps 8 -> 10, the schedule then runs to 10), 2 ranks -> 4 on a 2x2
+    mesh under zero2: the same global batch, DCP resharding the model and AdamW's state, each
+    ends within 1e-5 of one process trained on the same batches with the same schedule (the
+    uninterrupted runs match it to the same tolerance). Before: 4 -> 2 silently halved the global
+    batch; 2 -> 4 was refused."""
+    if runs["runtime"] != "ours":
+        pytest.skip("one runtime is enough: DCP's resharding is the same for both")
+    four = [*_one_sequence_per_rank(), "--checkpoint-every", str(EVERY)]
+    rc, out, _ = torchrun([*four, "--checkpoint-dir", str(tmp_path / "four")], nproc=4)
+    assert rc == 0, out[-4000:]
+    for src, name in ((tmp_path / "four", "to_two"), (runs["dir"] / "full", "to_four")):
+        shutil.copytree(src, tmp_path / name)
+        shutil.rmtree(tmp_path / name / f"step_{STEPS:08d}")  # resume from step 6
+    rc, out, _ = torchrun([*SMALL, "--steps", "10", "--checkpoint-dir", str(tmp_path / "to_two"),
+                           "--output", str(tmp_path / "to_two.pt")], nproc=2)
+    assert rc == 0, out[-4000:]
+    assert "resume: world size 4 -> 2, mesh 4 -> 2: DCP reshards" in out
+    assert "resume: --steps 8 -> 10: the LR schedule now runs to step 10" in out
+    _assert_weights_close(torch.load(tmp_path / "to_two.pt"), _reference("gpt", (STEPS - EVERY, 10)))
+    rc, out, _ = torchrun([*four, "--mesh", "2x2", "--state-sharding", "zero2", "--checkpoint-dir",
+                           str(tmp_path / "to_four"), "--output", str(tmp_path / "to_four.pt")], nproc=4)
+    assert rc == 0, out[-4000:]
+    assert "resume: world size 2 -> 4, state sharding zero3 -> zero2, mesh 2 -> 2x2" in out
+    _assert_matches_reference(torch.load(tmp_path / "to_four.pt"))
+
+
+@pytest.mark.multiprocess
+def test_bad_option_under_torchrun_is_reported_once_before_the_process_group(tmp_path):
+    """--heads 3 --width 64 under torchrun: before, every rank built its process group, then
+    printed a traceback (139 lines for 2 ranks). Now local rank 0 prints one line and exits 2,
+    the other ranks exit 0 without a word: torchrun's report names one failure."""
+    rc, out, _ = torchrun([*SMALL, "--heads", "3", "--width", "64", "--checkpoint-dir",
+                           str(tmp_path / "ckpt")], nproc=2)
+    assert rc != 0
+    assert out.count("error: --heads 3 must divide --width 64") == 1, out
+    assert "exitcode  : 2" in out and "<NO_OTHER_FAILURES>" in out, out
+    assert "[rank" not in out and "layers x" not in out, out  # no traceback, no header
+
+
+class C10dBytes(TorchDispatchMode):
+    """The bytes of every c10d and functional-collective op dispatched inside ``with`` (the
+    ops every collective reaches, whoever issued it), at the collective's size: an all-gather's
+    output, a reduce-scatter's or all-to-all's input, an all-reduce's or broadcast's tensor."""
+
+    OUTPUT = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_"}
+    SECOND = {"reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
+              "alltoall_base_", "alltoall_"}
+    FUNCTIONAL = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total, self.ops = 0, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # a DTensor's own dispatch, whose collectives come back here
+        out = func(*args, **(kwargs or {}))
+        namespace, name = func.namespace, func._schema.name.split("::")[-1]
+        if namespace == "c10d" and name != "barrier":
+            sized = args[0] if name in self.OUTPUT else args[1] if name in self.SECOND else args[0]
+        elif namespace.startswith("_c10d_functional") and name.startswith(self.FUNCTIONAL):
+            sized = out if name.startswith("all_gather") else args[0]
+        else:
+            return out
+        nbytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(sized)
+                     if isinstance(t, torch.Tensor))
+        self.total += nbytes
+        self.ops[f"{namespace}.{name}"] += nbytes
+        return out
+
+
+def _comm_per_step(rank: int, world: int, argv: list[str]) -> tuple[dict, int, dict]:
+    """A run of ``argv`` on this gloo rank (no torchrun: the process group exists), each step
+    under :class:`C10dBytes`: the trainer's metrics and the bytes the c10d ops carried."""
+    import torch.distributed as dist
+
+    cfg = parse_config(argv)
+    env = DistributedEnv(rank, world, rank, torch.device("cpu"),
+                         dist.distributed_c10d._get_default_store(), 60.0)
+    seen = C10dBytes()
+    step = train._train_step
+
+    def counted(*args, **kwargs):
+        with seen:
+            return step(*args, **kwargs)
+
+    train._train_step = counted
+    try:
+        out = train._train(cfg, env, None)
+    finally:
+        train._train_step = step
+    return out, seen.total, dict(seen.ops)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("runtime", ["ours", "fsdp2"])
+def test_comm_counts_every_collective_of_the_step(runtime):
+    """Muon (its all-to-all exchange), the gradient norm's and the loss's all-reduces, FSDP's
+    all-gathers and reduce-scatters: the trainer's per-step ``collective_bytes`` (the log's
+    ``comm``) equals what the c10d ops of the step carried. Before, ``sent`` counted only the
+    all-gathers and reduce-scatters."""
+    argv = [*SMALL, "--steps", "3", "--optimizer", "muon", "--runtime", runtime]
+    for out, seen, ops in run_gloo(_comm_per_step, 2, argv):
+        assert any("alltoall" in op or "all_to_all" in op for op in ops), ops
+        assert out["collective_bytes"] * 3 == seen, f"{out['collective_bytes_by_call']} {ops}"
+        assert out["collective_bytes"] > out["comm_bytes"]

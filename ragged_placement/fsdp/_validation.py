@@ -9,6 +9,11 @@
   match in every call: each call keeps the patterns that matched nothing in its module tree, and
   the root raises at its lazy init (before the first all-gather, on every rank alike) for those
   that match no parameter of the whole model.
+* FSDP2's all-gather extensions (``fsdp_pre_all_gather``/``fsdp_post_all_gather`` defined on a
+  parameter's tensor subclass, or set on its local tensor after ``fully_shard``) change what
+  the all-gather moves (e.g. a bf16 copy of an fp32 weight); this runtime gathers a unit's flat
+  buffer and would skip them without a word: the call (for the parameters) and the root's lazy
+  init (for the local tensors) raise ``NotImplementedError`` naming the parameter.
 * A gloo process group created before ``import ragged_placement`` runs torch's two worker
   threads, which corrupt the heap when two of its collectives complete together (see
   :func:`ragged_placement._gloo.one_worker_gloo`); this runtime overlaps collectives on its
@@ -29,7 +34,7 @@ from ragged_placement._gloo import gloo_worker_threads
 from ragged_placement.planner.granularity import Granularity
 
 __all__ = [
-    "check_granularity", "check_not_managed", "record_managed", "unmatched_patterns",
+    "check_granularity", "check_no_all_gather_extension", "check_not_managed", "record_managed", "unmatched_patterns",
     "warn_on_racy_gloo_groups",
 ]
 
@@ -47,6 +52,26 @@ def check_not_managed(names: Sequence[str], params: Sequence[nn.Parameter], wher
                 f"managed by another fully_shard unit (a tied weight would be silently untied). "
                 f"For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
                 f"them in the same unit."
+            )
+
+
+_EXTENSION_HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+
+
+def check_no_all_gather_extension(
+    names: Sequence[str], tensors: Sequence[object], where: str
+) -> None:
+    """Raise ``NotImplementedError`` if one of ``tensors`` (parameters or their local tensors,
+    named ``names`` in ``where``) carries FSDP2's all-gather extension hooks."""
+    for name, t in zip(names, tensors):
+        hooks = [h for h in _EXTENSION_HOOKS if hasattr(t, h)]
+        if hooks:
+            raise NotImplementedError(
+                f"fully_shard({where}): parameter {name!r} ({type(t).__name__}) defines "
+                f"{' and '.join(hooks)}, FSDP2's all-gather extension, which this runtime does "
+                f"not run (it all-gathers a unit's flat buffer of plain tensors; the hooks would "
+                f"be skipped silently). Shard this module with torch's fully_shard, or use "
+                f"fully_shard(quant=...) for FP8 all-gathers."
             )
 
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement.fsdp._validation import (
     check_granularity,
+    check_no_all_gather_extension,
     check_not_managed,
     record_managed,
     unmatched_patterns,
@@ -34,7 +35,7 @@ from ragged_placement.fsdp.module import (
     share_comm_ctx,
 )
 from ragged_placement.fsdp.nested import state_sharded_mesh
-from ragged_placement.fsdp.param import ParamSlot, mesh_device
+from ragged_placement.fsdp.param import ParamSlot, check_tp_dims_disjoint, mesh_device
 from ragged_placement.fsdp.spmd import check_dp_mesh_dims, localize_spmd_params
 from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.fsdp.unit import FSDPUnit
@@ -439,6 +440,9 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh()
     if isinstance(mesh, DeviceMesh):
         warn_on_racy_gloo_groups(mesh)
+        mesh_device(mesh)  # a device type it cannot compute on: ValueError, before any group
+        if dp_mesh_dims is None:  # with it, parameters are DTensors on the whole mesh
+            check_tp_dims_disjoint(mesh, modules)
     offload = _check_offload_policy(offload_policy)
     dp = _unit_mesh(mesh, state_sharding, dp_mesh_dims, offload, reshard_after_forward)
     device = mesh_device(mesh)
@@ -450,6 +454,7 @@ def fully_shard(
     slots, params, owned_modules = _collect_params(modules, ignored)
     where = type(modules[0]).__name__
     check_not_managed([s.fqn for s in slots], params, where)
+    check_no_all_gather_extension([s.fqn for s in slots], params, where)
     _check_shard_placements(shard_placement_fn, slots, params, granularity)
     if check_quant(quant) is not None:
         for m in modules:

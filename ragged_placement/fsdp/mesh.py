@@ -209,9 +209,11 @@ class BufferComm(abc.ABC):
     def start_rest(self, reduction: Reduction,
                    stats: CommStats) -> Callable[[], torch.Tensor]:
         """What follows the finished reduce-scatter ``reduction``, issued; returns what
-        completes it and gives the summed gradient chunk."""
+        completes it and gives the summed gradient chunk (here: the reduce-scatter's output;
+        the reduction's inputs are not kept alive)."""
         del stats
-        return lambda: reduction.output
+        output = reduction.output
+        return lambda: output
 
 
 @dataclass(frozen=True)

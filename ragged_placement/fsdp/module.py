@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from torch.distributed.tensor import DTensor
 
+from ragged_placement.fsdp.fsdp2_state import refuse_private_state
 from ragged_placement.fsdp.state import FSDPState, drop_unused_grads
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 from ragged_placement.fsdp.unit import FSDPUnit
@@ -21,25 +22,28 @@ from ragged_placement.fsdp.unit import FSDPUnit
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
-class FSDPModule:
+class FSDPModule(TorchFSDPModule):
     """Mixin added to the class of every module passed to :func:`fully_shard`.
 
-    It carries torch FSDP2's ``FSDPModule`` methods: those this runtime honours exactly work,
-    the staging-allocator ones raise ``NotImplementedError`` saying why (never an
-    ``AttributeError`` or a silent no-op).
-
-    It does not derive from ``torch.distributed.fsdp.FSDPModule``, so
-    ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` is ``False`` (import ``FSDPModule``
-    from here instead). torch's code that branches on that ``isinstance`` goes on to FSDP2's
-    private state, which this runtime does not have: ``torch.distributed.pipelining``'s stages
-    then call ``fully_shard.state(m)._state_ctx.all_states`` and each state's
-    ``_fsdp_param_groups`` (an ``AttributeError`` here, where today pipelining drives these
-    modules as plain modules, see :meth:`reduce_gradients`), torch's ``FSDPModule._apply`` and
-    ``__new__`` assume FSDP2's parameter groups and class layout, and dynamo's
-    ``torch.compile`` package pickler looks the class up in FSDP2's class table.
-    ``clip_grad_norm_`` and ``torch.distributed.checkpoint`` do not branch on it and work on
-    these modules' DTensor parameters as they are.
+    It derives from ``torch.distributed.fsdp.FSDPModule``, so the code that branches on
+    ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` (torchtitan's
+    ``disable_fsdp_gradient_division`` and ``ChunkedLossWrapper``, torch's pipelining
+    schedules) takes these modules for FSDP2's and calls FSDP2's public methods, which this
+    class overrides with this runtime's: those it honours exactly work (e.g.
+    :meth:`set_gradient_divide_factor`, ``1.0``: gradients summed, not averaged, as FSDP2), the
+    staging-allocator ones raise ``NotImplementedError`` saying why. Where torch's code goes on
+    to FSDP2's private state, :mod:`ragged_placement.fsdp.fsdp2_state` answers what pipelining
+    reaches (``fully_shard.state(m)``'s post-backward) and raises ``NotImplementedError``
+    naming anything else (``_get_fsdp_state``, ``FSDPMemTracker``). torch's ``__new__`` (a
+    container sliced into a new one builds the original class) applies, with this class one
+    more step down the method resolution order. ``torch.compile``'s package pickler
+    (``torch._dynamo.package``) does not know these classes (it looks FSDP2's class table up)
+    and fails on them, as it did before this class derived from torch's.
     """
+
+    # Index in the MRO of the original class: [FSDP<Orig>, FSDPModule, torch's FSDPModule,
+    # Orig, ...] (torch's ``__new__`` reads it)
+    _orig_cls_mro_index: int = 3
 
     _fsdp_state: FSDPState
 
@@ -94,10 +98,15 @@ class FSDPModule:
         cannot make while keeping that (a shape or placement, several dtypes or devices in one
         unit, a device off the mesh's type) raises ``ValueError`` naming the parameter."""
         unit = self._fsdp_state.unit
-        with unit.unregistered():
-            module = super()._apply(fn, recurse)
+        with unit.unregistered():  # not torch FSDPModule's _apply, which reaches FSDP2's state
+            module = super(TorchFSDPModule, self)._apply(fn, recurse)
         unit.apply_(fn)
         return module
+
+    def _get_fsdp_state(self) -> NoReturn:
+        """torch ``FSDPModule``'s accessor of FSDP2's state, which these modules do not have:
+        raises ``NotImplementedError`` (the code calling it would read FSDP2's internals)."""
+        refuse_private_state("_get_fsdp_state()", type(self).__name__)
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -118,11 +127,11 @@ class FSDPModule:
         one collective per unit holding some, innermost units last, each finished before the
         next; the averaged gradients are multiplied by ``scale``.
 
-        Use it where no backward with sync on follows, e.g. after a pipeline schedule whose
-        micro-batches ran with sync off: ``torch.distributed.pipelining`` only drives torch's own
-        FSDP (see the class docstring), and its schedules divide the gradients they can see by
-        the number of micro-batches before these exist, so pass ``scale=1 / n_microbatches``
-        for a mean-reduced loss. Collective: every rank of the units' meshes must call it after running backward through
+        Use it where no backward with sync on follows and nothing else reduces: pipeline
+        schedules of ``torch.distributed.pipelining`` reduce these units themselves (they are
+        ``torch.distributed.fsdp.FSDPModule`` instances; see
+        :mod:`ragged_placement.fsdp.fsdp2_state`), after which this finds nothing to reduce.
+        Collective: every rank of the units' meshes must call it after running backward through
         the same units."""
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise ValueError(f"scale must be a number, got {scale!r}")
@@ -433,7 +442,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {module!r}")
-    if isinstance(module, TorchFSDPModule) or not isinstance(module, FSDPModule):
+    if not isinstance(module, FSDPModule):
         from torch.distributed.fsdp import register_fsdp_forward_method as torchs
 
         torchs(module, method_name)

@@ -49,8 +49,8 @@ from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.regions import contiguous_stride
 
 __all__ = [
-    "ParamLayout", "ParamSlot", "alias", "mesh_device", "rebind", "resolve_granularity",
-    "spmd_mesh", "tp_policy", "tp_spec_of", "unit_tp_mesh",
+    "ParamLayout", "ParamSlot", "alias", "check_tp_dims_disjoint", "mesh_device", "rebind",
+    "resolve_granularity", "spmd_mesh", "tp_policy", "tp_spec_of", "unit_tp_mesh",
 ]
 
 
@@ -208,10 +208,51 @@ def rebind(param: nn.Parameter, value: torch.Tensor) -> None:
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device of this rank on ``mesh`` (the current CUDA device for a CUDA mesh)."""
-    if mesh.device_type == "cpu":
+    """The device of this rank on ``mesh`` (the current CUDA device for a CUDA mesh).
+
+    ``ValueError`` for a device type that is not one to compute on: ``meta`` (initialize the
+    model on the meta device instead, with the mesh on the real device), or one without a
+    torch device module."""
+    kind = mesh.device_type
+    if kind == "cpu":
         return torch.device("cpu")
-    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+    module = getattr(torch, kind, None)
+    if kind == "meta" or not hasattr(module, "current_device"):
+        raise ValueError(
+            f"fully_shard: mesh is on device type {kind!r}, which holds no data to shard or "
+            f"gather; use a mesh on 'cpu' or an accelerator with a torch device module "
+            f"('cuda', ...). For meta-device initialization keep the mesh on the real device, "
+            f"build the model under torch.device('meta') and call to_empty after fully_shard"
+        )
+    return torch.device(kind, module.current_device())
+
+
+def check_tp_dims_disjoint(mesh: DeviceMesh, modules: Sequence[nn.Module]) -> None:
+    """``ValueError`` (before any collective) if a tensor-parallel parameter of ``modules``
+    (a DTensor not yet sharded by ``fully_shard``) lives on a mesh dim that ``mesh`` has too:
+    ``mesh`` must hold the data-parallel dims only."""
+    names = set(mesh.mesh_dim_names or ())
+    for m in modules:
+        for fqn, p in m.named_parameters():
+            if not isinstance(p, DTensor) or any(
+                isinstance(pl, RaggedShard) for pl in p.placements
+            ):
+                continue
+            shared = [n for n in p.device_mesh.mesh_dim_names or () if n in names]
+            if shared:
+                dp_dims = tuple(n for n in mesh.mesh_dim_names if n not in shared)
+                dp = repr(dp_dims[0]) if len(dp_dims) == 1 else repr(dp_dims)
+                fix = (
+                    f"Pass the data-parallel dims only: mesh=mesh[{dp}] (a state_sharding over "
+                    f"those dims composes with tensor parallel)" if dp_dims else
+                    "Pass a mesh of the data-parallel dims (a sibling of the tensor-parallel "
+                    "dims in one root mesh)"
+                )
+                raise ValueError(
+                    f"fully_shard(mesh={mesh}): parameter {fqn} is tensor-parallel over mesh "
+                    f"dim(s) {shared} of {p.device_mesh}, which mesh has too; a tensor-parallel "
+                    f"dim cannot be a data-parallel (sharding) dim. {fix}"
+                )
 
 
 

@@ -80,7 +80,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_placement._compat import outside_selective_checkpoint
 from ragged_placement.fsdp._dynamo import dynamo_disable
-from ragged_placement.fsdp._validation import unmatched_patterns
+from ragged_placement.fsdp._validation import check_no_all_gather_extension, unmatched_patterns
 from ragged_placement.fsdp.common import TrainingState
 from ragged_placement.fsdp.mesh import PostForwardMesh
 from ragged_placement.fsdp.unit import FSDPUnit
@@ -298,6 +298,12 @@ class FSDPState:
             raise ValueError(
                 f"granularity: the pattern(s) {sorted(typos)} match no parameter of "
                 f"{type(self.module).__name__} (names relative to any of its modules)"
+            )
+        for s in states:
+            check_no_all_gather_extension(
+                [slot.fqn for slot in s.unit.slots],
+                [getattr(p, "_local_tensor", p) for p in s.unit.sharded_params],
+                type(s.module).__name__,
             )
         ctx = RootContext(states)
         for s in states:

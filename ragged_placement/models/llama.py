@@ -56,6 +56,8 @@ class LlamaConfig:
 
 
 class Attention(nn.Module):
+    """Causal multi-head attention without bias; ``cfg`` needs ``dim`` and ``n_heads``."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
@@ -80,11 +82,11 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(w1(x)) * w3(x))``."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
-        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -96,7 +98,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))

@@ -10,7 +10,8 @@ differs from the global one (a flattened prefix is one local dim), the local dim
 Rules here, by tag or name:
 
 * ``x.new_empty_strided(size, ...)`` and the other ``new_*`` factories (autograd calls them to
-  accumulate gradients) keep ``x``'s placements when ``size`` has ``x``'s sizes on the cut dims.
+  accumulate gradients) keep ``x``'s placements when ``size`` has ``x``'s sizes on the cut dims;
+  any other ``size`` gives a ``Replicate`` tensor, as torch's rule for its placements.
 * random ops (:data:`ragged_placement.rng.RANDOM_OPS`) keep the input's placements;
   :mod:`ragged_placement.rng` computes the local values.
 
@@ -24,7 +25,9 @@ module                 ops
                        and the fused optimizer kernels, ``*_like``, casts, ``clone``/``copy_``/
                        ``fill_``/``zero_``; element-wise ops on the transposed layout
 :mod:`._reductions`    ``sum``, ``mean``, ``linalg_vector_norm``, ``_foreach_norm``
-                       (:class:`RaggedMeanPartial`, the pending mean of uneven shards)
+                       (:class:`RaggedMeanPartial`, the pending mean of uneven shards);
+                       ``any``/``all`` over every element (``Replicate``, all-reduced in the op:
+                       ``if mask.any():`` agrees on every rank, as ``trunc_normal_`` needs)
 :mod:`._matrix`        ``mm``, ``addmm``, ``bmm`` (``matmul``, ``linear``); the transposed layout
 :mod:`._views`         ``view``/``_unsafe_view``/``reshape``, ``expand``, ``unsqueeze``,
                        ``squeeze``, ``t``/``transpose``/``permute``, ``slice``, ``select``,
@@ -55,7 +58,12 @@ from ragged_placement.ops._common import with_meta as _with_meta
 from ragged_placement.ops._matrix import MATRIX_RULES, TransposedRaggedShard, transposed_of
 from ragged_placement.ops._nn import NN_RULES
 from ragged_placement.ops._pointwise import is_pointwise, pointwise, transposed_pointwise
-from ragged_placement.ops._reductions import REDUCTION_OPS, RaggedMeanPartial, reduction
+from ragged_placement.ops._reductions import (
+    ANY_ALL_RULES,
+    REDUCTION_OPS,
+    RaggedMeanPartial,
+    reduction,
+)
 from ragged_placement.ops._stats import STATS_RULES
 from ragged_placement.ops._views import VIEW_RULES
 from ragged_placement.placement import RaggedShard
@@ -89,15 +97,17 @@ def _same_cut_dims(spec: DTensorSpec, size: tuple[int, ...]) -> bool:
 
 
 def _new_factory(op_schema: OpSchema, meta) -> OutputSharding:
-    """``x.new_*(x.shape)`` keeps ``x``'s placements; the local call gets the local size."""
+    """``x.new_*(size)``: with ``x``'s sizes on the dims its placements cut, ``x``'s placements
+    (the local call gets the local size); with any other size, a ``Replicate`` tensor of
+    ``size`` on every rank, as torch's rule for its own placements (e.g. a fused QKV
+    initialization's ``w.new_empty(other_shape)``)."""
     from ragged_placement.distribute import local_shape
 
     spec = op_schema.args_schema[0]
     size_idx, stride_idx = _NEW_FACTORIES[op_schema.op]
     size = tuple(op_schema.args_schema[size_idx])
     if size != tuple(spec.shape) and not _same_cut_dims(spec, size):
-        raise _unsupported(op_schema, f"a new tensor of shape {size}, whose sharded dims differ from "
-                                      f"{tuple(spec.shape)}")
+        return OutputSharding(_with_meta(spec, [Replicate()] * spec.mesh.ndim, meta))
     local = local_shape(size, spec.mesh, spec.placements)
     args = list(op_schema.args_schema)
     args[size_idx] = list(local)
@@ -120,7 +130,7 @@ def _random(op_schema: OpSchema, meta) -> OutputSharding:
 
 # Every op with its own rule, by family (pointwise ops, reductions and ``new_*`` factories are
 # recognized by their tags and names).
-_RULES = {**MATRIX_RULES, **VIEW_RULES, **NN_RULES, **STATS_RULES}
+_RULES = {**MATRIX_RULES, **VIEW_RULES, **NN_RULES, **STATS_RULES, **ANY_ALL_RULES}
 
 
 def propagate(propagator, op_schema: OpSchema) -> OutputSharding:

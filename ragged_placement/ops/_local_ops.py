@@ -14,6 +14,8 @@ needs more than the aten op gives, the rule names one of these instead:
   ``Partial("min")`` and for a negative ``_NormPartial`` (``inf ** p == 0``);
 * ``embedding_rows``: a lookup in the rank's run of vocabulary rows, zero where the id is outside
   it, for a ``Partial(sum)`` output;
+* ``global_any_all``: ``any()`` / ``all()`` of the local tensor, all-reduced (max / min) over
+  the given groups, for a ``Replicate`` output;
 * ``nll_loss_mean``: ``nll_loss`` with ``reduction="mean"`` over row-sharded logits: the local sum
   divided by the global total weight, for a ``Partial(sum)`` output.
 
@@ -47,6 +49,7 @@ LIB.define(
     "embedding_rows(Tensor weight, Tensor indices, SymInt padding_idx, bool scale_grad_by_freq, bool sparse, "
     "int start, int num_embeddings) -> Tensor"
 )
+LIB.define("global_any_all(Tensor self, bool is_any, str[] groups) -> Tensor")
 LIB.define(
     "nll_loss_mean(Tensor self, Tensor target, Tensor? weight, int reduction, SymInt ignore_index, str group) "
     "-> (Tensor, Tensor)"
@@ -115,6 +118,13 @@ def _embedding_rows(weight, indices, padding_idx, scale_grad_by_freq, sparse, st
     return out.masked_fill(outside.unsqueeze(-1), 0)
 
 
+def _global_any_all(x, is_any, groups):
+    flag = (x.any() if is_any else x.all()).to(torch.uint8)
+    for group in groups:
+        flag = _wait(funcol.all_reduce(flag, "max" if is_any else "min", group))
+    return flag.to(torch.bool)
+
+
 def _nll_loss_mean(x, target, weight, reduction, ignore_index, group):
     loss_sum, local_weight = torch.ops.aten.nll_loss_forward(x, target, weight, 2, ignore_index)
     total_weight = _wait(funcol.all_reduce(local_weight, "sum", group))
@@ -123,5 +133,5 @@ def _nll_loss_mean(x, target, weight, reduction, ignore_index, group):
 
 for _name, _fn in [("global_var", _global_var), ("extreme", _extreme), ("vector_norm", _vector_norm),
                    ("foreach_norm", _foreach_norm), ("embedding_rows", _embedding_rows),
-                   ("nll_loss_mean", _nll_loss_mean)]:
+                   ("global_any_all", _global_any_all), ("nll_loss_mean", _nll_loss_mean)]:
     LIB.impl(_name, _fn, "CompositeExplicitAutograd")

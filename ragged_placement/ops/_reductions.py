@@ -1,11 +1,17 @@
 """Rules for reductions of RaggedShard tensors: ``sum``, ``mean``, ``linalg_vector_norm``,
-``_foreach_norm``.
+``_foreach_norm``, ``any``, ``all``.
 
 They reduce locally; every sharded mesh dim whose cut dims are all reduced becomes ``Partial``
 (sum), a :class:`RaggedMeanPartial` (mean: each rank weighted by its share, exact for uneven and
 empty shards) or, for a norm, ``Partial("max")`` / ``Partial("min")`` (``ord=inf`` / ``-inf``),
 ``Partial("sum")`` (``ord=0``, a count) or torch's ``_NormPartial`` (other orders); an empty
 shard's norm is the reduction's identity. Dims that are not reduced keep their placement.
+
+``any`` / ``all`` over every element are ``Replicate``: the op all-reduces the local answers
+(``ragged_placement::global_any_all``), so ``bool(x.any())`` is the global answer on every rank.
+torch's rule leaves them ``Partial``, whose ``bool()`` reads each rank's local answer: the
+rejection loop of ``nn.init.trunc_normal_`` would then run a different number of draws per
+rank. Over some dims they raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Placement, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 
@@ -32,7 +38,7 @@ from ragged_placement.regions import shard_size_and_offset
 aten = torch.ops.aten
 ours = torch.ops.ragged_placement
 
-__all__ = ["REDUCTION_OPS", "RaggedMeanPartial", "reduction"]
+__all__ = ["ANY_ALL_RULES", "REDUCTION_OPS", "RaggedMeanPartial", "reduction"]
 
 _SUM_OPS = {aten.sum.default, aten.sum.dim_IntList}
 _MEAN_OPS = {aten.mean.default, aten.mean.dim}
@@ -210,3 +216,21 @@ def reduction(op_schema: OpSchema, meta) -> OutputSharding:
     args = list(op_schema.args_schema) + defaults[len(op_schema.args_schema):]
     args[at] = local
     return rewrite(op_schema, out, args, op=local_op)
+
+
+def _any_all(op_schema: OpSchema, meta) -> OutputSharding:
+    """``any()`` / ``all()`` of every element: the local answer all-reduced over the mesh dims
+    that shard the input (an empty shard answers the identity, ``False`` / ``True``)."""
+    spec = op_schema.args_schema[0]
+    groups = []
+    for m, p in enumerate(spec.placements):
+        if p.is_partial():
+            raise _unsupported(op_schema, f"{op_schema.op} of {p!r} data; redistribute it first")
+        if not p.is_replicate():
+            groups.append(spec.mesh.get_group(m).group_name)
+    out = _with_meta(spec, [Replicate()] * spec.mesh.ndim, meta)
+    is_any = op_schema.op is aten.any.default
+    return rewrite(op_schema, out, [spec, is_any, groups], op=ours.global_any_all.default)
+
+
+ANY_ALL_RULES = {aten.any.default: _any_all, aten.all.default: _any_all}

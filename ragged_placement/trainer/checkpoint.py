@@ -11,8 +11,11 @@ A checkpoint of step ``S`` is the directory ``<dir>/step_<S>`` holding
 Everything is written to ``<dir>/.tmp-step_<S>`` and the directory is renamed into place once the
 manifest is complete, so a crash in the middle of a save never leaves a checkpoint that looks
 complete; an existing checkpoint is never written over (``FileExistsError``). The newest two are
-kept. Loading verifies every file against the manifest first and raises
-:class:`CheckpointCorruptError` naming the first file that is missing, extra or altered.
+kept (an older one is renamed to ``.pruned-step_<S>`` before it is removed, so no interrupted
+removal leaves a ``step_<S>`` without its manifest). Loading verifies every file against the
+manifest first and raises :class:`CheckpointCorruptError` naming the first file that is missing,
+extra or altered. :func:`check_checkpoint_dir` and :func:`move_incomplete_aside` run at start,
+before any process-group work.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +39,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["CheckpointCorruptError", "Checkpointer", "latest_checkpoint", "read_manifest"]
+__all__ = ["CheckpointCorruptError", "Checkpointer", "check_checkpoint_dir", "latest_checkpoint",
+           "move_incomplete_aside", "read_manifest", "trainer_state_files"]
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_TRAINER_STATE = re.compile(r"^trainer_rank(\d+)\.pt$")
 
 
 class CheckpointCorruptError(ValueError):
@@ -58,6 +64,44 @@ def _files(directory: Path) -> list[str]:
         str(p.relative_to(directory)) for p in directory.rglob("*")
         if p.is_file() and p.name != MANIFEST
     )
+
+
+def check_checkpoint_dir(directory: str | os.PathLike) -> None:
+    """Create ``directory`` if needed and check that this process can write files in it (a
+    probe file, written and removed); a ``ValueError`` naming ``--checkpoint-dir`` otherwise."""
+    root = Path(directory)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"--checkpoint-dir {root} is a file, not a directory: pass a directory")
+    probe = root / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--checkpoint-dir {root} is not writable ({e.strerror or e}): pass a "
+                         "directory this user can write, on a file system every rank shares") from None
+
+
+def move_incomplete_aside(directory: str | os.PathLike) -> list[tuple[Path, Path]]:
+    """Rename every ``step_<S>`` without a manifest (never published by :class:`Checkpointer`:
+    copied or deleted by hand, or from an older version's interrupted removal) to
+    ``.incomplete-step_<S>[.N]``, which is never resumed nor written over; the ``(from, to)``
+    pairs. Call it on one rank."""
+    root, moved = Path(directory), []
+    for path in sorted(root.iterdir()) if root.is_dir() else ():
+        if _STEP_DIR.match(path.name) and not (path / MANIFEST).is_file():
+            target, n = root / f".incomplete-{path.name}", 0
+            while target.exists():
+                n += 1
+                target = root / f".incomplete-{path.name}.{n}"
+            os.rename(path, target)
+            moved.append((path, target))
+    return moved
+
+
+def trainer_state_files(path: Path) -> dict[int, Path]:
+    """The ``trainer_rank<r>.pt`` files of checkpoint ``path`` by rank ``r``."""
+    return {int(m.group(1)): p for p in path.iterdir() if (m := _TRAINER_STATE.match(p.name))}
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -92,8 +136,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _publish(tmp: Path, final: Path, fingerprint: dict[str, Any], step: int) -> None:
-    manifest = {"step": step, "fingerprint": fingerprint,
+def _publish(tmp: Path, final: Path, fingerprint: dict[str, Any], layout: dict[str, Any],
+             step: int) -> None:
+    manifest = {"step": step, "fingerprint": fingerprint, "layout": layout,
                 "files": {name: _sha256(tmp / name) for name in _files(tmp)}}
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -110,14 +155,19 @@ class Checkpointer:
         directory: where ``step_<S>`` directories live (shared by all ranks).
         fingerprint: options saved with every checkpoint (see :func:`read_manifest`).
         keep: how many of the newest checkpoints to keep.
+        layout: how the run was distributed (world size, runtime, state sharding, mesh), saved
+            in the manifest so that a resume on another one can say what changed.
     """
 
     directory: Path
     fingerprint: dict[str, Any]
     keep: int
+    layout: dict[str, Any]
 
-    def __init__(self, directory: str | os.PathLike, fingerprint: dict[str, Any], keep: int = 2) -> None:
+    def __init__(self, directory: str | os.PathLike, fingerprint: dict[str, Any], keep: int = 2,
+                 layout: dict[str, Any] | None = None) -> None:
         self.directory, self.fingerprint, self.keep = Path(directory), fingerprint, keep
+        self.layout = layout or {}
 
     def path(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}"
@@ -130,8 +180,8 @@ class Checkpointer:
         if final.exists():
             raise FileExistsError(f"checkpoint {final} exists; it is never written over")
         rank = dist.get_rank()
-        if rank == 0:  # earlier attempts' unpublished saves: never complete, never resumed
-            for stale in self.directory.glob(".tmp-step_*"):
+        if rank == 0:  # earlier attempts' unpublished saves and interrupted removals
+            for stale in [*self.directory.glob(".tmp-step_*"), *self.directory.glob(".pruned-step_*")]:
                 shutil.rmtree(stale)
         dist.barrier()
         state = {"model": get_model_state_dict(model),
@@ -140,7 +190,7 @@ class Checkpointer:
         torch.save(trainer_state, tmp / f"trainer_rank{rank}.pt")
         dist.barrier()
         if rank == 0:
-            _publish(tmp, final, self.fingerprint, step)
+            _publish(tmp, final, self.fingerprint, self.layout, step)
             self._prune()
         dist.barrier()
         return final
@@ -148,15 +198,16 @@ class Checkpointer:
     def _prune(self) -> None:
         steps = sorted(p for p in self.directory.iterdir() if _STEP_DIR.match(p.name))
         for old in steps[: -self.keep]:
-            shutil.rmtree(old)
+            pruned = self.directory / f".pruned-{old.name}"
+            os.rename(old, pruned)  # atomic: the checkpoint is published or gone, never half
+            shutil.rmtree(pruned)
 
-    def load(self, path: Path, model: torch.nn.Module,
-             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Load checkpoint ``path`` (already verified by :func:`read_manifest`) into ``model``
-        and ``optimizer``; return this rank's trainer state."""
+        and ``optimizer``, resharded by DCP to their current sharding (any world size, mesh or
+        state sharding)."""
         state = {"model": get_model_state_dict(model),
                  "optim": get_optimizer_state_dict(model, optimizer)}
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
-        return torch.load(path / f"trainer_rank{dist.get_rank()}.pt", weights_only=False)

@@ -31,6 +31,8 @@ OPTIMIZERS = ("adamw", "muon", "shampoo")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 VOCAB = 256  # byte-level data
+_VAL_FRACTION = 0.1  # StdlibCorpus's validation split
+_MAX_SEED = 2**40
 
 
 @dataclass
@@ -242,10 +244,28 @@ def _choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None:
 
 
 def _positive(cfg: TrainConfig, name: str, *, zero_ok: bool = False) -> None:
+    """A finite number ``> 0`` (``>= 0`` with ``zero_ok``): ``nan`` and ``inf`` are refused."""
     value = getattr(cfg, name)
-    if value < 0 or (value == 0 and not zero_ok):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
-        raise ValueError(f"{_flag(name)} must be {bound}, got {value!r}")
+        finite = "a finite number " if isinstance(value, float) else ""
+        raise ValueError(f"{_flag(name)} must be {finite}{bound}, got {value!r}")
+
+
+def _check_shapes(cfg: TrainConfig) -> None:
+    """What the model and the data need of the sizes: heads dividing the width, and splits of
+    the stdlib corpus longer than a sequence."""
+    if not cfg.model.endswith(".json") and cfg.width % cfg.heads:  # a config.json has its own
+        raise ValueError(f"--heads {cfg.heads} must divide --width {cfg.width} (each head gets "
+                         f"width / heads features): pass e.g. --heads "
+                         f"{max(d for d in range(1, cfg.heads) if cfg.width % d == 0)}")
+    if cfg.data == "stdlib":
+        n_val = max(1, int(cfg.data_bytes * _VAL_FRACTION))
+        split = min(n_val, cfg.data_bytes - n_val) if cfg.val_batches else cfg.data_bytes - n_val
+        if split <= cfg.seq + 1:
+            raise ValueError(f"--data-bytes {cfg.data_bytes} is too small for --seq {cfg.seq}: "
+                             f"each split must hold more than {cfg.seq + 1} bytes "
+                             f"(validation gets {_VAL_FRACTION:g} of them)")
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -257,9 +277,12 @@ def check_config(cfg: TrainConfig) -> None:
     for name in ("steps", "log_every", "layers", "width", "heads", "seq", "batch", "lr",
                  "collective_timeout", "data_bytes"):
         _positive(cfg, name)
-    for name in ("checkpoint_every", "warmup", "val_batches", "weight_decay", "grad_clip",
+    for name in ("seed", "checkpoint_every", "warmup", "val_batches", "weight_decay", "grad_clip",
                  "min_lr_ratio", "memory_budget"):
         _positive(cfg, name, zero_ok=True)
+    if cfg.seed >= _MAX_SEED:  # the batches' generator is seeded with seed * 1_000_003 + step
+        raise ValueError(f"--seed must be < 2**40, got {cfg.seed}")
+    _check_shapes(cfg)
     if cfg.min_lr_ratio > 1:
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
@@ -322,7 +345,7 @@ def bandwidths(cfg: TrainConfig) -> dict[str, float] | str:
             out[name.strip()] = float(value)
         except ValueError:
             out[name.strip()] = math.nan
-    if sorted(out) != sorted(names) or not all(v > 0 for v in out.values()):
+    if sorted(out) != sorted(names) or not all(math.isfinite(v) and v > 0 for v in out.values()):
         raise ValueError(f"--bandwidth must be 'profile' or one positive bytes/s per mesh dim "
                          f"({','.join(f'{n}=...' for n in names)}), got {cfg.bandwidth!r}")
     return out

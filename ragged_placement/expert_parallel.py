@@ -1,0 +1,140 @@
+"""Expert parallelism: a module of stacked experts sharded by expert over one mesh dim, its
+tokens dispatched to the ranks that own their experts and combined back (torchtitan's
+``ExpertParallel``).
+
+:class:`ExpertParallel` is a tensor-parallel style (``parallelize_module(experts, ep_mesh,
+ExpertParallel())``) for a module whose parameters stack ``E`` experts on dim 0 and whose
+``forward(x, counts)`` takes tokens sorted by expert with ``counts[e]`` rows for expert ``e``
+(:class:`ragged_placement.models.moe.GroupedExperts`). It
+
+* makes every parameter a ``Shard(0)`` DTensor on the 1-D ``ep`` mesh, from the full tensor each
+  rank holds (no communication: all ranks must hold the same full weights, as after seeding or
+  on the meta device): rank ``r`` owns experts ``[r E/P, (r+1) E/P)``, whole (``P`` must divide
+  ``E``);
+* before the forward, exchanges the per-expert token counts (one all-to-all of ``E`` ints), then
+  sends each rank the tokens of its experts (an all-to-all of uneven splits, which change every
+  step) and reorders them by local expert;
+* after the forward, restores the received order and sends the outputs back (the reverse
+  all-to-all), so the caller sees its own tokens in its own order.
+
+Both all-to-alls are differentiable (backward runs the reverse exchange). ``fully_shard`` on the
+module with the data-parallel mesh beside ``ep`` then shards each rank's experts further (see
+:func:`ragged_placement.models.moe.parallelize_moe`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+__all__ = ["ExpertParallel", "check_expert_parallel"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of dim-0 rows with uneven splits; backward sends the gradients
+    back along the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def check_expert_parallel(module: nn.Module, ep_size: int) -> int:
+    """The number of experts of ``module`` (dim 0 of each of its parameters), after checking
+    that ``ep_size`` ranks can each own a whole, equal share: ``ValueError`` naming ``ep``
+    otherwise. No communication."""
+    sizes = {name: p.shape[0] if p.dim() else None for name, p in module.named_parameters()}
+    if not sizes or len(set(sizes.values())) != 1 or None in sizes.values():
+        raise ValueError(
+            f"ExpertParallel needs a module whose parameters stack the same number of experts on "
+            f"dim 0; {type(module).__name__} has {sizes}"
+        )
+    num_experts = next(iter(sizes.values()))
+    if num_experts % ep_size:
+        raise ValueError(
+            f"ep={ep_size} does not divide num_experts={num_experts}: expert parallelism gives "
+            f"each ep rank whole experts, an equal number each; pick ep among the divisors of "
+            f"{num_experts}"
+        )
+    return num_experts
+
+
+class ExpertParallel(ParallelStyle):
+    """Shard a stacked-experts module by expert over a 1-D mesh and route its tokens (see the
+    module docstring). Apply with ``parallelize_module(module, ep_mesh, ExpertParallel())``."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:
+            raise ValueError(f"ExpertParallel needs a 1-D ep mesh, got {device_mesh!r}")
+        num_experts = check_expert_parallel(module, device_mesh.size())
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        per = num_experts // size
+        for name, p in list(module.named_parameters(recurse=False)):
+            if isinstance(p, DTensor):
+                raise ValueError(f"ExpertParallel: parameter {name} is already a DTensor")
+            local = p.detach().narrow(0, rank * per, per).clone()
+            shard = DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False)
+            module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        module._ep = _Routing(device_mesh, num_experts)
+        module.register_forward_pre_hook(_dispatch_hook)
+        module.register_forward_hook(_combine_hook)
+        return module
+
+
+class _Routing:
+    """One experts module's ep group and the exchanges of its forwards in flight."""
+
+    def __init__(self, mesh: DeviceMesh, num_experts: int) -> None:
+        self.group = mesh.get_group()
+        self.size = mesh.size()
+        self.local_experts = num_experts // self.size
+        self.pending: list[tuple[torch.Tensor, list[int], list[int]]] = []
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send rows of ``x`` (sorted by global expert, ``counts[e]`` each) to their owners;
+        return the received rows sorted by local expert and the count of each local expert."""
+        counts = torch.as_tensor(counts, dtype=torch.int64, device=x.device)
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts, group=self.group)
+        received_counts = received_counts.view(self.size, self.local_experts)
+        in_splits = counts.view(self.size, -1).sum(1).tolist()
+        out_splits = received_counts.sum(1).tolist()
+        received = _AllToAll.apply(x, out_splits, in_splits, self.group)
+        # Rows arrive by (source rank, local expert); the experts want them by local expert.
+        expert_of_row = torch.arange(self.local_experts, device=x.device).repeat(self.size)
+        expert_of_row = expert_of_row.repeat_interleave(received_counts.flatten())
+        order = torch.argsort(expert_of_row, stable=True)
+        self.pending.append((order, in_splits, out_splits))
+        return received[order], received_counts.sum(0)
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        """Undo :meth:`dispatch` on the experts' output ``out``."""
+        order, in_splits, out_splits = self.pending.pop()
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return _AllToAll.apply(out[inverse], in_splits, out_splits, self.group)
+
+
+def _dispatch_hook(module: nn.Module, args: tuple) -> tuple:
+    x, counts = args
+    return module._ep.dispatch(x, counts)
+
+
+def _combine_hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return module._ep.combine(out)

@@ -1,0 +1,355 @@
+"""Expert parallelism composed with FSDP on the MoE model, against one process.
+
+The reference is the same :class:`MoETransformer` in one process on the concatenated batch; the
+distributed runs (4 gloo ranks) shard experts by expert over ``ep`` and FSDP over the rest, with
+ours or torch's FSDP2 (torchtitan's pattern). The router is initialized so that no top-k
+decision is a near tie: every step of the reference asserts that, for every token of every MoE
+layer, the k-th and (k+1)-th router scores differ by at least ``MARGIN``, so a distributed run
+whose scores match to rounding picks the same experts and the comparison is exact, not
+statistical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_utils import recording_collectives, run_gloo, run_threaded
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed._composable import checkpoint
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+from ragged_placement.fsdp import StateSharding
+from ragged_placement.models.moe import (
+    GroupedExperts,
+    MoE,
+    MoEConfig,
+    MoETransformer,
+    TopKRouter,
+    parallelize_moe,
+    run_experts,
+    update_expert_bias,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+CFG = MoEConfig(
+    vocab_size=64, dim=32, n_layers=3, n_dense_layers=1, n_heads=4, hidden_dim=48,
+    moe_hidden_dim=16, num_experts=8, top_k=2, num_shared_experts=1,
+)
+WORLD = 4
+BATCH, SEQ = 8, 8
+STEPS = 5
+LR, WD = 3e-3, 0.1
+# AdamW moves an entry by lr * err / (|g| + eps) for a gradient error err: with torch's eps=1e-8
+# entries whose gradient is numerically zero (about 1e-9, its sign set by rounding) move by up to
+# 4e-5 in 5 steps, in ours and in torch FSDP2 alike; eps=1e-6 bounds that below the tolerance.
+EPS = 1e-6
+MARGIN = 1e-4  # smallest gap between the k-th and (k+1)-th router score the reference allows
+ATOL = 1e-5
+GRAD_ATOL = 1e-7  # the first step's gradients (the largest is about 1e-2)
+
+
+def make_model(cfg: MoEConfig = CFG, seed: int = 0) -> MoETransformer:
+    """The model with a router whose scores are far apart (gate std 0.3 instead of 0.02; seeds
+    chosen for the routing margin, asserted by :func:`train_reference`)."""
+    torch.manual_seed(seed)
+    model = MoETransformer(cfg)
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            nn.init.normal_(m.gate.weight, std=0.3)
+    return model
+
+
+def batches(steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g),
+            torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def _record_margins(model: nn.Module) -> list[float]:
+    """Install hooks that append, per router call, the smallest gap between the k-th and the
+    (k+1)-th choice score (score plus expert bias) over its tokens."""
+    margins: list[float] = []
+
+    def hook(router: TopKRouter, args, out) -> None:
+        x, bias = args
+        scores = router.scores(x).detach()
+        if bias is not None:
+            scores = scores + bias
+        top = torch.topk(scores, router.top_k + 1, dim=-1).values
+        margins.append((top[:, -2] - top[:, -1]).min().item())
+
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            m.register_forward_hook(hook)
+    return margins
+
+
+# Variants of the training loop, the same in one process and distributed:
+# "plain"; "accum": two microbatches per step; "blocked": DeepSeek-V3's expert bias updated every
+# step, and at step BLOCKED_STEP expert BLOCKED of every MoE layer gets a bias that keeps every
+# token away from it (its gradient must then be exactly zero, AdamW still decays it).
+BLOCKED, BLOCKED_STEP = 3, 2
+BIASED = replace(CFG, load_balance_coeff=1e-3)
+
+
+def _config(variant: str) -> MoEConfig:
+    return BIASED if variant == "blocked" else CFG
+
+
+def _step(model: nn.Module, opt, x, y, step: int, variant: str, group=None) -> torch.Tensor:
+    """One optimizer step on ``(x, y)``; returns the (local) loss."""
+    if variant == "blocked":
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.expert_bias[BLOCKED] = -1e3 if step == BLOCKED_STEP else 0.0
+    micro = 2 if variant == "accum" else 1
+    total = 0.0
+    for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+        loss = loss_of(model, xm, ym) / micro
+        loss.backward()
+        total += loss.detach()
+    if variant == "blocked":
+        if step == BLOCKED_STEP:
+            _assert_blocked_grads_zero(model)
+        update_expert_bias(model, group)
+    if step == 0:  # AdamW is nearly blind to a gradient's scale: compare the first gradients
+        model.first_grads = {
+            k: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for k, p in model.named_parameters()
+        }
+    opt.step()
+    opt.zero_grad()
+    return total
+
+
+def _assert_blocked_grads_zero(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            for w in (m.w1, m.w2, m.w3):
+                g = w.grad.full_tensor() if isinstance(w.grad, DTensor) else w.grad
+                assert torch.count_nonzero(g[BLOCKED]) == 0
+                assert torch.count_nonzero(g) > 0
+
+
+def train_reference(variant: str = "plain") -> tuple[list[float], dict]:
+    """AdamW on the whole batch in one process; asserts the routing margin of every step."""
+    model = make_model(_config(variant))
+    margins = _record_margins(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS, foreach=False)
+    losses = [
+        _step(model, opt, x, y, s, variant).item() for s, (x, y) in enumerate(batches())
+    ]
+    assert min(margins) >= MARGIN, f"a top-k decision is a near tie: margin {min(margins)}"
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, model.first_grads
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
+
+
+def _sharded_model(mesh, runtime: str, variant: str, ac: bool, meta: bool) -> nn.Module:
+    """The model of :func:`make_model` under EP x FSDP on ``mesh`` (2-D ``(dp_mod_ep, ep)``):
+    ``ac`` checkpoints every block, ``meta`` builds it on the meta device and copies the
+    reference initialization into the sharded parameters after ``to_empty``."""
+    cfg = _config(variant)
+    if meta:
+        with torch.device("meta"):
+            model = MoETransformer(cfg)
+    else:
+        model = make_model(cfg)
+    if ac:
+        for block in model.layers.values():
+            checkpoint(block)
+    parallelize_moe(model, mesh, shard_fn=None if runtime == "ours" else fsdp2_fully_shard)
+    if meta:
+        model.to_empty(device="cpu")
+        model.init_buffers()
+        init = make_model(cfg).state_dict()
+        with torch.no_grad(), implicit_replication():
+            for k, v in model.state_dict().items():
+                v.copy_(init[k])
+    return model
+
+
+def _train_distributed(model: nn.Module, rank: int, ws: int, variant: str) -> list[float]:
+    """AdamW with each rank on its ``BATCH / ws`` rows; the losses are the global means."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS, foreach=False)
+    per = BATCH // ws
+    losses = []
+    for s, (x, y) in enumerate(batches()):
+        rows = slice(rank * per, (rank + 1) * per)
+        total = _step(model, opt, x[rows], y[rows], s, variant)
+        dist.all_reduce(total)
+        losses.append(total.item() / ws)
+    return losses
+
+
+def _ep_runs(rank: int, ws: int, runs: list[tuple]) -> list:
+    """Every ``(ep, runtime, variant, ac, meta)`` of ``runs`` on one gloo world: its global
+    losses and full state dict."""
+    out = []
+    for ep, runtime, variant, ac, meta in runs:
+        mesh = init_device_mesh("cpu", (ws // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
+        model = _sharded_model(mesh, runtime, variant, ac, meta)
+        losses = _train_distributed(model, rank, ws, variant)
+        out.append((losses, full_state(model), model.first_grads))
+    return out
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _check(run, reference) -> None:
+    (losses, state, grads), (ref_losses, ref_state, ref_grads) = run, reference
+    assert len(losses) == STEPS
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < ATOL
+    assert _max_diff(grads, ref_grads) < GRAD_ATOL
+    assert _max_diff(state, ref_state) < ATOL
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_reference()
+
+
+@pytest.mark.multiprocess
+def test_ep_fsdp_matches_one_process_and_fsdp2(reference):
+    """EP 2 x FSDP 2 and EP 4 (experts whole on each rank), ours and torch FSDP2 + the same EP,
+    5 AdamW steps: every rank's full parameters and the losses within 1e-5 of one process."""
+    runs = [(ep, rt, "plain", False, False) for ep in (2, 4) for rt in ("ours", "fsdp2")]
+    results = run_gloo(_ep_runs, WORLD, runs)
+    for rank_results in results:
+        for run in rank_results:
+            _check(run, reference)
+
+
+@pytest.mark.multiprocess
+def test_ep_fsdp_checkpointing_meta_init_accumulation_and_an_idle_expert(reference):
+    """On EP 2 x FSDP 2 against one process: activation checkpointing of every block; meta-device
+    init; gradient accumulation (two microbatches); and an expert no token reaches in one step
+    (its gradient exactly zero, not the last step's; AdamW's decay and moments as in one process),
+    with the auxiliary-loss-free bias updated from the token counts of all ranks."""
+    runs = [
+        (2, "ours", "plain", True, False),
+        (2, "ours", "plain", False, True),
+        (2, "ours", "accum", False, False),
+        (2, "ours", "blocked", False, False),
+    ]
+    results = run_gloo(_ep_runs, WORLD, runs)
+    references = {v: reference if v == "plain" else train_reference(v) for v in ("plain", "accum", "blocked")}
+    for rank_results in results:
+        for run, (_, _, variant, _, _) in zip(rank_results, runs):
+            _check(run, references[variant])
+
+
+def test_run_experts_loop_against_the_formula_and_grouped_mm():
+    """The per-expert loop is the per-expert SwiGLU bit for bit, and agrees with
+    ``torch._grouped_mm``'s CPU forward to fp32 rounding (its kernel accumulates in another
+    order), with an expert that receives no token."""
+    g = torch.Generator().manual_seed(0)
+    w1, w3 = torch.randn(4, 16, 8, generator=g), torch.randn(4, 16, 8, generator=g)
+    w2 = torch.randn(4, 8, 16, generator=g)
+    x = torch.randn(10, 8, generator=g)
+    counts = [3, 0, 5, 2]
+    loop = run_experts(w1, w2, w3, x, counts, use_grouped_mm=False)
+    grouped = run_experts(w1, w2, w3, x, counts, use_grouped_mm=True)
+    torch.testing.assert_close(grouped, loop, rtol=1e-6, atol=1e-5)
+    rows = torch.split(x, counts)
+    expect = torch.cat([
+        (F.silu(r @ w1[e].T) * (r @ w3[e].T)) @ w2[e].T for e, r in enumerate(rows)
+    ])
+    assert torch.equal(loop, expect)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_moe_layer_matches_a_per_token_reference(score_func):
+    """Each token's output is the shared expert's plus the gate-weighted sum of its top-k
+    experts' (DeepSeek-V3's bias steering the choice only), forward and backward."""
+    cfg = replace(CFG, score_func=score_func, route_norm=True, route_scale=2.0,
+                  load_balance_coeff=1e-3)
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    moe.expert_bias.copy_(torch.linspace(-0.1, 0.1, cfg.num_experts))
+    x = torch.randn(2, 5, cfg.dim, requires_grad=True)
+    out = moe(x)
+    flat = x.reshape(-1, cfg.dim)
+    scores = moe.router.scores(flat)
+    chosen = torch.topk(scores + moe.expert_bias, cfg.top_k, dim=-1).indices
+    rows = []
+    for t in range(flat.shape[0]):
+        gates = scores[t, chosen[t]]
+        gates = gates / gates.sum() * cfg.route_scale
+        y = moe.shared_experts(flat[t:t + 1])
+        for gate, e in zip(gates, chosen[t].tolist()):
+            w1, w2, w3 = (w[e] for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3))
+            y = y + gate * ((F.silu(flat[t:t + 1] @ w1.T) * (flat[t:t + 1] @ w3.T)) @ w2.T)
+        rows.append(y)
+    expect = torch.cat(rows).reshape(out.shape)
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
+    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    (ex,) = torch.autograd.grad(expect.square().sum(), x)
+    torch.testing.assert_close(gx, ex, rtol=1e-5, atol=1e-6)
+    assert torch.equal(moe.tokens_per_expert, torch.bincount(chosen.flatten(), minlength=8))
+
+
+def test_bad_routing_arguments_raise_value_errors():
+    with pytest.raises(ValueError, match="top_k=9 exceeds num_experts=8"):
+        replace(CFG, top_k=9)
+    with pytest.raises(ValueError, match="top_k=3 exceeds num_experts=2"):
+        TopKRouter(8, 2, 3)
+    with pytest.raises(ValueError, match="score_func"):
+        replace(CFG, score_func="relu")
+    with pytest.raises(ValueError, match="n_dense_layers"):
+        replace(CFG, n_dense_layers=4)
+
+
+def _bad_parallel_calls(rank: int, ws: int) -> dict:
+    """``parallelize_moe`` with bad arguments on a threaded world of 4: each raises
+    ``ValueError`` with no collective."""
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp_mod_ep", "ep"))
+    errors = {}
+    calls = [
+        ("ep", lambda: parallelize_moe(MoETransformer(replace(CFG, num_experts=6)), mesh)),
+        ("ep_dim", lambda: parallelize_moe(MoETransformer(CFG), mesh, ep_dim="expert")),
+        ("state_sharding", lambda: parallelize_moe(
+            MoETransformer(CFG), mesh, state_sharding=StateSharding(params=("ep",), grads=("ep",), optim=("ep",)))),
+    ]
+    with recording_collectives() as record:
+        for name, call in calls:
+            try:
+                call()
+            except ValueError as exc:
+                errors[name] = str(exc)
+    errors["collectives"] = record.calls
+    return errors
+
+
+def test_bad_expert_parallel_arguments_raise_before_any_collective():
+    for errors in run_threaded(_bad_parallel_calls, WORLD):
+        assert "ep=4 does not divide num_experts=6" in errors["ep"]
+        assert "'expert'" in errors["ep_dim"]
+        assert "state_sharding=" in errors["state_sharding"]
+        assert errors["collectives"] == {}
