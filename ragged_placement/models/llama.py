@@ -56,12 +56,13 @@ class LlamaConfig:
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention without bias; ``cfg`` needs ``dim`` and ``n_heads``."""
+    """Causal multi-head attention without bias; ``cfg`` needs ``dim`` and ``n_heads``, and may
+    give ``n_kv_heads`` (grouped-query attention; none or ``None``: ``n_heads``)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
-        kv_dim = (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
+        kv_dim = (getattr(cfg, "n_kv_heads", None) or cfg.n_heads) * self.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
