@@ -106,3 +106,23 @@ def test_moe_table_kimi_k2_fits_80_gb():
     assert len(choices) == 4 and all(r[3] != "1" and "yes" in r for r in choices)
     ep1 = [r for r in rows if r[2:5] == ["FSDP2", "+", "EP"] and r[5] == "1"]
     assert len(ep1) == 4 and all("no" in r for r in ep1)
+
+
+def test_a_size_one_mesh_dim_is_charged_as_without_ep():
+    # without EP a collective over (inter, intra) is charged to inter even where inter has 1
+    # rank (as before EP existed); EP only drops the dims its group takes whole
+    mesh = {"inter": 1, "intra": 4}
+    plan = plan_state_sharding(MOE, mesh, 1e12, bandwidth=BW, param_dtype=None, ep=(1, 2),
+                               tokens_per_rank=10, top_k=2)
+    z3 = StateSharding.zero3(mesh)
+    assert {x.charged for x in plan.find(z3, True, 1).collectives} == {"inter"}
+    assert {(x.op, x.charged) for x in plan.find(z3, True, 2).collectives} == {
+        ("all_gather", "inter"), ("reduce_scatter", "inter"), ("all_to_all", "intra")}
+
+
+def test_all_to_all_width_is_the_input_projections_input_dim():
+    # w2 ([E, dim, ffn]) listed first: the rows the all-to-all moves are dim = 8 wide, not ffn
+    unit = [[("l.moe.experts.w2", (4, 8, 24)), ("l.moe.experts.w1", (4, 24, 8))]]
+    c = _plan(unit).find(StateSharding.zero3(MESH), True, ep=2)
+    a2a = [x for x in c.collectives if x.op == "all_to_all"]
+    assert a2a[0].bytes == 4 * 10 * 2 * 8 * 4 / 2
