@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench conformance clean
+.PHONY: demo test install bench titan conformance clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -12,7 +12,7 @@ $(VPY):
 $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) -m pip install -q -e '.[dev,titan]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,6 +25,11 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope tests
+
+# torchtitan's own trainer with FSDP2 and with ours, every configuration (docs/torchtitan.md);
+# `make test` runs its FSDP case only.
+titan: $(STAMP)
+	$(VPY) tests/titan/compare.py
 
 bench: $(STAMP)
 	$(VPY) -m pip install -q -e '.[dev,bench]'

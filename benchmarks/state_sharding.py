@@ -43,6 +43,17 @@ as Hugging Face's DeepSeek-V3); the experts of an MoE layer in units of ``--expe
 buffers alone exceed 80 GB).
 ``plan ms``: the partitioner's wall time with its per-unit plan caches cleared (one run).
 
+``--planner --moe``: the partitioner searching the expert-parallel degree with the sharding
+(``plan_state_sharding(..., ep="auto")``) for DeepSeek-V3 (shared/models.json) and Kimi K2
+(benchmarks/planner.py's config), experts as stacked ``[E, out, in]`` tensors, one unit per layer
+(plus the embedding and the head), on the same meshes and bandwidths; 4 x 4,096 = 16,384 tokens
+per rank per step (torchtitan's deepseek_v3_671b config: local batch 4, sequence 4,096), top-8,
+bf16 all-to-alls. Beside it FSDP2 + EP (zero3 over every data-parallel rank,
+``reshard_after_forward=True``) at EP 1 (torchtitan's deepseek_v3_671b config; it adds TP 8,
+not modelled here) and EP 64 (a Kimi K2 config of torchtitan's: 384 experts / 64). Per row:
+memory per rank by state, predicted bytes and seconds per step by mesh dim, and the all-to-all's
+share of the seconds.
+
 ``--timing``: the partitioner's cold wall time on the 1-trillion-parameter Kimi K2 (one unit
 per layer, 128x128 blocks) at 16,384 ranks, on a 2-D ``(inter, intra)`` and a 3-D ``(nodes, groups, gpus)`` mesh (median of 3).
 
@@ -57,6 +68,7 @@ measured ones (median of ``--runs``, slowest rank).
 
 Usage: python benchmarks/state_sharding.py --runtime [--bf16]
        python benchmarks/state_sharding.py --planner [--timing] [--full-table] [--expert-units N]
+       python benchmarks/state_sharding.py --planner --moe
        python benchmarks/state_sharding.py --profile [--runs 5]
 """
 
@@ -176,6 +188,59 @@ def planner_table(expert_units: int, full_table: bool) -> None:
         for model, world, plan in fulls:
             print(f"\n{model} on {world:,} GPUs, every candidate ranked:")
             print(plan.table())
+
+
+MOE_TOKENS_PER_RANK = 4 * 4096
+MOE_TOP_K = 8
+TORCHTITAN_EP = (1, 64)
+
+
+def moe_plan(model: str, world: int):
+    """``plan_state_sharding`` of ``model`` (stacked experts) at ``world`` ranks, every EP degree,
+    planned without a budget (every candidate kept; :func:`_refit` marks the 80 GB ones)."""
+    config = EXTRA_CONFIGS[model] if model in EXTRA_CONFIGS else load_configs(MODELS_JSON)[model]
+    units = fsdp_units(model, config, stacked_experts=True)
+    mesh = {"inter": world // PER_NODE, "intra": PER_NODE}
+    return plan_state_sharding(units, mesh, math.inf, bandwidth=BANDWIDTH, optimizer="adamw",
+                               param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ep="auto",
+                               tokens_per_rank=MOE_TOKENS_PER_RANK, top_k=MOE_TOP_K)
+
+
+def moe_rows() -> list[tuple[str, int, str, object]]:
+    """``(model, world, point, candidate)``: the partitioner's choice within 80 GB and FSDP2 + EP
+    at torchtitan's degrees, for DeepSeek-V3 and Kimi K2 on 1,024 and 16,384 ranks."""
+    out = []
+    for model in ("deepseek-v3", "kimi-k2"):
+        for world in WORLDS:
+            plan = moe_plan(model, world)
+            fitting = [c for c in map(_refit, plan.candidates) if c.fits]
+            if fitting:
+                out.append((model, world, "choice", fitting[0]))
+            else:
+                out.append((model, world, "least memory (nothing fits)",
+                            _refit(min(plan.candidates, key=lambda c: c.memory_total))))
+            zero3 = StateSharding.zero3(plan.mesh)
+            out += [(model, world, f"FSDP2 + EP {ep}", _refit(plan.find(zero3, True, ep)))
+                    for ep in TORCHTITAN_EP]
+    return out
+
+
+def moe_table() -> None:
+    head = ["model", "GPUs", "point", "ep", "sharding", "raf", "params GB", "grads GB",
+            "optim GB", "buffers GB", "total GB", "fits", "inter GB", "intra GB", "inter s",
+            "intra s", "all-to-all s", "comm s"]
+    rows = []
+    for model, world, point, c in moe_rows():
+        m = c.memory_per_rank
+        a2a = sum(x.seconds for x in c.collectives if x.op == "all_to_all")
+        rows.append([model, f"{world:,}", point, str(c.ep), str(c.sharding),
+                     "T" if c.reshard_after_forward else "F",
+                     *(f"{m[s] / 1e9:.2f}" for s in ("params", "grads", "optim", "buffers")),
+                     f"{c.memory_total / 1e9:.2f}", "yes" if c.fits else "no",
+                     *(f"{c.comm_bytes[d] / 1e9:.1f}" for d in ("inter", "intra")),
+                     *(f"{c.comm_seconds[d]:.3f}" for d in ("inter", "intra")),
+                     f"{a2a:.3f}", f"{c.comm_seconds_total:.3f}"])
+    _print_table(head, rows)
 
 
 def _refit(c):
@@ -340,7 +405,7 @@ def _unsharded_bytes(model, runtime: str) -> int:
         if group is None:
             continue
         tensors += [t for fp in group.fsdp_params for t in fp.all_gather_outputs]
-        state = group.comm_ctx.all_gather_state
+        state = getattr(group.comm_ctx, "all_gather_state", None)  # set at FSDP2's lazy init
         for result in (group._all_gather_result, state and state.all_gather_result):
             if result:
                 tensors.append(result.all_gather_output)
@@ -600,6 +665,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--planner", action="store_true")
     ap.add_argument("--timing", action="store_true")
+    ap.add_argument("--moe", action="store_true",
+                    help="--planner: search the expert-parallel degree (stacked experts)")
     ap.add_argument("--full-table", action="store_true")
     ap.add_argument("--expert-units", type=int, default=32)
     ap.add_argument("--profile", action="store_true")
@@ -616,7 +683,9 @@ def main() -> None:
         ap.error("choose --runtime, --planner, --timing and/or --profile")
     if args.runtime:
         runtime_table(args)
-    if args.planner:
+    if args.planner and args.moe:
+        moe_table()
+    elif args.planner:
         planner_table(args.expert_units, args.full_table)
     if args.timing:
         timing(args.expert_units)

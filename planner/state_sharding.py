@@ -61,12 +61,32 @@ steps``; a candidate's time is the sum over dims (collectives serialized, no ove
 compute modelled). ``bandwidth="profile"`` measures ``(bandwidth, latency)`` on the mesh for
 each dim and each set of dims (:func:`profile_mesh`): a collective over a profiled set of dims
 takes that set's fit (AMSP profiles each group), still charged to its slowest dim.
+
+Expert parallelism (``ep``, searched with the sharding; off by default). Expert tensors are the
+stacked ones of a unit: parameters named ``*.experts.*`` (``shared_experts`` excluded) with at
+least 2 dims whose dim 0 is the unit's expert count ``E`` (the dim 0 of its 3-D ``[E, out, in]``
+expert tensors). At degree ``ep`` the EP group fills the mesh from its innermost dim (inside a
+node where it fits: ``ep`` divides the last dim's size, or is a multiple of it and spans the
+dims it fills); a rank holds ``E / ep`` experts of every stacked tensor, and the per-state
+sharding of those is applied over the remaining data-parallel ranks (each dim's size divided by
+the EP ranks it holds), while the dense parameters are sharded over every data-parallel rank
+(torchtitan's ``fully_shard(experts, mesh=dp_mod_ep)``). Memory: each unit's dense part and its
+local experts, planned as above at their own sharding degrees, summed (the unit's gathered
+buffers hold both). Communication: the dense part's collectives over their groups, the experts'
+over theirs (groups of the reduced dims), and per MoE unit 4 all-to-alls a step (dispatch and
+combine, forward and backward) of ``tokens_per_rank * top_k * hidden * itemsize * (ep - 1) / ep``
+bytes per rank (uniform routing; ``hidden`` the last dim of the unit's input projection,
+``w1``/``w3``/``gate_proj``/``up_proj``/``gate_up_proj``, else of its first 3-D expert tensor;
+``itemsize`` of ``param_dtype``, or the experts' dtype), ``ep - 1`` steps each, charged to the
+slowest dim the EP group spans. Activation recomputation's repeated all-to-alls are not
+modelled.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import product
@@ -119,7 +139,8 @@ class ShardingCandidate:
 
     ``memory_per_rank``: bytes by state (``params``, ``grads``, ``optim``, ``buffers``);
     ``comm_bytes`` / ``comm_seconds``: per mesh dim, per step; ``fits``: within the budget;
-    ``collectives``: what a step runs (the model's input for ``comm_*``)."""
+    ``collectives``: what a step runs (the model's input for ``comm_*``); ``ep``: the
+    expert-parallel degree (1: experts sharded like the dense parameters)."""
 
     sharding: StateSharding
     reshard_after_forward: bool
@@ -128,6 +149,7 @@ class ShardingCandidate:
     comm_seconds: dict[str, float]
     fits: bool
     collectives: tuple[StepCollective, ...]
+    ep: int = 1
 
     @property
     def memory_total(self) -> int:
@@ -184,23 +206,34 @@ class StateShardingPlan:
     def comm_bytes(self) -> dict[str, int]:
         return self.choice.comm_bytes
 
-    def find(self, sharding: StateSharding, reshard_after_forward: bool = True) -> ShardingCandidate:
-        """The evaluated candidate for ``sharding`` (e.g. FSDP2's points, to compare)."""
+    @property
+    def ep(self) -> int:
+        return self.choice.ep
+
+    def find(self, sharding: StateSharding, reshard_after_forward: bool = True,
+             ep: int = 1) -> ShardingCandidate:
+        """The evaluated candidate for ``sharding`` at expert-parallel degree ``ep`` (e.g.
+        FSDP2's points, to compare)."""
         for c in self.candidates:
-            if c.sharding == sharding and c.reshard_after_forward == reshard_after_forward:
+            if (c.sharding == sharding and c.reshard_after_forward == reshard_after_forward
+                    and c.ep == ep):
                 return c
-        raise ValueError(f"no candidate {sharding} reshard_after_forward={reshard_after_forward}")
+        raise ValueError(f"no candidate {sharding} reshard_after_forward={reshard_after_forward} "
+                         f"ep={ep}")
 
     def table(self, limit: int | None = None) -> str:
         """Every candidate (or the first ``limit``), ranked: degrees, memory per rank by state
         (GB), predicted communication seconds per dim and in total (4 significant digits)."""
         dims = list(self.mesh)
-        head = (["#", "sharding", "s_P", "s_G", "s_OS", "raf"] + [f"{s} GB" for s in STATES]
+        show_ep = any(c.ep > 1 for c in self.candidates)
+        head = (["#", "sharding", *(["ep"] if show_ep else []), "s_P", "s_G", "s_OS", "raf"]
+                + [f"{s} GB" for s in STATES]
                 + ["total GB", "fits"] + [f"{d} s" for d in dims] + ["comm s"])
         rows = []
         for i, c in enumerate(self.candidates[:limit]):
             deg = c.sharding.degrees(self.mesh)
-            rows.append([str(i + 1), str(c.sharding), *map(str, deg),
+            rows.append([str(i + 1), str(c.sharding), *([str(c.ep)] if show_ep else []),
+                         *map(str, deg),
                          "T" if c.reshard_after_forward else "F",
                          *(f"{c.memory_per_rank[s] / 1e9:.4g}" for s in STATES),
                          f"{c.memory_total / 1e9:.4g}", "yes" if c.fits else "no",
@@ -213,6 +246,7 @@ class StateShardingPlan:
     def __repr__(self) -> str:
         c = self.choice
         return (f"StateShardingPlan({c.sharding}, reshard_after_forward={c.reshard_after_forward}, "
+                f"ep={c.ep}, "
                 f"memory {c.memory_total / 1e9:.2f} GB, comm {c.comm_seconds_total:.4f} s)")
 
 
@@ -428,6 +462,8 @@ class _Model:
     latency: dict[str, float]
     profiled: dict[tuple[str, ...], tuple[float, float]]
     budget: float
+    tokens_per_rank: int = 0
+    top_k: int = 0
 
 
 @dataclass
@@ -504,36 +540,231 @@ def _buffers(costs: list[tuple[_UnitCost, int]], reshard: bool) -> int:
     return held + max(c.send for c, _ in costs) + max(c.grad_buffers for c, _ in costs)
 
 
-def _evaluate(units: list[tuple[tuple[_Part, ...], int]], sharding: StateSharding,
-              reshard: bool, m: _Model) -> ShardingCandidate:
-    """One candidate: memory per state, and each collective's bytes and time per step."""
-    dims = list(m.sizes)
-    degrees = sharding.degrees(m.sizes)
-    w_p, w_g, w_o = degrees
-    ranks = {"params": w_p, "grads-params": w_g // w_p, "optim-params": w_o // w_p,
-             "replicated-grads": math.prod(m.sizes.values()) // w_g}
-    costs = [(_unit_cost(parts, degrees, ranks["replicated-grads"], reshard, m), count)
-             for parts, count in units]
-    mem = {state: sum(c.states[state] * n for c, n in costs) for state in ("params", "grads", "optim")}
-    mem["buffers"] = _buffers(costs, reshard)
-    calls = sum(n for _, n in costs)  # one (coalesced) collective per unit and pass
-    comm_bytes, seconds = dict.fromkeys(dims, 0), dict.fromkeys(dims, 0.0)
-    collectives = []
+@dataclass(frozen=True)
+class _Unit:
+    """One distinct unit: its parts whole (``ep == 1``), and split into its dense parts and its
+    stacked expert parts (``experts`` experts; ``hidden`` the all-to-all's row width)."""
+
+    whole: tuple[_Part, ...]
+    dense: tuple[_Part, ...]
+    expert: tuple[_Part, ...]
+    experts: int
+    hidden: int
+
+
+_EXPERT_NAME = re.compile(r"(^|\.)experts\.")
+_SEPARATE_EXPERT = re.compile(r"(^|\.)experts\.\d+(\.|$)")
+
+
+def _expert_split(unit: list[Entry]) -> tuple[list[Entry], list[Entry], int, int]:
+    """``(dense, stacked expert entries, E, hidden)`` of a unit (``E = 0``: no stacked experts)."""
+    named = [e for e in unit if _EXPERT_NAME.search(e[0]) and not _SEPARATE_EXPERT.search(e[0])]
+    stacked = [e for e in named if len(e[1]) == 3]
+    counts = {e[1][0] for e in stacked}
+    if len(counts) > 1:
+        raise ValueError(
+            f"model_or_named_shapes: a unit's stacked expert tensors disagree on the expert count "
+            f"(dim 0): {[(e[0], e[1]) for e in stacked]}"
+        )
+    if not counts:
+        return unit, [], 0, 0
+    experts = counts.pop()
+    expert = [e for e in named if len(e[1]) >= 2 and e[1][0] == experts]
+    ids = {id(e) for e in expert}
+    return [e for e in unit if id(e) not in ids], expert, experts, _hidden(stacked)
+
+
+_INPUT_PROJ = re.compile(r"(^|\.)(w1|w3|gate_proj|up_proj|gate_up_proj)(\.weight)?$")
+
+
+def _hidden(stacked: list[Entry]) -> int:
+    """The row width of the all-to-all: the input dim (last, of ``[E, out, in]``) of an input
+    projection (``w1``, ``w3``, ``gate_proj``, ``up_proj``, ``gate_up_proj``), else of the
+    first stacked tensor."""
+    named = [e for e in stacked if _INPUT_PROJ.search(e[0])]
+    return (named or stacked)[0][1][-1]
+
+
+def _unit(unit: list[Entry], granularity: GranularityPolicy) -> _Unit:
+    dense, expert, experts, hidden = _expert_split(unit)
+    return _Unit(_parts(unit, granularity), _parts(dense, granularity) if dense else (),
+                 _parts(expert, granularity) if expert else (), experts, hidden)
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_experts(part: _Part, ep: int) -> _Part:
+    """``part`` (stacked expert tensors) as one of ``ep`` expert-parallel ranks holds it."""
+    return _Part(tuple((s[0] // ep, *s[1:]) for s in part.shapes), part.granularities, part.dtype)
+
+
+def _ep_mesh(sizes: Mapping[str, int], ep: int) -> tuple[dict[str, int], tuple[str, ...]]:
+    """``(sizes with the EP group's ranks divided out, the dims the EP group spans)``: the group
+    fills the mesh from its innermost dim. ``ValueError`` naming ``ep`` where it does not fit."""
+    reduced, spans, rest = dict(sizes), [], ep
+    for d in reversed(list(sizes)):
+        if rest == 1:
+            break
+        n = sizes[d]
+        if rest % n and n % rest:
+            break
+        take = min(rest, n)
+        reduced[d], rest = n // take, rest // take
+        spans.append(d)
+    if rest != 1:
+        raise ValueError(
+            f"ep={ep} cannot be laid on mesh {dict(sizes)}: the expert-parallel group fills the "
+            f"mesh from its innermost dim, so ep must divide the data-parallel size "
+            f"{math.prod(sizes.values())} and each dim it spans (or be a multiple of it); "
+            f"use a divisor such as {math.gcd(ep, list(sizes.values())[-1])}"
+        )
+    return reduced, tuple(reversed(spans))
+
+
+@dataclass(frozen=True)
+class _Domain:
+    """The ranks one set of parts is sharded over: ``sizes`` (the mesh, or the mesh with the EP
+    group divided out) and the sharding degrees there."""
+
+    sizes: dict[str, int]
+    degrees: tuple[int, int, int]
+
+    @property
+    def replicas(self) -> int:
+        return math.prod(self.sizes.values()) // self.degrees[1]
+
+    def ranks(self, group: str) -> int:
+        w_p, w_g, w_o = self.degrees
+        return {"params": w_p, "grads-params": w_g // w_p, "optim-params": w_o // w_p,
+                "replicated-grads": self.replicas}[group]
+
+
+def _merge(a: _UnitCost, b: _UnitCost) -> _UnitCost:
+    """Memory of a unit's dense part and its local experts, held together."""
+    return _UnitCost({k: a.states[k] + b.states[k] for k in a.states}, a.gathered + b.gathered,
+                     a.send + b.send, a.grad_buffers + b.grad_buffers, {})
+
+
+def _domain_collectives(costs: list[tuple[_UnitCost, int]], sharding: StateSharding,
+                        dom: _Domain, reshard: bool, m: _Model) -> list[StepCollective]:
+    """The per-state collectives of ``costs`` (units and their counts) over ``dom``."""
+    calls = sum(n for c, n in costs if any(c.traffic.values()) or c.gathered)
+    out = []
     for key, (op, group) in _COLLECTIVES.items():
         total = sum(c.traffic[key] * n for c, n in costs)
-        n_ranks, group_dims = ranks[group], _group_dims(sharding, dims, group)
+        n_ranks = dom.ranks(group)
+        # dims the EP group took whole are not in the experts' group (a size-1 dim of the
+        # mesh itself stays, as without EP)
+        group_dims = tuple(d for d in _group_dims(sharding, list(dom.sizes), group)
+                           if dom.sizes[d] > 1 or m.sizes[d] == 1)
         if n_ranks == 1 or not total:
             continue
         n_calls = calls * (2 if key == "ag" and reshard else 1)
-        slow = min(group_dims, key=lambda d: m.bandwidth[d])  # first of the slowest, mesh order
-        bw, lat = m.profiled.get(group_dims, (m.bandwidth[slow], m.latency[slow]))
-        steps = (2 if op == "all_reduce" else 1) * (n_ranks - 1) * n_calls
-        time = total / bw + lat * steps
-        comm_bytes[slow] += round(total)
-        seconds[slow] += time
-        collectives.append(StepCollective(op, group_dims, n_ranks, n_calls, total, slow, time))
+        out.append(_charged(op, group_dims, n_ranks, n_calls, total, m))
+    return out
+
+
+def _charged(op: str, dims: tuple[str, ...], n_ranks: int, calls: int, total: float,
+             m: _Model) -> StepCollective:
+    """A collective charged to its slowest dim (first of the slowest, mesh order)."""
+    slow = min(dims, key=lambda d: m.bandwidth[d])
+    bw, lat = m.profiled.get(dims, (m.bandwidth[slow], m.latency[slow]))
+    steps = (2 if op == "all_reduce" else 1) * (n_ranks - 1) * calls
+    return StepCollective(op, dims, n_ranks, calls, total, slow, total / bw + lat * steps)
+
+
+def _evaluate(units: list[tuple[_Unit, int]], sharding: StateSharding,
+              reshard: bool, m: _Model, ep: int = 1) -> ShardingCandidate:
+    """One candidate: memory per state, and each collective's bytes and time per step."""
+    dims = list(m.sizes)
+    dense = _Domain(m.sizes, sharding.degrees(m.sizes))
+    dense_costs, expert_costs, merged = [], [], []
+    if ep == 1:
+        dense_costs = [(_unit_cost(u.whole, dense.degrees, dense.replicas, reshard, m), n)
+                       for u, n in units]
+        merged = dense_costs
+    else:
+        ep_sizes, ep_dims = _ep_mesh(m.sizes, ep)
+        experts = _Domain(ep_sizes, sharding.degrees(ep_sizes))
+        for u, n in units:
+            d = _unit_cost(u.dense, dense.degrees, dense.replicas, reshard, m)
+            local = tuple(_local_experts(p, ep) for p in u.expert)
+            e = _unit_cost(local, experts.degrees, experts.replicas, reshard, m)
+            dense_costs.append((d, n))
+            expert_costs.append((e, n))
+            merged.append((_merge(d, e), n))
+    mem = {state: sum(c.states[state] * n for c, n in merged) for state in ("params", "grads", "optim")}
+    mem["buffers"] = _buffers(merged, reshard)
+    collectives = _domain_collectives(dense_costs, sharding, dense, reshard, m)
+    if ep > 1:
+        collectives += _domain_collectives(expert_costs, sharding, experts, reshard, m)
+        moe = [(u, n) for u, n in units if u.experts]
+        per_row = m.tokens_per_rank * m.top_k * (ep - 1) / ep
+        total = sum(4 * n * per_row * u.hidden * (m.param_dtype or u.expert[0].dtype).itemsize
+                    for u, n in moe)
+        collectives.append(_charged("all_to_all", ep_dims, ep, 4 * sum(n for _, n in moe), total, m))
+    comm_bytes, seconds = dict.fromkeys(dims, 0), dict.fromkeys(dims, 0.0)
+    for c in collectives:
+        comm_bytes[c.charged] += round(c.bytes)
+        seconds[c.charged] += c.seconds
     return ShardingCandidate(sharding, reshard, mem, comm_bytes, seconds,
-                             sum(mem.values()) <= m.budget, tuple(collectives))
+                             sum(mem.values()) <= m.budget, tuple(collectives), ep)
+
+
+def _ep_candidates(ep: object, units: list[tuple[_Unit, int]], sizes: dict[str, int]) -> tuple[int, ...]:
+    """The expert-parallel degrees to search: ``None`` -> ``(1,)``; ``"auto"`` -> every degree
+    that divides every unit's expert count and lays on the mesh; else the given ints, checked."""
+    counts = sorted({u.experts for u, _ in units if u.experts})
+    world = math.prod(sizes.values())
+    if ep is None:
+        return (1,)
+    if isinstance(ep, str):
+        if ep != "auto":
+            raise ValueError(f"ep must be None, 'auto', an int or a sequence of ints, got {ep!r}")
+        out = []
+        for d in range(1, world + 1):
+            if world % d or any(e % d for e in counts) or (d > 1 and not counts):
+                continue
+            try:
+                _ep_mesh(sizes, d)
+            except ValueError:
+                continue
+            out.append(d)
+        return tuple(out)
+    values = (ep,) if isinstance(ep, int) else ep
+    if not isinstance(values, Sequence) or not values or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise ValueError(f"ep must be None, 'auto', a positive int or a sequence of them, got {ep!r}")
+    for v in values:
+        if v == 1:
+            continue
+        if not counts:
+            raise ValueError(
+                f"ep={v}: the model has no stacked expert tensors (parameters named *.experts.* "
+                f"of shape [E, out, in]) to shard by expert; use ep=None"
+            )
+        bad = [e for e in counts if e % v]
+        if bad:
+            raise ValueError(f"ep={v} does not divide the expert count {bad[0]}: use a divisor of "
+                             f"{math.gcd(*counts)}")
+        if world % v:
+            raise ValueError(f"ep={v} does not divide the data-parallel size {world} of mesh {sizes}")
+        _ep_mesh(sizes, v)
+    return tuple(dict.fromkeys(values))
+
+
+def _routing(degrees: tuple[int, ...], units: list[tuple[_Unit, int]], tokens_per_rank: object,
+             top_k: object) -> tuple[int, int]:
+    """``(tokens_per_rank, top_k)``, checked where a degree above 1 is searched."""
+    if max(degrees) == 1:
+        return 0, 0
+    for arg, v in (("tokens_per_rank", tokens_per_rank), ("top_k", top_k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{arg} must be a positive int where ep searches expert parallelism "
+                             f"(ep degrees {degrees}), got {v!r}")
+    fewest = min(u.experts for u, _ in units if u.experts)
+    if top_k > fewest:
+        raise ValueError(f"top_k={top_k} exceeds the expert count {fewest} of a unit")
+    return tokens_per_rank, top_k
 
 
 def plan_state_sharding(
@@ -549,6 +780,9 @@ def plan_state_sharding(
     dtype: torch.dtype = torch.float32,
     units: Sequence[nn.Module] | None = None,
     granularity: GranularityPolicy = None,
+    ep: int | Sequence[int] | str | None = None,
+    tokens_per_rank: int | None = None,
+    top_k: int | None = None,
 ) -> StateShardingPlan:
     """Choose per-state sharding (AMSP's partitioner) from a memory and communication model.
 
@@ -584,6 +818,13 @@ def plan_state_sharding(
         units: with an ``nn.Module``, the submodules that are units (default: every child of
             every ``nn.ModuleList``).
         granularity: the planner's policy, as ``fully_shard``'s ``granularity``.
+        ep: expert-parallel degrees to search with the sharding (module docstring): ``None``
+            (default) plans without expert parallelism; ``"auto"`` every degree that divides
+            every unit's expert count and the data-parallel size and lays on the mesh (only 1
+            for a model without stacked experts); or an int or a sequence of ints.
+        tokens_per_rank: tokens each rank routes per step (micro-batch x sequence length);
+            required where a degree above 1 is searched.
+        top_k: experts per token; required where a degree above 1 is searched.
 
     Returns:
         A :class:`StateShardingPlan`: ``.sharding``, ``.reshard_after_forward``,
@@ -592,8 +833,10 @@ def plan_state_sharding(
 
     Raises:
         ValueError: an unknown ``optimizer``, a bad ``mesh``, ``bandwidth`` or ``latency`` (one
-            value per mesh dim), bad named shapes, or a ``memory_budget`` no candidate fits
-            (naming the least memory found).
+            value per mesh dim), bad named shapes, an ``ep`` that does not divide an expert
+            count or the data-parallel size or does not lay on the mesh (or with no stacked
+            experts), ``tokens_per_rank`` / ``top_k`` missing or bad where ``ep`` searches EP,
+            or a ``memory_budget`` no candidate fits (naming the least memory found).
     """
     if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r} is not modelled: use one of {OPTIMIZERS}")
@@ -618,26 +861,31 @@ def plan_state_sharding(
         fits = {}
         bw = _per_dim("bandwidth", bandwidth, list(sizes), allow_zero=False)
         lat = _per_dim("latency", latency, list(sizes), allow_zero=True)
-    counted: dict[tuple[_Part, ...], int] = {}
+    counted: dict[_Unit, int] = {}
     for unit in _units(model_or_named_shapes, units, dtype):
-        key = _parts(unit, granularity)
+        key = _unit(unit, granularity)
         counted[key] = counted.get(key, 0) + 1
     grouped = list(counted.items())
-    model = _Model(sizes, optimizer, param_dtype, reduce_dtype, bw, lat, fits, float(memory_budget))
+    degrees = _ep_candidates(ep, grouped, sizes)
+    tokens, k = _routing(degrees, grouped, tokens_per_rank, top_k)
+    model = _Model(sizes, optimizer, param_dtype, reduce_dtype, bw, lat, fits, float(memory_budget),
+                   tokens, k)
     candidates = []
     for params, grads, optim in _candidates(list(sizes)):
         sharding = StateSharding(params=params, grads=grads, optim=optim)
         for reshard in (True, False) if params else (True,):
-            candidates.append(_evaluate(grouped, sharding, reshard, model))
+            candidates += [_evaluate(grouped, sharding, reshard, model, d) for d in degrees]
     fitting = sorted((c for c in candidates if c.fits),
-                     key=lambda c: (c.comm_seconds_total, c.memory_total, str(c.sharding)))
+                     key=lambda c: (c.comm_seconds_total, c.memory_total, str(c.sharding), c.ep))
     if not fitting:
         least = min(candidates, key=lambda c: c.memory_total)
         raise ValueError(
             f"memory_budget={memory_budget:.4g} bytes per rank fits no StateSharding of mesh "
             f"{sizes}: the least memory found is {least.memory_total:.4g} bytes ({least.sharding}, "
-            f"reshard_after_forward={least.reshard_after_forward}); raise memory_budget or add ranks"
+            f"reshard_after_forward={least.reshard_after_forward}, ep={least.ep}); raise "
+            f"memory_budget or add ranks" + ("" if max(degrees) > 1 or not any(u.experts for u, _ in grouped)
+                                            else ", or search expert parallelism (ep='auto')")
         )
     rest = sorted((c for c in candidates if not c.fits),
-                  key=lambda c: (c.memory_total, c.comm_seconds_total, str(c.sharding)))
+                  key=lambda c: (c.memory_total, c.comm_seconds_total, str(c.sharding), c.ep))
     return StateShardingPlan(fitting + rest, float(memory_budget), sizes, bw, lat, fits)
