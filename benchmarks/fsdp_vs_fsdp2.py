@@ -22,6 +22,17 @@ checkpointing) before ``fully_shard``; ``--compile`` then compiles every block
 compilation.
 
 Run: ``.venv/bin/python benchmarks/fsdp_vs_fsdp2.py`` (``--help`` for the knobs).
+
+``--device cpu|cuda`` runs both runtimes in one process instead, on Llama-3-8B-shaped blocks
+(``--layers`` 4, ``--width`` 4096, ``--ffn`` 14336, ``--heads`` 32, ``--kv-heads`` 8, ``--seq``
+4096, ``--batch`` 1; bf16 parameters, fp32 reduction), at world size ``--world`` through torch's
+fake process group (collectives cost nothing; :mod:`_one_process`), and prints step time, the time
+in copy kernels (torch profiler), peak memory and the bytes each rank would move::
+
+    python benchmarks/fsdp_vs_fsdp2.py --device cuda --world 8 [--checkpoint] [--compile]
+    python benchmarks/fsdp_vs_fsdp2.py --device cpu --world 8 --width 64 --ffn 128 --heads 4 \
+        --kv-heads 2 --seq 32 --steps 2 --runs 1
+    torchrun --nproc-per-node 1 benchmarks/fsdp_vs_fsdp2.py --device cuda --world 1
 """
 
 from __future__ import annotations
@@ -103,14 +114,29 @@ def _worker(rank: int, ws: int, args) -> dict:
     return results
 
 
+# the size options' defaults: gloo ranks' GPT (no --device), one process's Llama-3-8B blocks
+_DEFAULTS = {
+    None: {"width": 128, "heads": 4, "seq": 64, "batch": 4},
+    "device": {"width": 4096, "heads": 32, "seq": 4096, "batch": 1},
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                    help="one process on this device, fake process group for --world > 1 "
+                         "(default: --world gloo ranks on the CPU, a GPT)")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    ap.add_argument("--width", type=int, default=None, help="hidden size (128; --device: 4096)")
+    ap.add_argument("--heads", type=int, default=None, help="attention heads (4; --device: 32)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (64; --device: 4096)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="sequences per rank per step (4; --device: 1)")
+    ap.add_argument("--ffn", type=int, default=14336, help="--device: feed-forward size")
+    ap.add_argument("--kv-heads", type=int, default=8, help="--device: key/value heads")
+    ap.add_argument("--profile-steps", type=int, default=2,
+                    help="--device: steps under the torch profiler")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--runs", type=int, default=3)
@@ -125,6 +151,15 @@ def main() -> None:
     )
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile")
     args = ap.parse_args()
+    for name, value in _DEFAULTS["device" if args.device else None].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.device is not None:
+        from _one_process import run_one_process
+
+        args.bf16 = True
+        run_one_process(args, _shard)
+        return
     per_rank = run_gloo(_worker, args.world, args)
 
     cfg = f"{args.layers} layers x {args.width} wide, seq {args.seq}, batch {args.batch}/rank"

@@ -405,7 +405,7 @@ def _unsharded_bytes(model, runtime: str) -> int:
         if group is None:
             continue
         tensors += [t for fp in group.fsdp_params for t in fp.all_gather_outputs]
-        state = group.comm_ctx.all_gather_state
+        state = getattr(group.comm_ctx, "all_gather_state", None)  # set at FSDP2's lazy init
         for result in (group._all_gather_result, state and state.all_gather_result):
             if result:
                 tensors.append(result.all_gather_output)

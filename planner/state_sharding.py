@@ -75,9 +75,11 @@ local experts, planned as above at their own sharding degrees, summed (the unit'
 buffers hold both). Communication: the dense part's collectives over their groups, the experts'
 over theirs (groups of the reduced dims), and per MoE unit 4 all-to-alls a step (dispatch and
 combine, forward and backward) of ``tokens_per_rank * top_k * hidden * itemsize * (ep - 1) / ep``
-bytes per rank (uniform routing; ``hidden`` the last dim of the unit's first 3-D expert tensor,
-``itemsize`` of ``param_dtype``, or the experts' dtype), ``ep - 1`` steps each, charged to the slowest dim the EP group
-spans. Activation recomputation's repeated all-to-alls are not modelled.
+bytes per rank (uniform routing; ``hidden`` the last dim of the unit's input projection,
+``w1``/``w3``/``gate_proj``/``up_proj``/``gate_up_proj``, else of its first 3-D expert tensor;
+``itemsize`` of ``param_dtype``, or the experts' dtype), ``ep - 1`` steps each, charged to the
+slowest dim the EP group spans. Activation recomputation's repeated all-to-alls are not
+modelled.
 """
 
 from __future__ import annotations
@@ -569,7 +571,18 @@ def _expert_split(unit: list[Entry]) -> tuple[list[Entry], list[Entry], int, int
     experts = counts.pop()
     expert = [e for e in named if len(e[1]) >= 2 and e[1][0] == experts]
     ids = {id(e) for e in expert}
-    return [e for e in unit if id(e) not in ids], expert, experts, stacked[0][1][-1]
+    return [e for e in unit if id(e) not in ids], expert, experts, _hidden(stacked)
+
+
+_INPUT_PROJ = re.compile(r"(^|\.)(w1|w3|gate_proj|up_proj|gate_up_proj)(\.weight)?$")
+
+
+def _hidden(stacked: list[Entry]) -> int:
+    """The row width of the all-to-all: the input dim (last, of ``[E, out, in]``) of an input
+    projection (``w1``, ``w3``, ``gate_proj``, ``up_proj``, ``gate_up_proj``), else of the
+    first stacked tensor."""
+    named = [e for e in stacked if _INPUT_PROJ.search(e[0])]
+    return (named or stacked)[0][1][-1]
 
 
 def _unit(unit: list[Entry], granularity: GranularityPolicy) -> _Unit:

@@ -4,6 +4,8 @@ package works around, in one place.
 * Its reduce-scatter is a whole all-reduce (twice the bytes of a ring reduce-scatter): a sum
   runs as one all-to-all and a local sum instead (:func:`reduce_scatter_by_all_to_all`, which
   :func:`ragged_placement._compat.reduce_scatter_single` calls on gloo).
+* Its coalesced all-gather has no CUDA path (its plain one stages CUDA tensors through host
+  memory): all-gathers of CUDA tensors are never coalesced on gloo (:func:`coalesces_all_gathers`).
 * Its two worker threads per group race on a string and corrupt the heap: every gloo group
   created after ``import ragged_placement`` runs one (:func:`one_worker_gloo`, patched in by
   :mod:`ragged_placement._install`).
@@ -18,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "coalescing", "gloo_supports_one_worker", "gloo_worker_threads", "one_worker_gloo",
-    "reduce_scatter_by_all_to_all", "sums_by_all_to_all",
+    "coalesces_all_gathers", "coalescing", "gloo_supports_one_worker", "gloo_worker_threads",
+    "one_worker_gloo", "reduce_scatter_by_all_to_all", "sums_by_all_to_all",
 ]
 
 
@@ -27,6 +29,14 @@ def sums_by_all_to_all(op, group) -> bool:
     """Whether :func:`ragged_placement._compat.reduce_scatter_single` runs ``op`` over ``group``
     as an all-to-all (a gloo sum), which no coalescing manager can hold."""
     return op == dist.ReduceOp.SUM and dist.get_backend(group) == "gloo"
+
+
+def coalesces_all_gathers(group, device: torch.device) -> bool:
+    """Whether several all-gathers of tensors on ``device`` over ``group`` may run as one
+    coalesced collective: not on gloo with CUDA tensors, where c10d's coalesced all-gather
+    (``ProcessGroupGloo::allgather_coalesced``) has no CUDA work staging them through host
+    memory, as its ``allgather`` has (CONTRIBUTING.md, "Several ranks on one GPU")."""
+    return not (device.type == "cuda" and dist.get_backend(group) == "gloo")
 
 
 def coalescing(group) -> bool:

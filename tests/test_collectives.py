@@ -231,3 +231,18 @@ def _check_gloo_reduce_scatter(out: dict) -> None:
             torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
             assert dtype != torch.float32 or torch.equal(ours, theirs)
             torch.testing.assert_close(ours.double(), out[dtype], rtol=tol, atol=tol)
+
+
+def _coalescing_decisions(rank: int, ws: int) -> tuple[bool, bool]:
+    from ragged_placement._gloo import coalesces_all_gathers
+
+    return (coalesces_all_gathers(None, torch.device("cpu")),
+            coalesces_all_gathers(None, torch.device("cuda")))
+
+
+@pytest.mark.multiprocess
+def test_gloo_never_coalesces_all_gathers_of_cuda_tensors():
+    """On gloo, several all-gathers of CPU tensors run as one coalesced collective, of CUDA
+    tensors one by one: gloo's coalesced all-gather has no CUDA work staging them through host
+    memory (CONTRIBUTING.md, "Several ranks on one GPU")."""
+    assert run_gloo(_coalescing_decisions, 2) == [(True, False)] * 2

@@ -137,3 +137,84 @@ def test_bad_dp_mesh_dims_raise_naming_the_argument_before_any_collective(monkey
     monkeypatch.setattr(spmd_mod, "DataParallelMeshDims", None)  # torch 2.11
     with pytest.raises(TypeError, match=r"dp_mesh_dims needs torch >= 2.13"):
         spmd_mod.check_dp_mesh_dims(None, object())  # refused before the mesh is read
+
+
+# -- a module computing on its parameter's local tensor (torchtitan's Embedding) -----------------
+
+V, SEQ = 11, 5
+TOKENS = torch.randint(0, V, (BATCH, SEQ + 1), generator=_GEN)
+
+
+class LocalLM(nn.Module):
+    """torchtitan's ``Embedding`` (``F.embedding`` on ``weight.to_local()``), an RMSNorm and an
+    output layer; ``tied``: the output layer is the embedding, also run on its local tensor."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.tied = tied
+        self.emb = nn.Embedding(V, D)
+        self.norm = nn.RMSNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = x.to_local() if isinstance(x, DTensor) else x
+        h = F.embedding(local, _local(self.emb.weight))
+        if isinstance(x, DTensor):
+            h = DTensor.from_local(h, x.device_mesh, x.placements)
+        h = self.norm(h)
+        if not self.tied:
+            return self.head(h)
+        out = F.linear(_local(h), _local(self.head.weight))
+        return DTensor.from_local(out, x.device_mesh, x.placements) if isinstance(x, DTensor) else out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(0)
+    _LM_INIT = {tied: LocalLM(tied).state_dict() for tied in (False, True)}
+
+
+def _lm(tied: bool) -> LocalLM:
+    m = LocalLM(tied)
+    m.load_state_dict(_LM_INIT[tied])
+    return m
+
+
+def _lm_grads(rank: int, ws: int, runtime: str, tied: bool) -> dict[str, torch.Tensor]:
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("dp",))
+    m = _lm(tied)
+    for mod in (m.emb, m.norm) if tied else (m.emb, m.norm, m.head):
+        mod.weight = nn.Parameter(distribute_tensor(mod.weight.detach(), mesh, [Replicate()]))
+    if tied:
+        m.head.weight = m.emb.weight
+    fs = fully_shard if runtime == "ours" else torch_fully_shard
+    fs(m, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    m.set_gradient_divide_factor(1.0)  # torchtitan's: the DTensor loss is the global mean
+    m.set_force_sum_reduction_for_comms(True)  # threaded ranks: FSDP2 with sums only
+    per = BATCH // ws
+    rows = slice(rank * per, (rank + 1) * per)
+    x = DTensor.from_local(TOKENS[rows, :-1], mesh, [Shard(0)])
+    y = DTensor.from_local(TOKENS[rows, 1:], mesh, [Shard(0)])
+    F.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
+    return {k: p.grad.full_tensor() for k, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_embedding_on_its_local_tensor_gets_fsdp2s_gradient(tied):
+    """``weight.to_local()``'s backward returns the gradient ``Replicate()`` on the DP dim
+    though each rank holds its own batch's: it used to be divided by the DP size once more
+    when accumulated into the unit's ``Partial()`` gradient (exactly half of FSDP2's on 2
+    ranks, issue 34); now each rank's local gradient is reduced, as FSDP2 does."""
+    m = _lm(tied)
+    F.cross_entropy(m(TOKENS[:, :-1]).flatten(0, 1), TOKENS[:, 1:].flatten()).backward()
+    ref = {k: p.grad for k, p in m.named_parameters()}
+    for runtime in ("ours", "fsdp2"):
+        for grads in run_threaded(_lm_grads, 2, runtime, tied):
+            assert grads.keys() == ref.keys()
+            for k, g in grads.items():
+                torch.testing.assert_close(g, ref[k], atol=1e-6, rtol=1e-5, msg=f"{runtime} {k}")

@@ -118,3 +118,11 @@ def test_a_size_one_mesh_dim_is_charged_as_without_ep():
     assert {x.charged for x in plan.find(z3, True, 1).collectives} == {"inter"}
     assert {(x.op, x.charged) for x in plan.find(z3, True, 2).collectives} == {
         ("all_gather", "inter"), ("reduce_scatter", "inter"), ("all_to_all", "intra")}
+
+
+def test_all_to_all_width_is_the_input_projections_input_dim():
+    # w2 ([E, dim, ffn]) listed first: the rows the all-to-all moves are dim = 8 wide, not ffn
+    unit = [[("l.moe.experts.w2", (4, 8, 24)), ("l.moe.experts.w1", (4, 24, 8))]]
+    c = _plan(unit).find(StateSharding.zero3(MESH), True, ep=2)
+    a2a = [x for x in c.collectives if x.op == "all_to_all"]
+    assert a2a[0].bytes == 4 * 10 * 2 * 8 * 4 / 2

@@ -365,7 +365,8 @@ class FlatBuffer:
             self.gather = None
             return
         old = self.gather
-        if old is not None and (old.gathered.device, self._gathered_dtype) == (
+        shared = self.comm.shared_unsharded()
+        if shared is None and old is not None and (old.gathered.device, self._gathered_dtype) == (
             device,
             self.param_dtype,
         ):

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ragged_placement._compat import all_gather_single, reduce_scatter_single
-from ragged_placement._gloo import sums_by_all_to_all
+from ragged_placement._gloo import coalesces_all_gathers, sums_by_all_to_all
 from ragged_placement.fsdp.common import CommStats
 from ragged_placement.planner.plan import Segment
 
@@ -202,7 +202,8 @@ def all_gather_parts(parts, world_size: int, group=None, async_op: bool = False,
     calls = [_gather_calls(output, input, segments, world_size, rank, group, as_bytes,
                            gather or all_gather_single)
              for output, input, segments in parts]
-    return _run_parts(calls, group, async_op, custom=gather is not None)
+    return _run_parts(calls, group, async_op, custom=gather is not None,
+                      coalesce=coalesces_all_gathers(group, parts[0][0].device))
 
 
 def all_gather_segments(output: torch.Tensor, input: torch.Tensor, segments, world_size: int,
@@ -323,11 +324,45 @@ def _one_group(requests: list) -> tuple[object, int]:
     return group, world_size
 
 
+def _segment_runs(segments: Sequence[Segment]) -> list[tuple[int, int, int]]:
+    """Over one rank: ``(chunk_offset, buffer_offset, numel)`` of each segment, where the
+    gathered buffer holds the chunk's elements."""
+    return [(s.chunk_offset, s.buffer_offset,
+             s.rank_starts[-1] if s.rank_starts is not None else s.chunk_numel)
+            for s in segments]
+
+
+def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.data_ptr() != src.data_ptr():
+        dst.copy_(src)
+
+
+def _gather_locally(gathers: list[Gather]) -> Works:
+    """An all-gather over one rank: each input copied to its place in the output, unless it is
+    there already (the sharded chunk viewed as the unsharded buffer); no collective."""
+    for g in gathers:
+        for chunk_at, buffer_at, n in _segment_runs(g.segments):
+            _copy_unless_same(g.output[buffer_at:buffer_at + n], g.input[chunk_at:chunk_at + n])
+    return Works([])
+
+
+def _reduce_locally(reductions: list[Reduction]) -> Works:
+    """A reduce-scatter over one rank: each segment's input is its sum, copied to its place in
+    the output unless it is the output itself; no collective."""
+    for r in reductions:
+        for (chunk_at, _, n), x in zip(_segment_runs(r.segments), r.inputs):
+            _copy_unless_same(r.output[chunk_at:chunk_at + n], x)
+    return Works([])
+
+
 def issue_all_gather(gathers: list[Gather], stats: CommStats, gather=None):
     """Issue ``gathers`` (the flat buffers of one unit) as one coalesced all-gather (or through
     a user's ``gather``, see :func:`all_gather_parts`), counted once in ``stats`` (bytes: all
-    outputs); returns its work."""
+    outputs); returns its work. Over one rank nothing is issued nor counted: the inputs are
+    copied into the outputs where they are not views of them already."""
     group, world_size = _one_group(gathers)
+    if world_size == 1 and gather is None:
+        return _gather_locally(gathers)
     nbytes = sum(g.output.numel() * g.output.element_size() for g in gathers)
     stats.all_gathers += 1
     stats.all_gather_bytes += nbytes
@@ -343,8 +378,11 @@ def issue_all_gather(gathers: list[Gather], stats: CommStats, gather=None):
 def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats, scatter=None):
     """Issue ``reductions`` (the flat buffers of one unit) as one coalesced reduce-scatter (a
     sum; or through a user's ``scatter``, see :func:`reduce_scatter_parts`), counted once in
-    ``stats`` (bytes: all inputs); returns its work."""
+    ``stats`` (bytes: all inputs); returns its work. Over one rank nothing is issued nor
+    counted (as :func:`issue_all_gather`)."""
     group, world_size = _one_group(reductions)
+    if world_size == 1 and scatter is None:
+        return _reduce_locally(reductions)
     stats.reduce_scatters += 1
     stats.reduce_scatter_bytes += sum(
         g.numel() * g.element_size() for r in reductions for g in r.inputs

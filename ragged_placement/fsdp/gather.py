@@ -41,6 +41,11 @@ class PlainGather:
         slots: the buffer's parameters.
         dtype: ``param_dtype``, the dtype of the all-gather.
         device: where the buffer lives (the compute device).
+        shared: a tensor (in ``dtype`` on ``device``, laid out as the unsharded buffer) whose
+            storage ``gathered`` and the aliases share, persistently: :meth:`allocate` and
+            :meth:`free` do nothing (the sharded chunk of a buffer over one rank,
+            :meth:`~ragged_placement.fsdp.mesh.BufferComm.shared_unsharded`). ``None``: a
+            storage of its own.
     """
 
     gathered: torch.Tensor
@@ -49,6 +54,7 @@ class PlainGather:
     send_segments: list[Segment]  # the all-gather's segments: the plan's
     _storage: torch.UntypedStorage
     _nbytes: int
+    _shared: bool
 
     # -- the gather's constraints, read before it exists ---------------------------------------
     @staticmethod
@@ -71,17 +77,29 @@ class PlainGather:
 
     @classmethod
     def for_buffer(cls, buffer: FlatBuffer, device: torch.device) -> PlainGather:
-        """The gather of ``buffer`` on ``device`` in its ``param_dtype``."""
-        return cls(buffer.plan, buffer.slots, buffer.param_dtype, device)
+        """The gather of ``buffer`` on ``device`` in its ``param_dtype`` (over the storage its
+        communication shares, :meth:`~ragged_placement.fsdp.mesh.BufferComm.shared_unsharded`)."""
+        return cls(buffer.plan, buffer.slots, buffer.param_dtype, device,
+                   buffer.comm.shared_unsharded())
 
     def __init__(
-        self, plan: FlatLayout, slots: Sequence[ParamSlot], dtype: torch.dtype, device: torch.device
+        self,
+        plan: FlatLayout,
+        slots: Sequence[ParamSlot],
+        dtype: torch.dtype,
+        device: torch.device,
+        shared: torch.Tensor | None = None,
     ) -> None:
-        self.gathered = torch.empty(plan.buffer_numel, dtype=dtype, device=device)
+        self._shared = shared is not None
+        if shared is None:
+            self.gathered = torch.empty(plan.buffer_numel, dtype=dtype, device=device)
+        else:
+            self.gathered = shared[:plan.buffer_numel]
         self._storage = self.gathered.untyped_storage()
         self._nbytes = self._storage.nbytes()
+        base = self.gathered.storage_offset()
         self.params = [
-            alias(self._storage, dtype, device, plan.offsets[slot.fqn], slot.shape)
+            alias(self._storage, dtype, device, base + plan.offsets[slot.fqn], slot.shape)
             for slot in slots
         ]
         self.weights = [None] * len(slots)
@@ -90,11 +108,13 @@ class PlainGather:
 
     def allocate(self) -> None:
         """Give ``gathered`` its storage (before the all-gather)."""
-        self._storage.resize_(self._nbytes)
+        if not self._shared:
+            self._storage.resize_(self._nbytes)
 
     def free(self) -> None:
         """Release the storage (the aliases stay, pointing at empty storage)."""
-        self._storage.resize_(0)
+        if not self._shared:
+            self._storage.resize_(0)
 
     def stage_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype :meth:`pack` reads the sharded chunk (in ``dtype``) in: a CPU-offload

@@ -133,9 +133,9 @@ class FlatGrads:
         """Average the summed reduction ``out`` (times ``scale``, over ``divisor``) and land it
         in the sharded gradients (through the host under CPU offload)."""
         b = self._buffer
-        if scale == 1.0:  # a division: bitwise what FSDP2's averaging gives
+        if scale == 1.0 and divisor != 1:  # a division: bitwise what FSDP2's averaging gives
             out.div_(divisor)
-        else:
+        elif scale != 1.0 or divisor != 1:
             out.mul_(scale / divisor)
         if out.dtype != b.orig_dtype:
             out = out.to(b.orig_dtype)

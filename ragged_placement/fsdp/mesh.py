@@ -135,8 +135,16 @@ class UnitMesh(abc.ABC):
     def replicas_group(self) -> dist.ProcessGroup | None:
         """The group over which the unit all-reduces each reduce-scatter output (HSDP's
         replicas; ``None``: :meth:`BufferComm.start_rest` reduced over the replicas already, or
-        there are none)."""
-        return self.replicate_group
+        there are none: a replicate dim of size 1 issues nothing)."""
+        return self.replicate_group if self.replicate_size > 1 else None
+
+    @property
+    def agreement_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The groups an agreement among all the data-parallel ranks runs over (the shard
+        ranks', then the replicas'): those of more than one rank, so that a mesh dim of size 1
+        costs no collective (none at all on one rank)."""
+        groups = [(self.shard_group, self.shard_size), (self.replicate_group, self.replicate_size)]
+        return tuple(group for group, size in groups if group is not None and size > 1)
 
     def attach(self, unit) -> None:
         """Called once by ``unit``, the :class:`~ragged_placement.fsdp.unit.FSDPUnit` built
@@ -173,6 +181,11 @@ class BufferComm(abc.ABC):
 
     def allocate(self) -> None:
         """After :meth:`FlatBuffer.allocate`: allocate what this communication keeps."""
+
+    def shared_unsharded(self) -> torch.Tensor | None:
+        """The tensor whose storage the unsharded buffer shares (``None``: a storage of its
+        own, allocated at each unshard; see :class:`~ragged_placement.fsdp.gather.PlainGather`)."""
+        return None
 
     @abc.abstractmethod
     def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
@@ -257,16 +270,44 @@ class DataParallelMesh(UnitMesh):
 class ShardComm(BufferComm):
     """A flat buffer's communication on a :class:`DataParallelMesh`: the all-gather of the
     chunks over the shard group (or of the post-forward shards over their group), the
-    reduce-scatter over it; HSDP's all-reduce over the replicas follows in the unit."""
+    reduce-scatter over it; HSDP's all-reduce over the replicas follows in the unit.
+
+    **One shard rank** (a one-rank mesh, or a shard dim of size 1): the chunk is the whole
+    buffer, so the unsharded parameters are views of the sharded chunk itself
+    (:meth:`shared_unsharded`, where no cast, CPU offload or FP8 packing stands between them),
+    a one-segment buffer's reduce-scatter output is its gradient buffer itself (:meth:`reduction`:
+    ``.grad`` lands where backward accumulated it), and the unit's collectives over one rank are
+    local copies at most, none issued (:func:`~ragged_placement.fsdp.collectives.
+    issue_all_gather`)."""
 
     def __init__(self, buffer: FlatBuffer, mesh: DataParallelMesh) -> None:
         self._buffer = buffer
         self._mesh = mesh
 
+    def _one_rank(self) -> bool:
+        """Whether the buffer is sharded over one rank with the chunk laid out as the
+        unsharded buffer (every segment at the same offset in both)."""
+        plan = self._buffer.plan
+        return (self._mesh.shard_size == 1 and plan.buffer_numel <= plan.chunk_numel
+                and all(s.chunk_offset == s.buffer_offset for s in plan.segments))
+
+    def shared_unsharded(self) -> torch.Tensor | None:
+        b = self._buffer
+        plain = (b.offload_device is None and not any(b.quantized)
+                 and b.param_dtype == b.orig_dtype)
+        return b.sharded if plain and self._one_rank() else None
+
     def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
         b = self._buffer
         b.gather.allocate()
-        send = b.send_buffer(pf)
+        if pf is None and b.offload_device is None and b.fp8 is None and self._one_rank():
+            # one rank: the mixed-precision cast written into the unsharded buffer (a no-op
+            # where it shares the chunk's storage), which the local all-gather leaves as it is
+            send = b.gather.gathered
+            if send.data_ptr() != b.sharded.data_ptr():
+                send.copy_(b.sharded[:send.numel()])
+        else:
+            send = b.send_buffer(pf)
         world_size = b.world_size if pf is None else pf.size
         gather = b.gather_segments
         segments = gather if pf is None else pf.coarsen(gather)
@@ -276,7 +317,10 @@ class ShardComm(BufferComm):
     def reduction(self, inputs: list[torch.Tensor],
                   group: dist.ProcessGroup | None) -> Reduction:
         b = self._buffer
-        out = torch.empty(b.chunk_numel, dtype=b.reduce_dtype, device=b.device)
+        if self._one_rank() and len(inputs) == 1 and inputs[0].numel() == b.chunk_numel:
+            out = inputs[0]  # one rank, one segment: the sum is the gradient buffer itself
+        else:
+            out = torch.empty(b.chunk_numel, dtype=b.reduce_dtype, device=b.device)
         group = self._mesh.shard_group if group is None else group
         return Reduction(out, inputs, b.plan.segments, b.world_size, group)
 

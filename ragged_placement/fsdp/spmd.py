@@ -62,6 +62,22 @@ class SPMDMesh:
         return DTensorSpec(self.mesh, placements, spec.tensor_meta)
 
 
+    def rank_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """``grad`` as this rank's contribution: ``Partial()`` on the data-parallel dims where
+        it arrives ``Replicate()`` there (``None``: unchanged). A module that runs on its
+        parameter's local tensor (``weight.to_local()``, torchtitan's ``Embedding``) gets its
+        gradient back from ``to_local``'s backward with the parameter's placements,
+        ``Replicate()``, though each rank holds its own batch's gradient; accumulated into the
+        ``Partial()`` gradient (:meth:`grad_spec`), DTensor would divide it by the
+        data-parallel size. FSDP2 reduces each rank's local gradient whatever its placements:
+        so does this runtime."""
+        if not isinstance(grad, DTensor) or grad.device_mesh != self.mesh:
+            return None
+        if not any(isinstance(grad.placements[i], Replicate) for i in self.dp_dims):
+            return None
+        return DTensor(grad._local_tensor, self.grad_spec(grad._spec), requires_grad=False)
+
+
 def _one_name(value: object, field: str) -> str | None:
     if value is None or isinstance(value, str):
         return value

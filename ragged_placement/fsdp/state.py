@@ -281,7 +281,7 @@ class FSDPState:
         params = self.unit.unsharded_params
         for i in indices:
             if i not in self._grad_hooked:
-                params[i].register_hook(lambda grad, i=i: self._on_grad(i))
+                params[i].register_hook(lambda grad, i=i: self._on_grad(i, grad))
                 self._grad_hooked.add(i)
 
     # -- lazy root init ----------------------------------------------------------------------
@@ -480,12 +480,14 @@ class FSDPState:
         ctx.prefetch_after(self, backward=True)
 
     @dynamo_disable
-    def _on_grad(self, index: int) -> None:
+    def _on_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         # Runs before AccumulateGrad of unsharded parameter ``index``. A segment's gradient
         # buffer is allocated at its first gradient, not at pre-backward, where it would sit on
         # the activation peak.
         self.got_grad.add(index)
         self.unit.prepare_grads(index)
+        spmd = self.unit.buffers[0].spmd  # fully_shard(dp_mesh_dims=...): every buffer's
+        return None if spmd is None else spmd.rank_grad(grad)
 
     def note_reduce(self) -> None:
         """Called before the unit's reduce-scatter: which sharded parameters had a ``.grad``."""
@@ -552,18 +554,20 @@ def agree_on_refreshes(states: list[FSDPState]) -> None:
     for units in by_mesh.values():
         dp = units[0].dp
         stale = _any_rank([u.needs_refresh() for u in units], units[0].device,
-                          (dp.shard_group, dp.replicate_group))
+                          dp.agreement_groups)
         for unit, flag in zip(units, stale):
             unit.agree_refresh(flag)
 
 
 def _any_rank(flags: list[bool], device: torch.device, groups: Sequence) -> list[bool]:
-    """Each of ``flags`` or-ed over the ranks of ``groups`` (``None`` entries skipped): one
+    """Each of ``flags`` or-ed over the ranks of ``groups`` (a unit mesh's
+    :attr:`~ragged_placement.fsdp.mesh.UnitMesh.agreement_groups`; none: this rank's own): one
     all-reduce (max) of one byte per flag per group, read by the host."""
+    if not groups:
+        return list(flags)
     out = torch.tensor(flags, dtype=torch.uint8, device=device)
     for group in groups:
-        if group is not None:
-            torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
     return [bool(f) for f in out.tolist()]
 
 
@@ -583,13 +587,13 @@ def drop_unused_grads(states: Sequence[FSDPState]) -> None:
     gradients, as FSDP2 does with it, and skips the all-reduce."""
     by_group: dict[tuple, list[FSDPState]] = {}
     for s in states:
-        if s.had_grad is not None and not s.unit.requires_all_reduce and s.unit.dp.hsdp:
+        if (s.had_grad is not None and not s.unit.requires_all_reduce
+                and s.unit.dp.replicas_group is not None):
             continue  # nothing landed: decided at the backward whose all-reduce lands it
         if s.had_grad is not None and s.keep_unused_grads:
             s.got_grad, s.had_grad = set(), None
         elif s.had_grad is not None:
-            dp = s.unit.dp
-            by_group.setdefault((dp.shard_group, dp.replicate_group), []).append(s)
+            by_group.setdefault(s.unit.dp.agreement_groups, []).append(s)
     for groups, group_states in by_group.items():
         used = [i in s.got_grad for s in group_states for i in range(len(s.unit.slots))]
         flags = iter(_any_rank(used, group_states[0].unit.device, groups))

@@ -28,8 +28,10 @@ __all__ = ["Llama", "LlamaConfig", "parallelize_llama", "pipeline_stage"]
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Shape of a :class:`Llama`: ``n_heads`` must divide ``dim``; under tensor parallelism the
-    TP size must divide ``n_heads``, ``hidden_dim`` and ``vocab_size``."""
+    """Shape of a :class:`Llama`: ``n_heads`` must divide ``dim``; ``n_kv_heads`` (``None``:
+    ``n_heads``) key/value heads must divide ``n_heads`` (grouped-query attention, as Llama 3);
+    under tensor parallelism the TP size must divide ``n_kv_heads``, ``hidden_dim`` and
+    ``vocab_size``."""
 
     vocab_size: int = 64
     dim: int = 32
@@ -37,6 +39,7 @@ class LlamaConfig:
     n_heads: int = 4
     hidden_dim: int = 64
     norm_eps: float = 1e-5
+    n_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "hidden_dim"):
@@ -45,17 +48,24 @@ class LlamaConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.dim % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} must divide dim={self.dim}")
+        kv = self.n_kv_heads
+        if kv is not None and (not isinstance(kv, int) or kv <= 0 or self.n_heads % kv):
+            raise ValueError(
+                f"n_kv_heads={kv!r} must be a positive int dividing n_heads={self.n_heads}"
+            )
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention without bias; ``cfg`` needs ``dim`` and ``n_heads``."""
+    """Causal multi-head attention without bias; ``cfg`` needs ``dim`` and ``n_heads``, and may
+    give ``n_kv_heads`` (grouped-query attention; none or ``None``: ``n_heads``)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
+        kv_dim = (getattr(cfg, "n_kv_heads", None) or cfg.n_heads) * self.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +74,8 @@ class Attention(nn.Module):
         q, k, v = (
             w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
         )
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
