@@ -14,6 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
+# torch's gloo groups run two worker threads that race and corrupt the heap (an abort at exit,
+# seen in the HSDP run with FSDP2): importing ragged_placement gives every gloo group one
+# worker (ragged_placement._gloo), in both runtimes' jobs.
+import ragged_placement  # noqa: F401
+
 
 def _sdpa_with_block_mask(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux,
                           kernel_options):
