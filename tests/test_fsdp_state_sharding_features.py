@@ -582,7 +582,7 @@ BAD_MESSAGES = {
     "set_requires_all_reduce": ("ValueError", r"set_requires_all_reduce\(False\) on FSDPMLP"),
     "set_custom_all_gather": ("ValueError", r"custom all-gather .* on FSDPMLP"),
     "set_custom_reduce_scatter": ("ValueError", r"custom all-gather .* on FSDPMLP"),
-    "tp dim in fully_shard": ("ValueError", r"of parameter weight must be disjoint sub-meshes"),
+    "tp dim in fully_shard": ("ValueError", r"parameter weight is tensor-parallel over mesh dim.*mesh=mesh\[.dp.\]"),
 }
 
 

@@ -100,8 +100,9 @@ def state_view(module: nn.Module) -> FSDP2StateView | None:
     """What ``torch.distributed.fsdp.fully_shard.state(module)`` returns for ``module`` (hooked
     in by ``ragged_placement._install``): the view of its unit if ours sharded it, else
     ``None`` (torch's lookup then runs)."""
-    from ragged_placement.fsdp.module import FSDPModule
+    from ragged_placement.fsdp.state import FSDPState
 
-    if not isinstance(module, FSDPModule):
+    state = getattr(module, "_fsdp_state", None)
+    if not isinstance(state, FSDPState):
         return None
-    return FSDP2StateView(module._fsdp_state)
+    return FSDP2StateView(state)
