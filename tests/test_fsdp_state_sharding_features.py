@@ -596,9 +596,7 @@ def test_bad_input_raises_naming_the_argument_before_any_collective(every_featur
             assert kind == want_kind, (name, kind, message)
             assert re.search(pattern, message), (name, message)
             assert collectives == 0, (name, collectives)
-            # known gap: fully_shard creates the unit's process groups (new_group, which
-            # synchronizes the members through the store) before it sees the TP parameters
-            assert groups == 0 or name == "tp dim in fully_shard", (name, groups)
+            assert groups == 0, (name, groups)
 
 
 # -- 5. 8 ranks as 2x2x2 -----------------------------------------------------------------------
