@@ -131,7 +131,7 @@ def run_experts(
 
     ``torch._grouped_mm`` (one kernel per matrix for all experts) or a loop of ``matmul`` per
     expert; both compute, per expert, ``x_e @ w[e].T`` (on CPU ``torch._grouped_mm``'s forward
-    agrees with the loop to fp32 rounding, tests/test_moe.py, but its backward does not run
+    agrees with the loop to fp32 rounding, tests/moe/test_moe.py, but its backward does not run
     there, so ``None`` picks it only on CUDA; the CUDA path has not run here: no GPU)."""
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_supported(x.device)
