@@ -66,8 +66,8 @@ def split_by_mesh(
     (they become one unit over its mesh) and must not be one of ``roots`` (the unit being built);
     otherwise ``ValueError`` naming the parameter, before any collective.
     """
-    if shard_placement_fn is None or ShardPlacementResult is None:
-        return shard_placement_fn, []
+    if not callable(shard_placement_fn) or ShardPlacementResult is None:
+        return shard_placement_fn, []  # None, or a bad value _check_shard_placements names
     own: dict[int, object] = {}
     groups: dict[DeviceMesh, OtherMeshGroup] = {}
     mesh_of: dict[int, DeviceMesh | None] = {}
