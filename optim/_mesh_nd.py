@@ -12,7 +12,9 @@ through DTensor redistribution instead:
   computes its own copy);
 * back: from that placement to the parameter's own placements.
 
-Each direction costs one collective per sharded mesh dim per matrix (not batched). Owners are
+Each direction costs one collective per sharded mesh dim per matrix (not batched). Stacks of
+matrices split by whole matrices on every sharded dim but one (experts under FSDP x EP) do not
+come here: the batched exchange takes each block (:func:`~._sharding.stack_layout`). Owners are
 chosen greedily (largest Newton-Schulz cost first, least-loaded coordinate) over the coordinates
 of the sharded mesh dims.
 """
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
+from ragged_placement.optim._sharding import stack_layout
 from ragged_placement.placement import RaggedShard
 from ragged_placement.regions import contiguous_stride
 
@@ -39,8 +42,15 @@ __all__ = [
 
 
 def sharded_on_several_dims(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor sharded over more than one mesh dim (FSDP x TP)."""
-    return isinstance(tensor, DTensor) and len(_sharded_dims(tensor)) > 1
+    """Whether ``tensor`` is a DTensor sharded over more than one mesh dim (FSDP x TP) that
+    takes this module's path: all but a stack of matrices split by whole matrices on every
+    sharded dim but one (FSDP x EP experts), which the batched exchange takes per block
+    (:func:`~ragged_placement.optim._sharding.stack_layout`)."""
+    return (
+        isinstance(tensor, DTensor)
+        and len(_sharded_dims(tensor)) > 1
+        and stack_layout(tensor) is None
+    )
 
 
 def _sharded_dims(p: DTensor) -> list[int]:

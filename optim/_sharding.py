@@ -32,6 +32,7 @@ DTensor-redistribution path in :mod:`._mesh_nd`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ __all__ = [
     "layout_of",
     "local_flat",
     "local_tensor",
+    "stack_layout",
 ]
 
 
@@ -73,6 +75,10 @@ class Layout:
     ``replicas``: the ``Replicate`` dims of an N-D mesh, in mesh order. A replica row is one
     coordinate on each of them (row-major); every row holds the full tensor, cut by
     ``flat_ranges`` over ``group``. A 1-D mesh has one row.
+
+    ``offset``: where the flattened tensor of ``shape`` starts in the parameter's (0 but for a
+    block of a stack, :func:`stack_layout`), so state kept per piece can be named by its place
+    in the whole parameter.
     """
 
     shape: tuple[int, ...]
@@ -80,6 +86,7 @@ class Layout:
     rank: int
     flat_ranges: tuple[tuple[int, int], ...]
     replicas: tuple[ReplicaDim, ...] = ()
+    offset: int = 0
 
     @property
     def world_size(self) -> int:
@@ -122,27 +129,83 @@ def _whole(shape: tuple[int, ...]) -> Layout:
 
 
 def layout_of(tensor: torch.Tensor) -> Layout:
-    """The :class:`Layout` of a plain tensor or a DTensor sharded over at most one mesh dim.
+    """The :class:`Layout` of a plain tensor or a DTensor sharded over at most one mesh dim, or
+    of a stack of matrices split by whole matrices on all its sharded dims but one
+    (:func:`stack_layout`).
 
     On an N-D mesh whose other dims are ``Replicate`` (HSDP), the layout is the one over the
     sharded dim's process group: every replica group holds the same ranges. Raises
     ``ValueError`` for placements whose local tensors are not contiguous runs of the flattened
-    full tensor (``Shard(d)`` with ``d > 0``, strided shards, partial) and for tensors sharded
-    over more than one mesh dim (those go through :mod:`._mesh_nd`).
+    full tensor (``Shard(d)`` with ``d > 0``, strided shards, partial) and for other tensors
+    sharded over more than one mesh dim (those go through :mod:`._mesh_nd`).
     """
     shape = tuple(int(s) for s in tensor.shape)
     if not isinstance(tensor, DTensor):
         return _whole(shape)
-    sharded = [m for m, pl in enumerate(tensor.placements) if not isinstance(pl, Replicate)]
+    sharded = _sharded_mesh_dims(tensor)
     if not sharded:
         return _whole(shape)
     if len(sharded) > 1:
-        raise ValueError(
-            f"layout_of handles tensors sharded over one mesh dim; placements "
-            f"{tensor.placements} shard over {len(sharded)} and go through optim._mesh_nd"
-        )
+        layout = stack_layout(tensor)
+        if layout is None:
+            raise ValueError(
+                f"layout_of handles tensors sharded over one mesh dim; placements "
+                f"{tensor.placements} shard over {len(sharded)} and go through optim._mesh_nd"
+            )
+        return layout
     (dim,) = sharded
-    placement, mesh = tensor.placements[dim], tensor.device_mesh
+    return _layout_over(tensor, dim, tensor.placements[dim], shape)
+
+
+def stack_layout(tensor: torch.Tensor) -> Layout | None:
+    """The layout of this rank's block of a stack of matrices (a DTensor of >= 3 dims, e.g. the
+    ``[E, out, in]`` experts) whose sharded mesh dims are all ``Shard(0)`` by whole matrices
+    (expert parallelism: ``E`` divisible by their size) but one, a ``RaggedShard`` applied to
+    each block (``split_factor`` the number of blocks; the FSDP x EP composition of
+    ``fully_shard``), or ``None`` for another tensor.
+
+    The matrices of a stack are independent, so each block is its own problem over the
+    ``RaggedShard`` dim's group: the layout is that of the block (``E / blocks`` matrices), cut
+    by the ``RaggedShard``'s units, the ranks of the group sharing the block; the other
+    ``Replicate`` dims are its replicas. A matrix held whole by a rank then never moves.
+    """
+    if not isinstance(tensor, DTensor) or tensor.ndim < 3:
+        return None
+    placements, mesh = tensor.placements, tensor.device_mesh
+    sharded = _sharded_mesh_dims(tensor)
+    by_matrix = [m for m in sharded if type(placements[m]) is Shard and placements[m].dim == 0]
+    rest = [m for m in sharded if m not in by_matrix]
+    blocks = math.prod(mesh.size(m) for m in by_matrix)
+    if len(rest) != 1 or not by_matrix or tensor.shape[0] % blocks:
+        return None
+    (dim,) = rest
+    placement = placements[dim]
+    if (
+        not isinstance(placement, RaggedShard)
+        or placement.split_factor != blocks
+        or any(m < dim for m in by_matrix)  # the RaggedShard cuts each block: it comes first
+    ):
+        return None
+    shape = (int(tensor.shape[0]) // blocks, *(int(s) for s in tensor.shape[1:]))
+    index = 0  # this rank's block: its coordinates on the by-matrix dims, row-major
+    for m in by_matrix:
+        index = index * mesh.size(m) + mesh.get_local_rank(m)
+    layout = _layout_over(tensor, dim, RaggedShard(placement.dims, placement.local_units), shape,
+                          replicas_skip=by_matrix)
+    return dataclasses.replace(layout, offset=index * math.prod(shape))
+
+
+def _sharded_mesh_dims(tensor: DTensor) -> list[int]:
+    return [m for m, pl in enumerate(tensor.placements) if not isinstance(pl, Replicate)]
+
+
+def _layout_over(
+    tensor: DTensor, dim: int, placement: object, shape: tuple[int, ...],
+    replicas_skip: Sequence[int] = (),
+) -> Layout:
+    """The layout of a ``shape`` tensor cut by ``placement`` over mesh dim ``dim`` of
+    ``tensor``'s mesh, the mesh's other dims (but ``replicas_skip``) its replicas."""
+    mesh = tensor.device_mesh
     world, rank = mesh.size(dim), mesh.get_local_rank(dim)
     if isinstance(placement, RaggedShard):
         placement.check_mesh_size(world, mesh_dim=dim)
@@ -164,7 +227,7 @@ def layout_of(tensor: torch.Tensor) -> Layout:
     replicas = tuple(
         ReplicaDim(mesh.get_group(m), mesh.get_local_rank(m), mesh.size(m))
         for m in range(mesh.ndim)
-        if m != dim
+        if m != dim and m not in replicas_skip
     )
     return Layout(shape, mesh.get_group(dim), rank, ranges, replicas)
 

@@ -5,7 +5,7 @@ The update of one matrix ``W`` with gradient ``G`` (Keller Jordan's Muon, in the
 
     B <- lerp(B, G, 1 - momentum)                    # momentum buffer, local (sharded) state
     U <- lerp(G, B, momentum) if nesterov else B
-    O <- NewtonSchulz(U)                              # bf16, 5 quintic steps, see newton_schulz.py
+    O <- NewtonSchulz(U)                              # bf16 (ns_dtype), 5 quintic steps, see newton_schulz.py
     W <- W * (1 - lr * weight_decay) - adjusted_lr * O
 
 ``adjust_lr``: ``"original"`` scales ``lr`` by ``sqrt(max(1, rows / cols))`` (Keller Jordan);
@@ -19,7 +19,9 @@ Distribution. Everything before and after ``NewtonSchulz`` is elementwise and ru
 shards. Each matrix (3-D parameters: each matrix of the stack) has an owner rank; the owner is the
 rank that holds all of it when one does, otherwise it is chosen by greedy LPT over the NS FLOPs.
 Per step, one ``all_to_all_single`` sends every rank's bf16 pieces of every matrix to its owner
-(NS runs in bf16 on the bf16 cast of ``U``, so bf16 on the wire is exact), owners orthogonalize,
+(NS runs in bf16 on the bf16 cast of ``U``, so bf16 on the wire is exact; ``ns_dtype=torch.float32``
+runs NS and the exchange in fp32, for comparisons that a flipped bf16 rounding would blur),
+owners orthogonalize,
 and one ``all_to_all_single`` returns the pieces, asynchronously, while the AdamW parameters are
 updated. Matrices whole on their owner are orthogonalized while the first collective is in flight.
 When every matrix is whole on some rank of a 1-D mesh no collective is issued at all.
@@ -29,7 +31,10 @@ every Newton-Schulz runs once in the world, not once per replica row; the moment
 replicated. The all-to-alls run inside each replica row and one all-gather per ``Replicate``
 dim brings the other rows' results (:mod:`._sharding`); that all-gather runs even when every
 matrix is whole on a rank. Parameters sharded over several mesh dims (FSDP x TP) move one matrix
-at a time by DTensor redistribution (:mod:`._mesh_nd`).
+at a time by DTensor redistribution (:mod:`._mesh_nd`), except stacks split by whole matrices on
+all those dims but one (FSDP x EP experts: ``Shard(0)`` over ``ep``): each ep rank's block is
+its own problem over the other dim's group (:func:`~._sharding.stack_layout`), so an expert
+held whole on a rank is orthogonalized there and sends nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ __all__ = ["Muon", "MuonStepInfo", "adjusted_lr"]
 ADJUST_LR = ("original", "match_rms_adamw")
 _BATCH_MAX_NUMEL = 1 << 20
 ALGORITHMS = ("muon", "adamw")
+NS_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def adjusted_lr(lr: float, adjust_lr: str, rows: int, cols: int) -> float:
@@ -117,12 +123,12 @@ class MuonStepInfo:
 class _Plan:
     """Owners and exchange for one process group (cached while the layouts stay the same)."""
 
-    def __init__(self, layouts: list[Layout], items: list[Item], device: torch.device) -> None:
+    def __init__(
+        self, layouts: list[Layout], items: list[Item], device: torch.device, dtype: torch.dtype
+    ) -> None:
         self.owners, self.loads = assign_owners(items, layouts)
         first = layouts[0]
-        self.exchange = Exchange(
-            items, self.owners, layouts, first.group, first.rank, torch.bfloat16, device
-        )
+        self.exchange = Exchange(items, self.owners, layouts, first.group, first.rank, dtype, device)
 
 
 class Muon(ShardedStateOptimizer):
@@ -141,6 +147,9 @@ class Muon(ShardedStateOptimizer):
         adjust_lr: ``"original"`` or ``"match_rms_adamw"``.
         betas: AdamW betas (adamw groups).
         adamw_eps: AdamW epsilon (adamw groups).
+        ns_dtype: the dtype Newton-Schulz runs in and the exchange moves: ``torch.bfloat16``
+            (Muon's) or ``torch.float32`` (exact comparisons: in bf16 a gradient difference of
+            one fp32 rounding can flip a rounding of ``U`` and move the update by ~1e-3).
     """
 
     def __init__(
@@ -156,7 +165,11 @@ class Muon(ShardedStateOptimizer):
         adjust_lr: str = "original",
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype!r}")
+        self.ns_dtype = ns_dtype
         defaults = {
             "algorithm": "muon",
             "lr": lr,
@@ -221,7 +234,9 @@ class Muon(ShardedStateOptimizer):
         key = tuple((id(p), layout) for p, layout in zip(params, layouts))
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _Plan(layouts, items, local_flat(params[0]).device)
+            plan = self._plans[key] = _Plan(
+                layouts, items, local_flat(params[0]).device, self.ns_dtype
+            )
         return plan
 
     @torch.no_grad()
@@ -238,7 +253,7 @@ class Muon(ShardedStateOptimizer):
             for p in g["params"]
             if p.grad is not None
         ]
-        # 1. momentum, locally; U in bf16 (what NS consumes) is what travels.
+        # 1. momentum, locally; U in ns_dtype (what NS consumes) is what travels.
         updates = [self._momentum(p, g) for p, g in entries]
 
         # 2. split parameters into unsharded ones (plain / Replicate: every rank computes them)
@@ -265,7 +280,7 @@ class Muon(ShardedStateOptimizer):
             flats = [updates[i] for i in idx]
             pending = plan.exchange.start_gather(flats)
             info.all_to_all_calls += pending.work is not None
-            info.bytes_sent += sum(plan.exchange.send_splits) * 2
+            info.bytes_sent += sum(plan.exchange.send_splits) * self.ns_dtype.itemsize
             info.flops_per_rank = plan.loads
             exchanges.append((idx, plan.exchange, flats, pending))
 
@@ -295,7 +310,7 @@ class Muon(ShardedStateOptimizer):
             )
             back = ex.start_scatter(res)
             info.all_to_all_calls += back.work is not None
-            info.bytes_sent += sum(ex.recv_splits) * 2
+            info.bytes_sent += sum(ex.recv_splits) * self.ns_dtype.itemsize
             calls, sent = ex.replica_gather_stats()
             info.all_gather_calls += calls
             info.bytes_sent += sent
@@ -350,7 +365,7 @@ class Muon(ShardedStateOptimizer):
             placements = owner_placements(p, owner)
             full = gather_to_owner(updates[i], p, placements)
             if full.numel():  # this rank owns the matrix
-                full = self._orthogonalize({0: full.view(p.shape)}, entries[i][1])[0].to(torch.bfloat16)
+                full = self._orthogonalize({0: full.view(p.shape)}, entries[i][1])[0].to(self.ns_dtype)
             out[i] = scatter_from_owner(full, p, placements)
         return out
 
@@ -364,11 +379,10 @@ class Muon(ShardedStateOptimizer):
         m = group["momentum"]
         buf.lerp_(grad, 1 - m)
         update = grad.lerp(buf, m) if group["nesterov"] else buf
-        return update.to(torch.bfloat16)
+        return update.to(self.ns_dtype)
 
-    @staticmethod
     def _orthogonalize(
-        mats: dict[int, torch.Tensor], group: dict[str, Any]
+        self, mats: dict[int, torch.Tensor], group: dict[str, Any]
     ) -> dict[int, torch.Tensor]:
         """NS of every matrix (or stack) in ``mats``.
 
@@ -388,7 +402,8 @@ class Muon(ShardedStateOptimizer):
                     else mats[chunk[0]].unsqueeze(0)
                 )
                 ortho = newton_schulz(
-                    batch, group["ns_steps"], group["ns_coefficients"], group["eps"]
+                    batch, group["ns_steps"], group["ns_coefficients"], group["eps"],
+                    dtype=self.ns_dtype,
                 )
                 out.update(zip(chunk, ortho.unbind(0)))
         return out

@@ -1,6 +1,7 @@
 """Newton-Schulz orthogonalization, the inner kernel of Muon.
 
-Keller Jordan's quintic iteration (https://kellerjordan.github.io/posts/muon/): in bf16, scale
+Keller Jordan's quintic iteration (https://kellerjordan.github.io/posts/muon/): in bf16 (or
+``dtype``), scale
 ``X`` by ``1 / (||X||_F + eps)`` so its spectral norm is at most one, then apply
 ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` for ``steps`` iterations. Tall matrices are
 transposed first so ``A`` is the smaller Gram matrix. The result is approximately ``U V^T`` of the
@@ -21,8 +22,10 @@ def newton_schulz(
     steps: int = 5,
     coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
     eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Orthogonalize every matrix in the last two dims of ``x``; returns bf16 of ``x``'s shape.
+    """Orthogonalize every matrix in the last two dims of ``x``; returns ``dtype`` (Muon's bf16
+    by default; ``torch.float32`` for exact comparisons) of ``x``'s shape.
 
     Leading dims are a batch: each matrix is normalized by its own Frobenius norm.
     """
@@ -34,7 +37,7 @@ def newton_schulz(
         raise ValueError(f"steps must be non-negative, got {steps}")
     a, b, c = coefficients
     tall = x.size(-2) > x.size(-1)
-    y = x.bfloat16()
+    y = x.to(dtype)
     if tall:
         y = y.mT
     y = y / (y.norm(dim=(-2, -1), keepdim=True) + eps)

@@ -31,7 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["ExpertParallel", "check_expert_parallel"]
+from ragged_placement.planner.sharding import StateSharding
+
+__all__ = ["ExpertParallel", "check_expert_parallel", "split_state_sharding"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -73,6 +75,71 @@ def check_expert_parallel(module: nn.Module, ep_size: int) -> int:
             f"{num_experts}"
         )
     return num_experts
+
+
+def split_state_sharding(
+    mesh: DeviceMesh,
+    ep_dim: str,
+    state_sharding: StateSharding | None,
+    expert_state_sharding: StateSharding | None,
+) -> tuple[StateSharding | None, StateSharding | None]:
+    """The ``StateSharding`` of the dense units (over both dims of the 2-D ``mesh``) and of the
+    expert units (over the dim beside ``ep_dim``), checked. No communication.
+
+    The expert units' parameters are already sharded by expert over ``ep_dim``; their states
+    can be sharded further over the other dim only. ``expert_state_sharding`` names it; by
+    default it is ``state_sharding`` with ``ep_dim`` dropped from each state (as the planner's
+    EP search applies a sharding to the experts: ``plan_state_sharding``), e.g. AMSP
+    ``P(intra) G(inter,intra) OS(inter,intra)`` with EP over ``intra`` shards the experts'
+    gradients and optimizer state over ``inter`` (ZeRO-2 there).
+
+    Raises:
+        TypeError: either is not a ``StateSharding``.
+        ValueError: ``state_sharding`` does not fit ``mesh``; ``expert_state_sharding`` names
+            ``ep_dim`` or a dim not in ``mesh``; or ``state_sharding`` shards the optimizer
+            state over ``ep_dim`` only, so that the experts' would be replicated (DDP), which
+            the runtime does not do.
+    """
+    names = mesh.mesh_dim_names
+    dp_mod_ep = names[1 - names.index(ep_dim)]
+    for arg, value in (("state_sharding", state_sharding),
+                       ("expert_state_sharding", expert_state_sharding)):
+        if value is not None and not isinstance(value, StateSharding):
+            raise TypeError(
+                f"{arg} must be a ragged_placement.fsdp.StateSharding, got {type(value).__name__}"
+            )
+    if state_sharding is not None:
+        state_sharding.validate(mesh)
+    if expert_state_sharding is None and state_sharding is not None:
+        expert_state_sharding = _drop_dim(state_sharding, ep_dim)
+        if not expert_state_sharding.optim:
+            raise ValueError(
+                f"state_sharding={state_sharding} shards the optimizer state over the ep dim "
+                f"{ep_dim!r} only: the expert units, already sharded by expert over "
+                f"{ep_dim!r}, would be replicated over {dp_mod_ep!r} (DDP), which the runtime "
+                f"does not do; name {dp_mod_ep!r} in its optim, or pass expert_state_sharding="
+                f"StateSharding(params=(), grads=(), optim=({dp_mod_ep!r},)) (or another over "
+                f"{dp_mod_ep!r})"
+            )
+    elif expert_state_sharding is not None:
+        named = {d for dims in (expert_state_sharding.params, expert_state_sharding.grads,
+                                expert_state_sharding.optim) for d in dims}
+        if ep_dim in named:
+            raise ValueError(
+                f"expert_state_sharding={expert_state_sharding} names the ep dim {ep_dim!r}: "
+                f"the expert units' parameters are sharded by expert over {ep_dim!r} "
+                f"(ExpertParallel), so their states can be sharded over {dp_mod_ep!r} only; "
+                f"drop {ep_dim!r}, e.g. expert_state_sharding="
+                f"{_drop_dim(expert_state_sharding, ep_dim)!r}"
+            )
+        expert_state_sharding.validate({dp_mod_ep: mesh[dp_mod_ep].size()})
+    return state_sharding, expert_state_sharding
+
+
+def _drop_dim(sharding: StateSharding, dim: str) -> StateSharding:
+    """``sharding`` with ``dim`` dropped from each state."""
+    return StateSharding(*(tuple(d for d in dims if d != dim)
+                           for dims in (sharding.params, sharding.grads, sharding.optim)))
 
 
 class ExpertParallel(ParallelStyle):

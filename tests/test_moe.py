@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ragged_placement.fsdp import StateSharding
+from ragged_placement.quant import BlockFP8Config
 from ragged_placement.models.moe import (
     GroupedExperts,
     MoE,
@@ -168,10 +169,11 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _sharded_model(mesh, runtime: str, variant: str, ac: bool, meta: bool) -> nn.Module:
+def _sharded_model(mesh, runtime: str, variant: str, ac: bool, meta: bool, **kw) -> nn.Module:
     """The model of :func:`make_model` under EP x FSDP on ``mesh`` (2-D ``(dp_mod_ep, ep)``):
     ``ac`` checkpoints every block, ``meta`` builds it on the meta device and copies the
-    reference initialization into the sharded parameters after ``to_empty``."""
+    reference initialization into the sharded parameters after ``to_empty``; ``kw`` goes to
+    :func:`parallelize_moe`."""
     cfg = _config(variant)
     if meta:
         with torch.device("meta"):
@@ -181,7 +183,7 @@ def _sharded_model(mesh, runtime: str, variant: str, ac: bool, meta: bool) -> nn
     if ac:
         for block in model.layers.values():
             checkpoint(block)
-    parallelize_moe(model, mesh, shard_fn=None if runtime == "ours" else fsdp2_fully_shard)
+    parallelize_moe(model, mesh, shard_fn=None if runtime == "ours" else fsdp2_fully_shard, **kw)
     if meta:
         model.to_empty(device="cpu")
         model.init_buffers()
@@ -214,6 +216,37 @@ def _ep_runs(rank: int, ws: int, runs: list[tuple]) -> list:
         model = _sharded_model(mesh, runtime, variant, ac, meta)
         losses = _train_distributed(model, rank, ws, variant)
         out.append((losses, full_state(model), model.first_grads))
+    return out
+
+
+# 2x2 (inter, intra), EP over intra: AMSP for the dense units (parameters over intra, gradients
+# and optimizer state over both), its projection for the experts (ZeRO-2 over inter), and ZeRO-1
+# / ZeRO-3 over inter for the experts beside it.
+AMSP = StateSharding(params=("intra",), grads=("inter", "intra"), optim=("inter", "intra"))
+EXPERT_SHARDINGS = {
+    "projected": None,
+    "zero1": StateSharding(params=(), grads=(), optim=("inter",)),
+    "zero3": StateSharding(params=("inter",), grads=("inter",), optim=("inter",)),
+}
+
+
+def _state_sharded_runs(rank: int, ws: int, expert_shardings: list[str]) -> list:
+    """AMSP on the 2x2 ``(inter, intra)`` mesh with EP over ``intra``, the experts' state
+    sharded as ``EXPERT_SHARDINGS[name]`` says, for each name: losses, full state, first
+    gradients, and the dims of the experts' and the dense units' collectives."""
+    out = []
+    for name in expert_shardings:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
+        model = _sharded_model(mesh, "ours", "plain", False, False, ep_dim="intra",
+                               state_sharding=AMSP, expert_state_sharding=EXPERT_SHARDINGS[name])
+        losses = _train_distributed(model, rank, ws, "plain")
+        by_dims = {
+            part: sorted({key for m in mods for key in m._fsdp_state.unit.stats.by_dims})
+            for part, mods in (("experts", [b.moe.experts for b in model.layers.values()
+                                            if b.moe_enabled]),
+                               ("dense", [model, *model.layers.values()]))
+        }
+        out.append((losses, full_state(model), model.first_grads, by_dims))
     return out
 
 
@@ -263,6 +296,26 @@ def test_ep_fsdp_checkpointing_meta_init_accumulation_and_an_idle_expert(referen
     for rank_results in results:
         for run, (_, _, variant, _, _) in zip(rank_results, runs):
             _check(run, references[variant])
+
+
+@pytest.mark.multiprocess
+def test_ep_with_amsp_state_sharding_matches_one_process(reference):
+    """4 gloo ranks as 2x2 ``(inter, intra)``, EP over ``intra``: the dense units under AMSP
+    over both dims, the experts' state sharded over ``inter`` (AMSP's projection, ZeRO-2 there;
+    ZeRO-1 and ZeRO-3), 5 AdamW steps: every rank's full parameters and the losses within 1e-5
+    of one process, and each state reduced over the dims it names."""
+    names = list(EXPERT_SHARDINGS)
+    results = run_gloo(_state_sharded_runs, WORLD, names)
+    both = [(kind, (dim,)) for kind in ("all_gather", "reduce_scatter") for dim in ("inter", "intra")]
+    experts = {  # the nested runtime's collectives (ZeRO-3 over one dim is the runtime without it)
+        "projected": [("all_gather", ("inter",)), ("reduce_scatter", ("inter",))],
+        "zero1": [("all_gather", ("inter",)), ("all_reduce", ("inter",))],
+        "zero3": [],
+    }
+    for rank_results in results:
+        for name, (*run, by_dims) in zip(names, rank_results):
+            _check(tuple(run), reference)
+            assert by_dims == {"experts": experts[name], "dense": both}, name
 
 
 def test_run_experts_loop_against_the_formula_and_grouped_mm():
@@ -326,6 +379,9 @@ def test_bad_routing_arguments_raise_value_errors():
         replace(CFG, n_dense_layers=4)
 
 
+ZERO1 = StateSharding(params=(), grads=(), optim=("dp_mod_ep", "ep"))
+
+
 def _bad_parallel_calls(rank: int, ws: int) -> dict:
     """``parallelize_moe`` with bad arguments on a threaded world of 4: each raises
     ``ValueError`` with no collective."""
@@ -336,6 +392,17 @@ def _bad_parallel_calls(rank: int, ws: int) -> dict:
         ("ep_dim", lambda: parallelize_moe(MoETransformer(CFG), mesh, ep_dim="expert")),
         ("state_sharding", lambda: parallelize_moe(
             MoETransformer(CFG), mesh, state_sharding=StateSharding(params=("ep",), grads=("ep",), optim=("ep",)))),
+        ("expert_state_sharding", lambda: parallelize_moe(
+            MoETransformer(CFG), mesh, expert_state_sharding=StateSharding(
+                params=(), grads=(), optim=("dp_mod_ep", "ep")))),
+        ("unknown dim", lambda: parallelize_moe(
+            MoETransformer(CFG), mesh, state_sharding=StateSharding((), (), ("inter",)))),
+        ("shard_fn", lambda: parallelize_moe(
+            MoETransformer(CFG), mesh, shard_fn=fsdp2_fully_shard, state_sharding=ZERO1)),
+        ("quant", lambda: parallelize_moe(MoETransformer(CFG), mesh, quant=BlockFP8Config())),
+        ("reshard_after_forward", lambda: parallelize_moe(
+            MoETransformer(CFG), mesh, expert_state_sharding=StateSharding((), (), ("dp_mod_ep",)),
+            reshard_after_forward=2)),
     ]
     with recording_collectives() as record:
         for name, call in calls:
@@ -352,4 +419,12 @@ def test_bad_expert_parallel_arguments_raise_before_any_collective():
         assert "ep=4 does not divide num_experts=6" in errors["ep"]
         assert "'expert'" in errors["ep_dim"]
         assert "state_sharding=" in errors["state_sharding"]
+        assert "over the ep dim 'ep' only" in errors["state_sharding"]
+        assert "expert_state_sharding=" in errors["expert_state_sharding"]
+        assert "names the ep dim 'ep'" in errors["expert_state_sharding"]
+        assert "names ['inter'], not a dim of the mesh" in errors["unknown dim"]
+        assert "honoured by ragged_placement.fsdp.fully_shard only" in errors["shard_fn"]
+        assert "reshard_after_forward=2 with state_sharding=" in errors["reshard_after_forward"]
+        assert "quant=BlockFP8Config" in errors["quant"]
+        assert "FP8 of the expert stacks is not implemented" in errors["quant"]
         assert errors["collectives"] == {}

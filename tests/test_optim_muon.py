@@ -211,6 +211,9 @@ def test_newton_schulz_orthogonalizes():
     s = torch.linalg.svdvals(newton_schulz(x).float())
     assert s.min() > 0.6 and s.max() < 1.25
     assert torch.equal(newton_schulz(x)[2], newton_schulz(x[2]))
+    fp32 = newton_schulz(x, dtype=torch.float32)  # Muon(ns_dtype=torch.float32)
+    s32 = torch.linalg.svdvals(fp32)
+    assert fp32.dtype == torch.float32 and s32.min() > 0.6 and s32.max() < 1.25
     assert newton_schulz_flops(40, 24) == 5 * (4 * 24 * 24 * 40 + 2 * 24**3)
 
 
@@ -439,6 +442,7 @@ def test_exchange_plan_moves_exactly_the_off_owner_pieces(shapes, data):
         (dict(adjust_lr="spectral"), "adjust_lr"),
         (dict(ns_steps=0), "ns_steps"),
         (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(ns_dtype=torch.float16), "ns_dtype"),
     ],
 )
 def test_bad_hyperparameters_raise(kwargs, match):

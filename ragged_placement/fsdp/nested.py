@@ -92,7 +92,7 @@ if TYPE_CHECKING:
     from ragged_placement.fsdp.unit import FSDPUnit
 
 __all__ = [
-    "Level", "NestedBuffer", "StateShardedMesh", "nest_segments",
+    "Level", "NestedBuffer", "StateShardedMesh", "check_state_sharding", "nest_segments",
     "state_sharded_mesh",
 ]
 
@@ -341,9 +341,29 @@ def state_sharded_mesh(
     offload: object,
     reshard_after_forward: object,
 ) -> StateShardedMesh | None:
-    """``fully_shard``'s ``state_sharding`` checked against its other arguments: ``None`` for
-    none or ``mesh``'s default (:meth:`StateSharding.is_default`: the runtime without nesting),
-    else the unit's :class:`StateShardedMesh` (collective over its groups the first time).
+    """``fully_shard``'s ``state_sharding`` checked against its other arguments
+    (:func:`check_state_sharding`): ``None`` for none or ``mesh``'s default (the runtime without
+    nesting), else the unit's :class:`StateShardedMesh` (collective over its groups the first
+    time)."""
+    if not check_state_sharding(
+        state_sharding, mesh, dp_mesh_dims=dp_mesh_dims, offload=offload,
+        reshard_after_forward=reshard_after_forward,
+    ):
+        return None
+    return StateShardedMesh.of(mesh, state_sharding)
+
+
+def check_state_sharding(
+    state_sharding: object,
+    mesh: DeviceMesh,
+    *,
+    dp_mesh_dims: object,
+    offload: object,
+    reshard_after_forward: object,
+) -> bool:
+    """Whether ``state_sharding`` needs the nested runtime on ``mesh`` (``False`` for ``None``
+    or ``mesh``'s default, :meth:`StateSharding.is_default`), after checking it against
+    ``fully_shard``'s other arguments. No communication.
 
     Raises:
         TypeError: ``state_sharding`` is not a ``StateSharding``.
@@ -351,7 +371,7 @@ def state_sharded_mesh(
             or comes with an option the nested runtime does not support yet.
     """
     if state_sharding is None:
-        return None
+        return False
     if not isinstance(state_sharding, StateSharding):
         raise TypeError(
             f"state_sharding must be a ragged_placement.fsdp.StateSharding, got "
@@ -361,7 +381,7 @@ def state_sharded_mesh(
         raise ValueError(f"mesh must be a DeviceMesh with mesh_dim_names, got {mesh!r}")
     state_sharding.validate(mesh)
     if state_sharding.is_default(mesh):
-        return None
+        return False
     if not state_sharding.optim:
         raise ValueError(
             f"state_sharding={state_sharding} shards no state: name at least one mesh dim in "
@@ -380,7 +400,7 @@ def state_sharded_mesh(
                 f"{name} with state_sharding={state_sharding} is not supported yet: drop one "
                 f"of them (state_sharding=None or StateSharding.default(mesh) keeps it)"
             )
-    return StateShardedMesh.of(mesh, state_sharding)
+    return True
 
 
 # id(mesh) -> (a weak reference to the mesh, {sharding: its StateShardedMesh})

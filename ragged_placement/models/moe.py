@@ -339,6 +339,8 @@ def parallelize_moe(
     *,
     ep_dim: str = "ep",
     shard_fn: Callable[..., nn.Module] | None = None,
+    state_sharding: Any = None,
+    expert_state_sharding: Any = None,
     **fsdp_kwargs: Any,
 ) -> MoETransformer:
     """Expert parallelism over ``mesh[ep_dim]`` and FSDP over the data-parallel ranks, in place:
@@ -351,7 +353,8 @@ def parallelize_moe(
     ``shard_fn(experts, mesh=mesh[dp_mod_ep])`` with its gradients divided by the whole
     data-parallel world (their sum covers the tokens of every rank of the ep group); every
     block and the root are then ``shard_fn(..., mesh=<mesh flattened>)``: dense parameters
-    sharded over all data-parallel ranks.
+    sharded over all data-parallel ranks (with a ``state_sharding``, ``shard_fn(...,
+    mesh=mesh, state_sharding=state_sharding)``).
 
     Args:
         model: a :class:`MoETransformer`, its weights the same on every rank (or on meta).
@@ -359,45 +362,103 @@ def parallelize_moe(
         ep_dim: the name of the expert-parallel dim.
         shard_fn: ``ragged_placement.fsdp.fully_shard`` (the default) or torch's
             ``torch.distributed.fsdp.fully_shard`` (FSDP2 + EP, torchtitan's pattern).
+        state_sharding: a :class:`~ragged_placement.fsdp.StateSharding` over both dims of
+            ``mesh`` for the dense units, which are then sharded on ``mesh`` itself (e.g. AMSP
+            on ``(inter, intra)`` with EP over ``intra``); ours only.
+        expert_state_sharding: the expert units' ``StateSharding`` over ``mesh[dp_mod_ep]``;
+            by default ``state_sharding`` with ``ep_dim`` dropped from each state
+            (:func:`~ragged_placement.expert_parallel.split_state_sharding`).
         fsdp_kwargs: passed to every ``shard_fn`` call (``reshard_after_forward``,
             ``mp_policy``, ...).
 
     Raises:
         ValueError: before any collective, if ``mesh`` is not 2-D with an ``ep_dim`` dim, or
-            its size does not divide ``num_experts`` (an expert is never cut between ep ranks).
+            its size does not divide ``num_experts`` (an expert is never cut between ep ranks);
+            if ``quant`` is given (FP8 experts are not implemented: no unit silently stays in
+            high precision); if a ``StateSharding`` is given to torch's ``fully_shard``, or one
+            the runtime cannot honour (:func:`~ragged_placement.expert_parallel.
+            split_state_sharding`, :func:`~ragged_placement.fsdp.nested.check_state_sharding`).
     """
-    from ragged_placement.expert_parallel import ExpertParallel, check_expert_parallel
+    from ragged_placement.expert_parallel import (
+        ExpertParallel,
+        check_expert_parallel,
+        split_state_sharding,
+    )
 
-    if shard_fn is None:
-        from ragged_placement.fsdp import fully_shard as shard_fn
     names = mesh.mesh_dim_names if isinstance(mesh, DeviceMesh) else None
     if names is None or mesh.ndim != 2 or ep_dim not in names:
         raise ValueError(
             f"mesh must be a 2-D DeviceMesh (dp_mod_ep, {ep_dim!r}) with named dims, got {mesh!r}"
         )
-    if "state_sharding" in fsdp_kwargs:
-        raise ValueError(
-            f"state_sharding={fsdp_kwargs['state_sharding']!r}: parallelize_moe does not pass a "
-            f"StateSharding yet (the experts' unit is sharded over the dims beside {ep_dim!r}, "
-            f"the dense units over all of them; neither may name {ep_dim!r}); drop it"
-        )
     dp_mod_ep = names[1 - names.index(ep_dim)]
+    if fsdp_kwargs.get("quant") is not None:
+        raise ValueError(
+            f"quant={fsdp_kwargs['quant']!r}: block-wise FP8 of the expert stacks is not "
+            f"implemented (GroupedExperts computes in the parameters' dtype and its unit would "
+            f"gather them unquantized, while the dense units went FP8); drop quant, or shard "
+            f"the dense blocks with fully_shard(..., quant=...) yourself knowing the experts "
+            f"stay in high precision"
+        )
+    shard_fn = _check_shard_fn(shard_fn, state_sharding, expert_state_sharding)
+    state_sharding, expert_state_sharding = split_state_sharding(
+        mesh, ep_dim, state_sharding, expert_state_sharding
+    )
+    _check_nested(mesh, state_sharding, fsdp_kwargs)
+    _check_nested(mesh[dp_mod_ep], expert_state_sharding, fsdp_kwargs)
     ep_size = mesh[ep_dim].size()
     moe_blocks = [b for b in model.layers.values() if b.moe_enabled]
     for block in moe_blocks:
         check_expert_parallel(block.moe.experts, ep_size)
-    dp_mesh = mesh._flatten(f"{dp_mod_ep}_{ep_dim}")
-    gloo = dist.get_backend(dp_mesh.get_group()) == "gloo"
+    if state_sharding is None:
+        dense = {"mesh": mesh._flatten(f"{dp_mod_ep}_{ep_dim}")}
+    else:
+        dense = {"mesh": mesh, "state_sharding": state_sharding}
+    experts = {"mesh": mesh[dp_mod_ep]}
+    if expert_state_sharding is not None:
+        experts["state_sharding"] = expert_state_sharding
+    gloo = dist.get_backend(mesh.get_group(ep_dim)) == "gloo"
     for block in moe_blocks:
         parallelize_module(block.moe.experts, mesh[ep_dim], ExpertParallel())
     for block in model.layers.values():
         if block.moe_enabled:
-            shard_fn(block.moe.experts, mesh=mesh[dp_mod_ep], **fsdp_kwargs)
-            block.moe.experts.set_gradient_divide_factor(dp_mesh.size())
+            shard_fn(block.moe.experts, **experts, **fsdp_kwargs)
+            block.moe.experts.set_gradient_divide_factor(mesh.size())
             if gloo and mesh[dp_mod_ep].size() > 1:
                 # FSDP2 divides by a factor with PREMUL_SUM, which gloo lacks. (Not on one
                 # rank: there FSDP2 2.13 would divide twice, in its copy and after it.)
                 block.moe.experts.set_force_sum_reduction_for_comms(True)
-        shard_fn(block, mesh=dp_mesh, **fsdp_kwargs)
-    shard_fn(model, mesh=dp_mesh, **fsdp_kwargs)
+        shard_fn(block, **dense, **fsdp_kwargs)
+    shard_fn(model, **dense, **fsdp_kwargs)
     return model
+
+
+def _check_shard_fn(
+    shard_fn: Callable[..., nn.Module] | None, *shardings: Any
+) -> Callable[..., nn.Module]:
+    """``shard_fn``, ours by default; ``ValueError`` if a ``StateSharding`` goes to another."""
+    from ragged_placement.fsdp import fully_shard
+
+    if shard_fn is None:
+        return fully_shard
+    if shard_fn is not fully_shard and any(s is not None for s in shardings):
+        raise ValueError(
+            f"state_sharding / expert_state_sharding are honoured by "
+            f"ragged_placement.fsdp.fully_shard only, not by shard_fn={shard_fn!r}: drop them "
+            f"or the shard_fn"
+        )
+    return shard_fn
+
+
+def _check_nested(mesh: DeviceMesh, sharding: Any, fsdp_kwargs: dict[str, Any]) -> None:
+    """``fully_shard``'s refusals of ``sharding`` with ``fsdp_kwargs``, before any unit is
+    built (so no unit's groups exist when one is refused)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from ragged_placement.fsdp.nested import check_state_sharding
+
+    offload = fsdp_kwargs.get("offload_policy")
+    check_state_sharding(
+        sharding, mesh, dp_mesh_dims=fsdp_kwargs.get("dp_mesh_dims"),
+        offload=offload if isinstance(offload, CPUOffloadPolicy) else None,
+        reshard_after_forward=fsdp_kwargs.get("reshard_after_forward"),
+    )
