@@ -61,6 +61,7 @@ from ragged_placement.trainer.checkpoint import (
 )
 from ragged_placement.trainer.collective_bytes import CollectiveBytes
 from ragged_placement.trainer.config import TrainConfig, check_world, parse_config
+from ragged_placement.trainer.grad_norm import clip_grad_norm_
 from ragged_placement.trainer.distributed import (
     CollectiveWatch,
     DistributedEnv,
@@ -196,7 +197,7 @@ def _train_step(model, opt, sched, data: TokenData, cfg: TrainConfig, env: Distr
     loss = loss_fn(model, x.to(env.device), y.to(env.device))
     loss.backward()
     if cfg.grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
     sched.step()
     loss = loss.detach().float()
@@ -330,7 +331,12 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
 def _header(cfg: TrainConfig, env: DistributedEnv) -> None:
     if env.rank == 0:
         mesh = "x".join(map(str, cfg.mesh or (env.world_size,)))
-        print(f"{cfg.model}: {cfg.layers} layers x {cfg.width}, seq {cfg.seq}; {env.world_size} "
+        model = cfg.model
+        if cfg.model == "moe":
+            mesh = f"{env.world_size // cfg.ep}x{cfg.ep} (dp_mod_ep, ep: --ep {cfg.ep})"
+            model = (f"moe ({cfg.moe_layers} MoE layers of {cfg.experts} experts, top "
+                     f"{cfg.top_k})")
+        print(f"{model}: {cfg.layers} layers x {cfg.width}, seq {cfg.seq}; {env.world_size} "
               f"ranks ({dist.get_backend()}, {env.device.type}), mesh {mesh}, --runtime {cfg.runtime}"
               f", --state-sharding {cfg.state_sharding}, {cfg.optimizer}, {cfg.precision}, "
               f"batch {cfg.batch} per rank", flush=True)

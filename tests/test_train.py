@@ -341,7 +341,7 @@ def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsy
         (["--mesh-dim-names", "a"], "--mesh-dim-names needs --mesh"),
         (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
         (["--fp8", "--runtime", "fsdp2"], "--fp8 needs --runtime ours"),
-        (["--model", "gpt3"], "--model must be gpt, llama, hf:TYPE or a Hugging Face config"),
+        (["--model", "gpt3"], "--model must be gpt, llama, moe, hf:TYPE or a Hugging Face config"),
         (["--optimizer", "sgd"], "--optimizer must be one of adamw, muon, shampoo"),
         (["--data", "/nonexistent.bin"], "--data must be 'stdlib' or a token file"),
         (["--config", "/nonexistent.toml"], "--config /nonexistent.toml: no such file"),

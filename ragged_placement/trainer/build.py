@@ -27,22 +27,40 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ragged_placement.fsdp import StateSharding
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement.models.llama import Llama, LlamaConfig
+from ragged_placement.models.moe import MoEConfig, MoETransformer, parallelize_moe
 from ragged_placement.planner import StateShardingPlan, plan_state_sharding
 from ragged_placement.trainer.config import VOCAB, TrainConfig, bandwidths, dim_names
 from ragged_placement.trainer.hf import hf_model
 
 __all__ = ["TokenData", "build_mesh", "build_model", "build_optimizer", "build_scheduler",
-           "loss_fn"]
+           "loss_fn", "moe_config", "new_model"]
+
+# The mesh of --model moe: the data-parallel ranks outside each ep group, and the ep group.
+MOE_DIMS = ("dp_mod_ep", "ep")
+
+
+def moe_config(cfg: TrainConfig) -> MoEConfig:
+    """The :class:`MoEConfig` of ``--model moe``: ``--layers`` blocks, the last
+    ``--moe-layers`` of them MoE blocks of ``--experts`` routed experts (``--top-k`` per token)
+    and one shared expert, each expert a SwiGLU of hidden size ``--width``; the dense blocks'
+    SwiGLU has ``4 x --width``, as ``--model llama``'s."""
+    return MoEConfig(vocab_size=VOCAB, dim=cfg.width, n_layers=cfg.layers,
+                     n_dense_layers=cfg.layers - cfg.moe_layers, n_heads=cfg.heads,
+                     hidden_dim=4 * cfg.width, moe_hidden_dim=cfg.width,
+                     num_experts=cfg.experts, top_k=cfg.top_k)
+
 
 def new_model(cfg: TrainConfig) -> nn.Module:
-    """The unsharded model of ``--model``: ``gpt``, ``llama`` or a Hugging Face causal LM
-    (``hf:TYPE`` or a ``config.json``, :mod:`ragged_placement.trainer.hf`)."""
+    """The unsharded model of ``--model``: ``gpt``, ``llama``, ``moe`` or a Hugging Face causal
+    LM (``hf:TYPE`` or a ``config.json``, :mod:`ragged_placement.trainer.hf`)."""
     if cfg.model == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=cfg.seq, n_layer=cfg.layers,
                              n_head=cfg.heads, n_embd=cfg.width))
     if cfg.model == "llama":
         return Llama(LlamaConfig(vocab_size=VOCAB, dim=cfg.width, n_layers=cfg.layers,
                                  n_heads=cfg.heads, hidden_dim=4 * cfg.width))
+    if cfg.model == "moe":
+        return MoETransformer(moe_config(cfg))
     return hf_model(cfg, VOCAB)
 
 
@@ -59,7 +77,11 @@ def _blocks(model: nn.Module) -> nn.Module:
 
 def build_mesh(cfg: TrainConfig, device: torch.device, world_size: int) -> DeviceMesh:
     """The data-parallel mesh: ``--mesh`` (default: all ranks in one dim); ``zero3`` shards over
-    every rank (a 2-D mesh is flattened), ``hsdp`` replicates over the first dim."""
+    every rank (a 2-D mesh is flattened), ``hsdp`` replicates over the first dim. ``--model moe``:
+    ``(ranks / ep, ep)``, dims ``dp_mod_ep`` and ``ep`` (each ep group consecutive ranks)."""
+    if cfg.model == "moe":
+        return init_device_mesh(device.type, (world_size // cfg.ep, cfg.ep),
+                                mesh_dim_names=MOE_DIMS)
     shape, names = cfg.mesh or (world_size,), dim_names(cfg)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     if cfg.state_sharding == "zero3" and len(shape) == 2:
@@ -128,10 +150,14 @@ def build_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
             blocks.register_module(name, block)
-        shard(block, mesh=mesh, **kwargs)
-        if cfg.compile:
-            block.compile()
-    shard(model, mesh=mesh, **kwargs)
+        if cfg.model != "moe":
+            shard(block, mesh=mesh, **kwargs)
+    if cfg.model == "moe":  # experts by expert over ep, FSDP beside it; the rest over all ranks
+        parallelize_moe(model, mesh, ep_dim=MOE_DIMS[1], shard_fn=shard, **kwargs)
+    else:
+        shard(model, mesh=mesh, **kwargs)
+    for block in blocks.values() if cfg.compile else ():
+        block.compile()
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -162,8 +188,10 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
         return Shampoo(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     from ragged_placement.optim import Muon
     in_blocks = {id(p) for p in _blocks(model).parameters()}
-    matrices = [p for p in params if p.ndim == 2 and id(p) in in_blocks]
-    others = [p for p in params if not (p.ndim == 2 and id(p) in in_blocks)]
+    # 2-D matrices, and 3-D stacks of expert matrices (each expert its own Newton-Schulz)
+    is_matrix = [p.ndim in (2, 3) and id(p) in in_blocks for p in params]
+    matrices = [p for p, m in zip(params, is_matrix) if m]
+    others = [p for p, m in zip(params, is_matrix) if not m]
     return Muon([{"params": matrices},
                  {"params": others, "algorithm": "adamw", "lr": cfg.lr}],
                 lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr="match_rms_adamw")

@@ -27,6 +27,8 @@ STATE_SHARDINGS = ("zero3", "hsdp", "zero1", "zero2", "amsp", "auto")
 PER_STATE = ("zero1", "zero2", "amsp", "auto")
 # The partitioner's inputs: only --state-sharding auto uses them.
 _AUTO_ONLY = ("memory_budget", "bandwidth")
+# The mixture of experts' options: only --model moe uses them.
+_MOE_ONLY = ("experts", "top_k", "moe_layers", "ep")
 OPTIMIZERS = ("adamw", "muon", "shampoo")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -64,6 +66,11 @@ class TrainConfig:
     width: int = 64
     heads: int = 2
     seq: int = 64
+    # mixture of experts (--model moe)
+    experts: int = 8
+    top_k: int = 2
+    moe_layers: int = 1
+    ep: int = 1
     # data
     data: str = "stdlib"
     data_bytes: int = 1 << 20
@@ -86,6 +93,8 @@ class TrainConfig:
         keys = ("seed", "model", "layers", "width", "heads", "seq", "data", "data_bytes", "batch",
                 "optimizer", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip",
                 "precision", "steps")
+        if self.model == "moe":  # the experts' shape; --ep is the layout (DCP reshards it)
+            keys += ("experts", "top_k", "moe_layers")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -125,11 +134,15 @@ _HELP = {
     "mesh_dim_names": "comma separated, e.g. inter,intra",
     "memory_budget": "--state-sharding auto: bytes per rank (0: the device's memory)",
     "bandwidth": "--state-sharding auto: profile, or bytes/s per mesh dim: inter=1.25e8,intra=1e10",
-    "model": "gpt | llama | hf:TYPE | a Hugging Face config.json",
+    "model": "gpt | llama | moe | hf:TYPE | a Hugging Face config.json",
     "layers": "transformer blocks",
     "width": "hidden size",
     "heads": "attention heads",
     "seq": "sequence length",
+    "experts": "--model moe: routed experts per MoE layer",
+    "top_k": "--model moe: experts per token",
+    "moe_layers": "--model moe: MoE blocks, the last ones (the first --layers minus this are dense)",
+    "ep": "--model moe: expert-parallel degree (ranks per ep group; divides --experts and the ranks)",
     "data": "stdlib (the Python standard library's .py sources as bytes) or a token file",
     "data_bytes": "bytes of the stdlib corpus",
     "batch": "sequences per rank per step",
@@ -147,7 +160,8 @@ _HELP = {
 
 _METAVARS = {"steps": "N", "seed": "N", "log_every": "N", "output": "FILE", "metrics": "FILE",
              "val_batches": "N", "collective_timeout": "SECONDS", "checkpoint_every": "K",
-             "memory_budget": "BYTES", "data_bytes": "N"}
+             "memory_budget": "BYTES", "data_bytes": "N", "experts": "E", "top_k": "K",
+             "moe_layers": "N", "ep": "N"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -229,6 +243,10 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     if auto_only and cfg.state_sharding != "auto":
         raise ValueError(f"{_flag(auto_only[0])} is the partitioner's input: it needs "
                          f"--state-sharding auto, got {cfg.state_sharding!r}")
+    moe_only = [n for n in _MOE_ONLY if n in kwargs]
+    if moe_only and cfg.model != "moe":
+        raise ValueError(f"{_flag(moe_only[0])} is an option of --model moe, got --model "
+                         f"{cfg.model!r}: pass --model moe or drop {_flag(moe_only[0])}")
     sizes = [n for n in SIZE_FLAGS if n in kwargs]
     if cfg.model.endswith(".json") and sizes:
         raise ValueError(f"{_flag(sizes[0])}: --model {cfg.model!r} takes its sizes from the file;"
@@ -275,7 +293,7 @@ def check_config(cfg: TrainConfig) -> None:
                           ("device", DEVICES)):
         _choice(cfg, name, choices)
     for name in ("steps", "log_every", "layers", "width", "heads", "seq", "batch", "lr",
-                 "collective_timeout", "data_bytes"):
+                 "collective_timeout", "data_bytes", "experts", "top_k", "moe_layers", "ep"):
         _positive(cfg, name)
     for name in ("seed", "checkpoint_every", "warmup", "val_batches", "weight_decay", "grad_clip",
                  "min_lr_ratio", "memory_budget"):
@@ -291,9 +309,11 @@ def check_config(cfg: TrainConfig) -> None:
     _check_state_sharding(cfg)
     if is_hf(cfg.model):
         hf_config(cfg, VOCAB)
+    elif cfg.model == "moe":
+        _check_moe(cfg)
     elif cfg.model not in ("gpt", "llama"):
-        raise ValueError(f"--model must be gpt, llama, hf:TYPE or a Hugging Face config.json, "
-                         f"got {cfg.model!r}")
+        raise ValueError(f"--model must be gpt, llama, moe, hf:TYPE or a Hugging Face "
+                         f"config.json, got {cfg.model!r}")
     if cfg.fp8 and cfg.runtime != "ours":
         raise ValueError("--fp8 needs --runtime ours (torch FSDP2 has no block-wise FP8 gather)")
     if cfg.data != "stdlib" and not os.path.isfile(cfg.data):
@@ -301,10 +321,40 @@ def check_config(cfg: TrainConfig) -> None:
 
 
 def check_world(cfg: TrainConfig, world_size: int) -> None:
-    """Raise ``ValueError`` if ``--mesh`` does not cover the job's ``world_size`` ranks."""
+    """Raise ``ValueError`` if ``--mesh`` does not cover the job's ``world_size`` ranks, or
+    ``--ep`` does not divide them."""
     if cfg.mesh is not None and math.prod(cfg.mesh) != world_size:
         raise ValueError(f"--mesh {'x'.join(map(str, cfg.mesh))} needs {math.prod(cfg.mesh)} "
                          f"ranks, the job has {world_size}")
+    if world_size % cfg.ep:
+        raise ValueError(f"--ep {cfg.ep} must divide the job's {world_size} ranks (the mesh is "
+                         f"ranks / ep x ep): pass --ep among the divisors of {world_size} that "
+                         f"divide --experts {cfg.experts}")
+
+
+def _check_moe(cfg: TrainConfig) -> None:
+    """What ``--model moe`` needs: whole experts per ep rank, top-k within the experts, MoE
+    blocks within the layers; and what does not compose with it yet (named, not ignored)."""
+    if cfg.top_k > cfg.experts:
+        raise ValueError(f"--top-k {cfg.top_k} exceeds --experts {cfg.experts}: a token cannot be "
+                         f"routed to more experts than exist; pass --top-k <= {cfg.experts}")
+    if cfg.moe_layers > cfg.layers:
+        raise ValueError(f"--moe-layers {cfg.moe_layers} exceeds --layers {cfg.layers}: pass "
+                         f"--moe-layers <= {cfg.layers} (the first --layers minus it are dense)")
+    if cfg.experts % cfg.ep:
+        raise ValueError(f"--ep {cfg.ep} does not divide --experts {cfg.experts}: each ep rank "
+                         f"owns whole experts, an equal number each; pick --ep among the divisors "
+                         f"of {cfg.experts}")
+    if cfg.mesh is not None:
+        raise ValueError(f"--mesh {'x'.join(map(str, cfg.mesh))} with --model moe: the mesh is "
+                         "(ranks / ep, ep), set by --ep; drop --mesh")
+    if cfg.state_sharding != "zero3":
+        raise ValueError(f"--state-sharding {cfg.state_sharding} with --model moe is not supported "
+                         "yet (the expert units' StateSharding, issue 37): use --state-sharding "
+                         "zero3 (the default)")
+    if cfg.fp8:
+        raise ValueError("--fp8 with --model moe is not supported yet (block-wise FP8 on the "
+                         "3-D expert stacks, issue 37): drop --fp8")
 
 
 def _check_mesh(cfg: TrainConfig) -> None:

@@ -2,8 +2,8 @@
 
 :func:`find_resume` picks the newest complete checkpoint of ``--checkpoint-dir``, verifies it
 (checksums, options) and returns what this rank restores, or raises a ``ValueError`` naming the
-flag that cannot carry over. A checkpoint resumes on another world size, mesh, runtime or
-``--state-sharding`` than it was saved with: DCP reshards the model and optimizer state, and
+flag that cannot carry over. A checkpoint resumes on another world size, mesh, runtime,
+``--state-sharding`` or ``--ep`` than it was saved with: DCP reshards the model and optimizer state, and
 the trainer state (LR scheduler, step, data position, RNG) is the same on every rank, so each
 new rank takes it; the global batch (``--batch`` x ranks) must stay the checkpoint's, so that
 the data of every step is the same sequences. What cannot carry over is refused: another global
@@ -52,8 +52,11 @@ class Resume:
 
 def layout(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     """How a run is distributed: saved in each manifest, compared on resume."""
-    return {"world_size": world_size, "runtime": cfg.runtime, "state_sharding": cfg.state_sharding,
-            "mesh": "x".join(map(str, cfg.mesh or (world_size,)))}
+    out = {"world_size": world_size, "runtime": cfg.runtime, "state_sharding": cfg.state_sharding,
+           "mesh": "x".join(map(str, cfg.mesh or (world_size,)))}
+    if cfg.model == "moe":
+        out["ep"] = cfg.ep
+    return out
 
 
 def _check_options(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> None:
