@@ -126,10 +126,10 @@ def _shard_dim1(param: nn.Parameter):
 def _train_shard_dim1(rank: int, ws: int, runtime: str, make) -> dict:
     """torch's ``test_shard_placement_fn_contiguous_params_grads`` and a training run: every
     parameter ``Shard(1)`` (the 1-D ones ``Shard(0)``), 5 Adam steps."""
-    torch.manual_seed(0)
-    model = make()
-    for p in model.parameters():
-        dist.broadcast(p.detach(), src=0)
+    model, gen = make(), torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the same values on every rank thread and in both runs
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     mesh = DeviceMesh("cpu", list(range(ws)))
     for m in model.modules():
         if isinstance(m, nn.Linear):

@@ -287,6 +287,14 @@ def _placement_policy(
                 f"shard_placement_fn returned {result!r} for parameter {slot.fqn!r} of shape "
                 f"{tuple(slot.shape)}: dim out of range"
             )
+        if dim > 0 and isinstance(p, DTensor):
+            raise ValueError(
+                f"shard_placement_fn returned {result!r} for parameter {slot.fqn!r}, a DTensor "
+                f"with {tuple(p.placements)} on {p.device_mesh}: the planner cuts the local "
+                f"tensor of a tensor- or expert-parallel parameter between whole dim-0 rows only "
+                f"(RaggedShard composes with that placement by rows), so Shard({dim}) would not "
+                f"spread it as FSDP2 does. Return Shard(0) or None for it"
+            )
         if dim > 0:
             cuts[slot.fqn] = Granularity.element(
                 keep_dims_whole=(dim + 1,) if dim + 1 < ndim else ()
@@ -407,7 +415,8 @@ def fully_shard(
             0``: between whole slices ``x[i_0, ..., i_d]`` (RaggedShard dims ``(0, ..., d)``),
             e.g. torchtitan's ``Shard(1)`` for an expert stack ``[E, H, D]`` with fewer experts
             than ranks, which then spreads over every rank; with ``granularity`` also given,
-            ``ValueError`` (pass one of them). FSDP2's
+            or for a parameter that is a tensor- or expert-parallel DTensor (its local tensor
+            is cut between whole dim-0 rows only), ``ValueError``. FSDP2's
             ``ShardPlacementResult(placement, mesh_info)`` (torch 2.13; torchtitan's MoE recipe
             under expert parallelism) places a parameter on ``mesh_info.mesh``: the parameters on
             each mesh other than ``mesh`` become one unit of the submodules that register them,
