@@ -57,9 +57,17 @@ class CollectiveMeter:
     on a ring: an all-gather's output less this rank's input (what it receives), a
     reduce-scatter's input less its output (what it sends), ``2 (n - 1) / n`` of an all-reduced
     tensor over ``n`` ranks. :meth:`by_dims` names the groups by the mesh dims they span.
+
+    ``all_to_all=True`` also counts ``dist.all_to_all_single`` calls (kind ``"all_to_all"``:
+    bytes the input, ``moved`` the input less the rows this rank keeps, approximated as
+    ``(n - 1) / n`` of it) that are not issued inside another counted collective (gloo's
+    reduce-scatters run as all-to-alls and stay reduce-scatters): expert parallelism's token
+    dispatch, an optimizer's exchange.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, all_to_all: bool = False) -> None:
+        self.all_to_all = all_to_all
+        self._depth = 0  # counted collectives in progress (an all-to-all inside one is theirs)
         self.counts: collections.Counter[str] = collections.Counter()
         self.by_group: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         self._saved: list[tuple[object, str, object]] = []
@@ -114,16 +122,25 @@ class CollectiveMeter:
         def counted(*args, **kwargs):
             arguments = signature.bind(*args, **kwargs).arguments
             tensors = _positional(signature, arguments)
-            if kind == "all_reduce":
+            n = dist.get_world_size(arguments.get("group"))
+            if kind == "all_to_all":
+                if self._depth:
+                    return fn(*args, **kwargs)
+                nbytes = _nbytes(tensors[1])
+                moved = (n - 1) * nbytes // n
+            elif kind == "all_reduce":
                 nbytes = _nbytes(tensors[0])
-                n = dist.get_world_size(arguments.get("group"))
                 moved = 2 * (n - 1) * nbytes // n
             else:
                 output, input = (_nbytes(t) for t in tensors[:2])
                 nbytes = output if kind == "all_gather" else input
                 moved = abs(output - input)
             self._count(kind, arguments.get("group"), nbytes, moved)
-            return fn(*args, **kwargs)
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
 
         return counted
 
@@ -158,7 +175,7 @@ class CollectiveMeter:
             (compat, "_reduce_scatter", "reduce_scatter"),
             (compat, "reduce_scatter_by_all_to_all", "reduce_scatter"),  # gloo's sums
             (dist, "all_reduce", "all_reduce"),
-        ]
+        ] + ([(dist, "all_to_all_single", "all_to_all")] if self.all_to_all else [])
         for obj, name, kind in targets:
             fn = getattr(obj, name, None)
             if fn is not None:
