@@ -32,6 +32,7 @@ DTensor-redistribution path in :mod:`._mesh_nd`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +75,10 @@ class Layout:
     ``replicas``: the ``Replicate`` dims of an N-D mesh, in mesh order. A replica row is one
     coordinate on each of them (row-major); every row holds the full tensor, cut by
     ``flat_ranges`` over ``group``. A 1-D mesh has one row.
+
+    ``offset``: where the flattened tensor of ``shape`` starts in the parameter's (0 but for a
+    block of a stack, :func:`stack_layout`), so state kept per piece can be named by its place
+    in the whole parameter.
     """
 
     shape: tuple[int, ...]
@@ -81,6 +86,7 @@ class Layout:
     rank: int
     flat_ranges: tuple[tuple[int, int], ...]
     replicas: tuple[ReplicaDim, ...] = ()
+    offset: int = 0
 
     @property
     def world_size(self) -> int:
@@ -181,8 +187,12 @@ def stack_layout(tensor: torch.Tensor) -> Layout | None:
     ):
         return None
     shape = (int(tensor.shape[0]) // blocks, *(int(s) for s in tensor.shape[1:]))
-    block = RaggedShard(placement.dims, placement.local_units)
-    return _layout_over(tensor, dim, block, shape, replicas_skip=by_matrix)
+    index = 0  # this rank's block: its coordinates on the by-matrix dims, row-major
+    for m in by_matrix:
+        index = index * mesh.size(m) + mesh.get_local_rank(m)
+    layout = _layout_over(tensor, dim, RaggedShard(placement.dims, placement.local_units), shape,
+                          replicas_skip=by_matrix)
+    return dataclasses.replace(layout, offset=index * math.prod(shape))
 
 
 def _sharded_mesh_dims(tensor: DTensor) -> list[int]:

@@ -30,8 +30,9 @@ once per replica row; the updates reach the other rows by one all-gather per ``R
 (:mod:`._sharding`), also when every slab is whole on a rank.
 
 Slab state (statistics, roots, grafting moments) lives only on the slab's owner and is saved as
-rank-local tensors under ``state[p]["blocks"]``: it reloads into the same world size and
-placements. State of parameters with fewer than 2 dims has the parameter's placement.
+rank-local tensors under ``state[p]["blocks"][offset]``, ``offset`` the slab's first element in
+the whole flattened parameter (also for a block of an expert stack: ``Layout.offset``): it
+reloads into the same world size and placements. State of parameters with fewer than 2 dims has the parameter's placement.
 """
 
 from __future__ import annotations
@@ -251,7 +252,8 @@ class Shampoo(ShardedStateOptimizer):
             outs = [torch.empty_like(g) for g in grads]
             for it in items:
                 upd = self._slab_update(
-                    entries[it.param], it, grads[it.param][it.start : it.end].view(it.shape)
+                    entries[it.param], it, grads[it.param][it.start : it.end].view(it.shape),
+                    layouts[it.param].offset,
                 )
                 outs[it.param][it.start : it.end] = upd.reshape(-1)
         else:
@@ -265,14 +267,17 @@ class Shampoo(ShardedStateOptimizer):
                 )
             pending = ex.start_gather(grads)
             results = {}
+            offsets = [layout.offset for layout in layouts]
             for k in ex.local_owned:  # overlaps the gather
                 results[k] = self._slab_update(
-                    entries[items[k].param], items[k], ex.assemble(k, grads, None)
+                    entries[items[k].param], items[k], ex.assemble(k, grads, None),
+                    offsets[items[k].param],
                 )
             recv = pending.wait()
             for k in sorted(ex.remote_owned):
                 results[k] = self._slab_update(
-                    entries[items[k].param], items[k], ex.assemble(k, grads, recv)
+                    entries[items[k].param], items[k], ex.assemble(k, grads, recv),
+                    offsets[items[k].param],
                 )
             back = ex.start_scatter(results)
             self.last_step_all_to_all_calls += 2 if ex.traffic else 0
@@ -283,9 +288,11 @@ class Shampoo(ShardedStateOptimizer):
             local_flat(p).add_(out, alpha=-g["lr"])
 
     def _slab_update(
-        self, entry: tuple[torch.Tensor, dict[str, Any]], item: Item, grad: torch.Tensor
+        self, entry: tuple[torch.Tensor, dict[str, Any]], item: Item, grad: torch.Tensor,
+        offset: int = 0,
     ) -> torch.Tensor:
-        """Shampoo update of one row slab (owner side); creates the slab's state on first use."""
+        """Shampoo update of one row slab (owner side); creates the slab's state on first use,
+        under the slab's offset in the whole parameter (``offset``: the item's layout's)."""
         p, g = entry
         state = self.state[p]
         step = int(state["step"].item())
@@ -293,9 +300,10 @@ class Shampoo(ShardedStateOptimizer):
         cols = item.shape[1]
         spans = _spans(cols, g["max_preconditioner_dim"])
         rows = item.shape[0]
-        slab = blocks.get(item.start)
+        key = offset + item.start
+        slab = blocks.get(key)
         if slab is None:
-            slab = blocks[item.start] = {
+            slab = blocks[key] = {
                 "L": [grad.new_zeros(rows, rows) for _ in spans],
                 "R": [grad.new_zeros(c1 - c0, c1 - c0) for c0, c1 in spans],
                 "L_root": [grad.new_zeros(rows, rows) for _ in spans],

@@ -661,7 +661,7 @@ def _placement_fn_errors(rank: int, ws: int):
         fully_shard(_net().blocks[0], mesh=mesh, shard_placement_fn=lambda p: Shard(p.ndim - 1))
     with pytest.raises(ValueError, match="shard_placement_fn must be callable"):
         fully_shard(_net().blocks[0], mesh=mesh, shard_placement_fn=Shard(0))
-    with pytest.raises(ValueError, match="takes None or Shard"):
+    with pytest.raises(ValueError, match=r"takes None, Shard\(dim\) or FSDP2.s ShardPlacementResult"):
         fully_shard(_net().blocks[0], mesh=mesh, shard_placement_fn=lambda p: "rows")
     with pytest.raises(ValueError, match="cuts inside dim-0 rows"):
         fully_shard(

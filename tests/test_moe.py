@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ragged_placement.fsdp import StateSharding
+from ragged_placement.quant import BlockFP8Config
 from ragged_placement.models.moe import (
     GroupedExperts,
     MoE,
@@ -398,6 +399,7 @@ def _bad_parallel_calls(rank: int, ws: int) -> dict:
             MoETransformer(CFG), mesh, state_sharding=StateSharding((), (), ("inter",)))),
         ("shard_fn", lambda: parallelize_moe(
             MoETransformer(CFG), mesh, shard_fn=fsdp2_fully_shard, state_sharding=ZERO1)),
+        ("quant", lambda: parallelize_moe(MoETransformer(CFG), mesh, quant=BlockFP8Config())),
         ("reshard_after_forward", lambda: parallelize_moe(
             MoETransformer(CFG), mesh, expert_state_sharding=StateSharding((), (), ("dp_mod_ep",)),
             reshard_after_forward=2)),
@@ -423,4 +425,6 @@ def test_bad_expert_parallel_arguments_raise_before_any_collective():
         assert "names ['inter'], not a dim of the mesh" in errors["unknown dim"]
         assert "honoured by ragged_placement.fsdp.fully_shard only" in errors["shard_fn"]
         assert "reshard_after_forward=2 with state_sharding=" in errors["reshard_after_forward"]
+        assert "quant=BlockFP8Config" in errors["quant"]
+        assert "FP8 of the expert stacks is not implemented" in errors["quant"]
         assert errors["collectives"] == {}

@@ -85,7 +85,14 @@ def _train(model: torch.nn.Module, name: str, rank: int, ws: int, count: _Counte
         if ws > 1:
             dist.all_reduce(loss)
         losses.append(loss.item() / ws)
-    return losses, full_state(model), work
+    return losses, full_state(model), work, _slab_keys(model, opt)
+
+
+def _slab_keys(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, list[int]]:
+    """Shampoo: the offsets in the whole parameter under which this rank keeps expert slabs'
+    state (what DCP saves them under, from their owner)."""
+    return {n: sorted(opt.state[p].get("blocks", {})) for n, p in model.named_parameters()
+            if _is_expert(n) and isinstance(opt, Shampoo)}
 
 
 def _reference(name: str) -> tuple:
@@ -118,10 +125,11 @@ def test_optimizer_on_expert_stacks_matches_one_process_and_sends_nothing(name):
     """Muon / Shampoo on the expert stacks, 5 steps, EP 2 x FSDP 2, EP 4, and AMSP with EP over
     ``intra``: every rank's full parameters and the losses within 1e-5 of one process; per step
     the ranks together run Newton-Schulz once per expert matrix (48: 2 layers x 3 stacks x 8
-    experts, as one process) or update each expert row slab once; the experts, each whole on a
+    experts, as one process) or update each expert row slab once (its state kept by one rank,
+    under its offset in the whole stack, as in one process); the experts, each whole on a
     rank, send nothing (no collective in the optimizer's step but, under AMSP, the runtime's
     refresh all-gathers of the 2 expert units it stepped)."""
-    ref_losses, ref_state, ref_work = _reference(name)
+    ref_losses, ref_state, ref_work, ref_keys = _reference(name)
     expected = EXPERT_MATRICES if name == "muon" else EXPERT_SLABS
     assert [w[0] for w in ref_work] == [expected] * STEPS
     results = run_gloo(_runs, WORLD, name)
@@ -130,7 +138,9 @@ def test_optimizer_on_expert_stacks_matches_one_process_and_sends_nothing(name):
         done = [sum(res[2][s][0] for res in ranks) for s in range(STEPS)]
         assert done == [expected] * STEPS, (run, done)
         refresh = {"c10d._allgather_base_": 2} if run == "amsp" else {}
-        for rank, (losses, state, work) in enumerate(ranks):
+        for k, keys in ref_keys.items():  # each slab's state once in the world, at its offset
+            assert sorted(o for res in ranks for o in res[3][k]) == keys, (run, k)
+        for rank, (losses, state, work, _) in enumerate(ranks):
             assert all(w[1] == refresh and w[2] == (0, 0) for w in work), (run, rank, work)
             assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < ATOL
             for k, v in ref_state.items():

@@ -36,6 +36,7 @@ from ragged_placement.fsdp.module import (
 )
 from ragged_placement.fsdp.nested import state_sharded_mesh
 from ragged_placement.fsdp.param import ParamSlot, check_tp_dims_disjoint, mesh_device
+from ragged_placement.fsdp.param_meshes import split_by_mesh
 from ragged_placement.fsdp.spmd import check_dp_mesh_dims, localize_spmd_params
 from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.fsdp.unit import FSDPUnit
@@ -273,7 +274,7 @@ def _check_shard_placements(
         if type(result) is not Shard:
             raise ValueError(
                 f"shard_placement_fn returned {result!r} for parameter {slot.fqn!r}: fully_shard "
-                f"takes None or Shard(dim) (a per-parameter mesh is not supported)"
+                f"takes None, Shard(dim) or FSDP2's ShardPlacementResult(placement, mesh_info)"
             )
         ndim = max(len(slot.shape), 1)
         dim = result.dim + ndim if result.dim < 0 else result.dim
@@ -295,6 +296,19 @@ def _check_shard_placements(
             raise ValueError(
                 f"shard_placement_fn returned Shard(0) for parameter {slot.fqn!r}, but "
                 f"granularity gives it {gran}, which cuts inside dim-0 rows: drop one of them"
+            )
+
+
+def _check_other_mesh_options(granularity, quant, state_sharding, dp_mesh_dims) -> None:
+    """The ``fully_shard`` options not taken with a ``shard_placement_fn`` that places
+    parameters on another mesh (untested there; their parameter names or meshes would differ
+    between the nested unit and this one)."""
+    for name, value in (("granularity", granularity), ("quant", quant),
+                        ("state_sharding", state_sharding), ("dp_mesh_dims", dp_mesh_dims)):
+        if value is not None:
+            raise ValueError(
+                f"{name}={value!r} with a shard_placement_fn that places parameters on another "
+                f"mesh (ShardPlacementResult) is not supported: drop one of them"
             )
 
 
@@ -376,7 +390,16 @@ def fully_shard(
             planner's ``row`` or a coarser granularity). ``Shard(d)`` for ``d > 0`` (a slice of
             dim ``d`` on every rank) cannot be expressed by a run of rows and raises
             ``ValueError``, as does a ``Shard(0)`` for a parameter that ``granularity`` cuts
-            inside rows; layout choices beyond FSDP2's go through ``granularity``.
+            inside rows; layout choices beyond FSDP2's go through ``granularity``. FSDP2's
+            ``ShardPlacementResult(placement, mesh_info)`` (torch 2.13; torchtitan's MoE recipe
+            under expert parallelism) places a parameter on ``mesh_info.mesh``: the parameters on
+            each mesh other than ``mesh`` become one unit of the submodules that register them,
+            nested in this one (FSDP2 keeps a second parameter group in this module instead: the
+            same shards and numbers; that unit gathers when those submodules run, and this
+            module's ``unshard()``/``reshard()`` do not reach it), see
+            :mod:`ragged_placement.fsdp.param_meshes`. Such a submodule must register parameters
+            of that mesh only, and not with ``granularity``, ``quant``, ``state_sharding`` or
+            ``dp_mesh_dims`` (``ValueError``).
         mp_policy: parameter / reduction dtypes: torch's
             :class:`torch.distributed.fsdp.MixedPrecisionPolicy` (``MixedPrecisionPolicy`` of
             this package is the same class). ``param_dtype`` is the dtype of the all-gather and
@@ -455,6 +478,19 @@ def fully_shard(
     where = type(modules[0]).__name__
     check_not_managed([s.fqn for s in slots], params, where)
     check_no_all_gather_extension([s.fqn for s in slots], params, where)
+    shard_placement_fn, other_meshes = split_by_mesh(
+        shard_placement_fn, slots, params, mesh, modules
+    )
+    if other_meshes:  # FSDP2's per-parameter mesh: a nested unit per other mesh
+        _check_other_mesh_options(granularity, quant, state_sharding, dp_mesh_dims)
+        for group in other_meshes:
+            fully_shard(
+                group.modules if len(group.modules) > 1 else group.modules[0], mesh=group.mesh,
+                reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=group.placement_fn(), mp_policy=mp_policy,
+                offload_policy=offload_policy, ignored_params=ignored_params,
+            )
+        slots, params, owned_modules = _collect_params(modules, ignored)
     _check_shard_placements(shard_placement_fn, slots, params, granularity)
     if check_quant(quant) is not None:
         for m in modules:

@@ -374,9 +374,10 @@ def parallelize_moe(
     Raises:
         ValueError: before any collective, if ``mesh`` is not 2-D with an ``ep_dim`` dim, or
             its size does not divide ``num_experts`` (an expert is never cut between ep ranks);
-            if a ``StateSharding`` is given to torch's ``fully_shard``, or one the runtime
-            cannot honour (:func:`~ragged_placement.expert_parallel.split_state_sharding`,
-            :func:`~ragged_placement.fsdp.nested.check_state_sharding`).
+            if ``quant`` is given (FP8 experts are not implemented: no unit silently stays in
+            high precision); if a ``StateSharding`` is given to torch's ``fully_shard``, or one
+            the runtime cannot honour (:func:`~ragged_placement.expert_parallel.
+            split_state_sharding`, :func:`~ragged_placement.fsdp.nested.check_state_sharding`).
     """
     from ragged_placement.expert_parallel import (
         ExpertParallel,
@@ -390,6 +391,14 @@ def parallelize_moe(
             f"mesh must be a 2-D DeviceMesh (dp_mod_ep, {ep_dim!r}) with named dims, got {mesh!r}"
         )
     dp_mod_ep = names[1 - names.index(ep_dim)]
+    if fsdp_kwargs.get("quant") is not None:
+        raise ValueError(
+            f"quant={fsdp_kwargs['quant']!r}: block-wise FP8 of the expert stacks is not "
+            f"implemented (GroupedExperts computes in the parameters' dtype and its unit would "
+            f"gather them unquantized, while the dense units went FP8); drop quant, or shard "
+            f"the dense blocks with fully_shard(..., quant=...) yourself knowing the experts "
+            f"stay in high precision"
+        )
     shard_fn = _check_shard_fn(shard_fn, state_sharding, expert_state_sharding)
     state_sharding, expert_state_sharding = split_state_sharding(
         mesh, ep_dim, state_sharding, expert_state_sharding
