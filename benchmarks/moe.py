@@ -31,11 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from ragged_placement.models.moe import MoEConfig, MoETransformer, parallelize_moe
 from ragged_placement.testing.launch import run_gloo
-from ragged_placement.testing.profiling import CollectiveMeter, HeapPeakMeter
+from ragged_placement.testing.profiling import CollectiveMeter, HeapPeakMeter, state_bytes
 
 RUNTIMES = ("fsdp2", "ours")
 KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
@@ -54,22 +53,6 @@ def _shard_fn(runtime: str):
     else:
         from torch.distributed.fsdp import fully_shard
     return fully_shard
-
-
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total
-
-
-def _state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    params = list(model.parameters())
-    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {"params": _local_bytes(params),
-            "grads": _local_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": _local_bytes(states)}
 
 
 def _batch(step: int, rank: int, args: argparse.Namespace) -> torch.Tensor:
@@ -92,7 +75,7 @@ def _build(runtime: str, mesh, args: argparse.Namespace):
         loss.backward()
         opt.step()
         if state is not None:
-            state.update(_state_bytes(model, opt))
+            state.update(state_bytes(model, opt))
         opt.zero_grad()
         return loss.item()
 

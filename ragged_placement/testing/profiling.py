@@ -39,7 +39,8 @@ from typing_extensions import Self  # a dependency of torch
 import ragged_placement._compat as compat
 from ragged_placement.fsdp import collectives
 
-__all__ = ["AllocationMeter", "CollectiveMeter", "HeapPeakMeter", "LayoutCopyMeter", "heap_in_use"]
+__all__ = ["AllocationMeter", "CollectiveMeter", "HeapPeakMeter", "LayoutCopyMeter", "heap_in_use",
+           "state_bytes"]
 
 _LAYOUT_COPY_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "_chunk_cat", "chunk_cat")
 
@@ -122,14 +123,15 @@ class CollectiveMeter:
         def counted(*args, **kwargs):
             arguments = signature.bind(*args, **kwargs).arguments
             tensors = _positional(signature, arguments)
-            n = dist.get_world_size(arguments.get("group"))
             if kind == "all_to_all":
                 if self._depth:
                     return fn(*args, **kwargs)
                 nbytes = _nbytes(tensors[1])
+                n = dist.get_world_size(arguments.get("group"))
                 moved = (n - 1) * nbytes // n
             elif kind == "all_reduce":
                 nbytes = _nbytes(tensors[0])
+                n = dist.get_world_size(arguments.get("group"))
                 moved = 2 * (n - 1) * nbytes // n
             else:
                 output, input = (_nbytes(t) for t in tensors[:2])
@@ -367,3 +369,34 @@ class HeapPeakMeter:
         with _SampleAfterEachOp(self):
             yield
         self._sample()
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _param_chunk_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameter chunks a ``state_sharding`` keeps beside the optimizer shard
+    (the local tensors of ``model.parameters()``): the chunk over ``params`` when ``optim``
+    spans more ranks, the unsharded buffer when ``params=()``; 0 otherwise."""
+    units = getattr(model, "fsdp_units", None)
+    total = 0
+    for _, unit in units() if units is not None else ():
+        for b in unit.buffers:
+            held = b.comm.param_chunk
+            total += 0 if held is None else held.numel() * held.element_size()
+    return total
+
+
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameters (the sharded parameters and any parameter chunk of a
+    ``state_sharding``), gradients and optimizer state."""
+    params = list(model.parameters())
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": _local_bytes(params) + _param_chunk_bytes(model),
+            "grads": _local_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": _local_bytes(states)}
