@@ -106,12 +106,16 @@ def _assert_close_to(trained: dict[str, torch.Tensor], expected: dict[str, torch
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("runtime, ep", [("ours", 4), ("fsdp2", 2)])
-def test_moe_with_expert_parallelism_matches_one_process(runtime, ep, tmp_path):
-    """4 gloo ranks, EP 2 x FSDP 2 and EP 4 (ours), EP 2 x FSDP 2 (torch FSDP2 + the same EP):
+@pytest.mark.parametrize("runtime, ep, sharding", [("ours", 4, "zero3"), ("fsdp2", 2, "zero3"),
+                                                    ("ours", 2, "amsp")])
+def test_moe_with_expert_parallelism_matches_one_process(runtime, ep, sharding, tmp_path):
+    """4 gloo ranks, EP 4 (ours), EP 2 x FSDP 2 (torch FSDP2 + the same EP; ours: the
+    checkpoint test below), and AMSP with EP 2 (the dense units' parameters sharded over ep,
+    their gradients and optimizer state over all ranks; the experts' ZeRO-2 over dp_mod_ep):
     8 AdamW steps end within 1e-5 of one process (weights and losses)."""
     losses, expected = _reference()
-    out = _run(WORLD, "--runtime", runtime, "--ep", str(ep), "--output", str(tmp_path / "w.pt"))
+    out = _run(WORLD, "--runtime", runtime, "--ep", str(ep), "--state-sharding", sharding,
+               "--output", str(tmp_path / "w.pt"))
     torch.testing.assert_close(out["losses"], list(losses), atol=ATOL, rtol=ATOL)
     _assert_close_to(torch.load(tmp_path / "w.pt"), expected)
 
@@ -194,8 +198,12 @@ def test_muon_takes_the_expert_stacks_as_matrices():
         (["--model", "moe", "--moe-layers", "3"], "--moe-layers 3 exceeds --layers 2"),
         (["--model", "moe", "--ep", "3"], "--ep 3 does not divide --experts 8"),
         (["--model", "moe", "--mesh", "2x2"], "--mesh 2x2 with --model moe: .* set by --ep"),
-        (["--model", "moe", "--state-sharding", "zero2"],
-         "--state-sharding zero2 with --model moe is not supported yet"),
+        (["--model", "moe", "--state-sharding", "hsdp"],
+         "--state-sharding hsdp with --model moe: the mesh is \\(ranks / ep, ep\\)"),
+        (["--model", "moe", "--state-sharding", "auto"],
+         "--state-sharding auto with --model moe is not supported yet"),
+        (["--model", "moe", "--state-sharding", "amsp", "--runtime", "fsdp2"],
+         "--state-sharding amsp needs --runtime ours"),
         (["--model", "moe", "--fp8"], "--fp8 with --model moe is not supported yet"),
     ],
 )
