@@ -129,6 +129,14 @@ def _refused(rank: int, ws: int, case: str) -> str:
         with pytest.raises(ValueError, match=r"'dense.bias'.*a module's parameters must all be "
                                              r"on one mesh"):
             fully_shard(block, mesh=dense, shard_placement_fn=fn)
+    elif case == "dims":  # a 2-D mesh read as 1-D sharding over its dim 1: not fully_shard's
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+        info = FSDPMeshInfo(mesh=sparse, shard_mesh_dim=1)
+        fn = lambda p: ShardPlacementResult(Shard(0), info) if p is block.experts.w else None
+        with pytest.raises(ValueError, match=r"\(shard_mesh_dim, replicate_mesh_dim\) = "
+                                             r"\(1, 0\), not \(1, None\)"):
+            fully_shard(block, mesh=dense, shard_placement_fn=fn)
     else:  # Shard(1) on the other mesh (torchtitan's choice when efsdp x ep > experts): refused
         from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
@@ -140,5 +148,5 @@ def _refused(rank: int, ws: int, case: str) -> str:
 
 
 def test_per_parameter_mesh_that_splits_a_module_raises():
-    for case in ("root", "mixed", "shard1"):
+    for case in ("root", "mixed", "dims", "shard1"):
         assert run_threaded(_refused, WORLD, case) == [case] * WORLD

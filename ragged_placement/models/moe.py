@@ -442,15 +442,7 @@ def parallelize_moe(
     moe_blocks = [b for b in model.layers.values() if b.moe_enabled]
     for block in moe_blocks:
         check_expert_parallel(block.moe.experts, ep_size)
-    if state_sharding is None:
-        dense = {"mesh": mesh._flatten(f"{dp_mod_ep}_{ep_dim}")}
-    else:
-        dense = {"mesh": mesh, "state_sharding": state_sharding}
-    if quant is not None:
-        dense["quant"] = quant
-    experts = {"mesh": mesh[dp_mod_ep]}
-    if expert_state_sharding is not None:
-        experts["state_sharding"] = expert_state_sharding
+    dense, experts = _unit_arguments(mesh, ep_dim, state_sharding, expert_state_sharding, quant)
     gloo = dist.get_backend(mesh.get_group(ep_dim)) == "gloo"
     for block in moe_blocks:
         parallelize_module(block.moe.experts, mesh[ep_dim], ExpertParallel())
@@ -466,6 +458,25 @@ def parallelize_moe(
         shard_fn(block, **dense, **fsdp_kwargs)
     shard_fn(model, **dense, **fsdp_kwargs)
     return model
+
+
+def _unit_arguments(
+    mesh: DeviceMesh, ep_dim: str, state_sharding: Any, expert_state_sharding: Any, quant: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``shard_fn``'s mesh and options for the dense units (all data-parallel ranks: ``mesh``
+    flattened, or ``mesh`` itself with a ``state_sharding``; ``quant``) and for the expert units
+    (the dim beside ``ep_dim``; ``expert_state_sharding``)."""
+    dp_mod_ep = next(d for d in mesh.mesh_dim_names if d != ep_dim)
+    if state_sharding is None:
+        dense = {"mesh": mesh._flatten(f"{dp_mod_ep}_{ep_dim}")}
+    else:
+        dense = {"mesh": mesh, "state_sharding": state_sharding}
+    if quant is not None:
+        dense["quant"] = quant
+    experts = {"mesh": mesh[dp_mod_ep]}
+    if expert_state_sharding is not None:
+        experts["state_sharding"] = expert_state_sharding
+    return dense, experts
 
 
 def _check_shard_fn(
