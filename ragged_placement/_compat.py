@@ -25,7 +25,7 @@ __all__ = [
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
     "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
     "functional_all_gather", "outside_selective_checkpoint", "DataParallelMeshDims",
-    "new_group_in_order",
+    "new_group_in_order", "ShardPlacementResult",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -184,3 +184,14 @@ def outside_selective_checkpoint() -> Iterator[None]:
 DataParallelMeshDims: type | None = getattr(
     importlib.import_module("torch.distributed.fsdp"), "DataParallelMeshDims", None
 )
+
+# FSDP2's per-parameter mesh result of shard_placement_fn, ``ShardPlacementResult(placement,
+# mesh_info)`` (torch 2.13, in its private ``_fsdp_common``; torchtitan's MoE recipe returns it for
+# expert parameters under expert parallelism). Absent in 2.11: None.
+try:
+    ShardPlacementResult: type | None = getattr(
+        importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_common"),
+        "ShardPlacementResult", None,
+    )
+except ImportError:  # pragma: no cover - a torch without FSDP2's private module
+    ShardPlacementResult = None

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.tensor import DTensor
 from typing_extensions import Self  # a dependency of torch
 
 from ragged_placement.testing.profiling import (
@@ -42,6 +41,7 @@ from ragged_placement.testing.profiling import (
     HeapPeakMeter,
     LayoutCopyMeter,
     heap_in_use,
+    state_bytes,
 )
 from ragged_placement.testing.launch import exit_without_finalization
 from ragged_placement.planner import StateShardingPlan
@@ -89,37 +89,6 @@ def _inject_fault(rank: int, step: int) -> None:
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(3600)  # "hang": frozen until torchrun's agent ends it
-
-
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total
-
-
-def _param_chunk_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameter chunks a ``state_sharding`` keeps beside the optimizer shard
-    (the local tensors of ``model.parameters()``): the chunk over ``params`` when ``optim``
-    spans more ranks, the unsharded buffer when ``params=()``; 0 otherwise."""
-    units = getattr(model, "fsdp_units", None)
-    total = 0
-    for _, unit in units() if units is not None else ():
-        for b in unit.buffers:
-            held = b.comm.param_chunk
-            total += 0 if held is None else held.numel() * held.element_size()
-    return total
-
-
-def _state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's bytes of parameters (the sharded parameters and any parameter chunk of a
-    ``state_sharding``), gradients and optimizer state."""
-    params = list(model.parameters())
-    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {"params": _local_bytes(params) + _param_chunk_bytes(model),
-            "grads": _local_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": _local_bytes(states)}
 
 
 def _net_bytes() -> dict[str, int]:
@@ -308,7 +277,7 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
                 timed = (timed[0] + time.perf_counter() - t0, timed[1] + 1,
                          timed[2] + watch.seconds - comm0)
             progress.update(step, losses[-1], sched.get_last_lr()[0], comm.total,
-                            lambda: sum(_state_bytes(model, opt).values()))
+                            lambda: sum(state_bytes(model, opt).values()))
             if ckpt is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 ckpt.save(step + 1, model, opt, {"step": step + 1, "scheduler": sched.state_dict(),
                                                  "data": {"next_step": step + 1, "seed": cfg.seed},
@@ -323,7 +292,7 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
         "collectives": (meter.counts["all_gather"] + meter.counts["reduce_scatter"]) / n,
         "collective_bytes": comm.total / n, "collective_calls": comm.calls / n,
         "collective_bytes_by_call": {k: v / n for k, v in comm.by_name.items()},
-        "copy_bytes": copies.total, "peak": mem.peak, "state_bytes": _state_bytes(model, opt),
+        "copy_bytes": copies.total, "peak": mem.peak, "state_bytes": state_bytes(model, opt),
         "net_bytes": {k: net1[k] - net0.get(k, 0) for k in net1} if env.local_rank == 0 else {},
     }
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from ragged_placement.models.llama import Attention, FeedForward
 
+if TYPE_CHECKING:
+    from ragged_placement.quant import BlockFP8Config
+
 __all__ = [
-    "GroupedExperts", "MoE", "MoEBlock", "MoEConfig", "MoETransformer", "TopKRouter",
+    "GroupedExperts", "MoE", "MoEBlock", "MoEConfig", "MoETransformer", "RouterGate", "TopKRouter",
     "parallelize_moe", "run_experts", "update_expert_bias",
 ]
 
@@ -124,6 +127,7 @@ def run_experts(
     x: torch.Tensor,
     counts: list[int],
     use_grouped_mm: bool | None = None,
+    quant: BlockFP8Config | None = None,
 ) -> torch.Tensor:
     """SwiGLU experts on tokens sorted by expert: rows ``[sum(counts[:e]), sum(counts[:e+1]))``
     of ``x`` go through expert ``e`` of the stacked plain tensors ``w1``/``w3`` ``[E, ffn, dim]``
@@ -132,7 +136,15 @@ def run_experts(
     ``torch._grouped_mm`` (one kernel per matrix for all experts) or a loop of ``matmul`` per
     expert; both compute, per expert, ``x_e @ w[e].T`` (on CPU ``torch._grouped_mm``'s forward
     agrees with the loop to fp32 rounding, tests/moe/test_moe.py, but its backward does not run
-    there, so ``None`` picks it only on CUDA; the CUDA path has not run here: no GPU)."""
+    there, so ``None`` picks it only on CUDA; the CUDA path has not run here: no GPU).
+
+    ``quant``: block-wise FP8 (DeepSeek-V3's recipe, :func:`~ragged_placement.quant.fp8_linear`)
+    per expert, as ``FP8Linear`` computes a Linear: each expert's matrix quantized in its own
+    ``quant.block`` blocks (never across experts), the activations in 1 x ``quant.tile`` tiles,
+    FP8 forward and input gradient, high-precision weight gradient; always the loop (no FP8
+    grouped GEMM here)."""
+    if quant is not None:
+        return _run_experts_fp8(w1, w2, w3, x, counts, quant)
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_supported(x.device)
     if use_grouped_mm:
@@ -148,12 +160,29 @@ def run_experts(
     return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w2.shape[1])
 
 
+def _run_experts_fp8(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: list[int],
+    quant: BlockFP8Config,
+) -> torch.Tensor:
+    """:func:`run_experts`' loop with each matmul in block-wise FP8."""
+    from ragged_placement.quant import fp8_linear
+
+    outs = []
+    for e, x_e in enumerate(torch.split(x, counts, dim=0)):
+        h = F.silu(fp8_linear(x_e, w1[e], config=quant)) * fp8_linear(x_e, w3[e], config=quant)
+        outs.append(fp8_linear(h, w2[e], config=quant))
+    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w2.shape[1])
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts as stacked parameters ``w1``/``w3`` ``[E, ffn, dim]`` and
     ``w2`` ``[E, dim, ffn]``. ``forward(x, counts)``: ``x`` sorted by expert, ``counts[e]``
     rows for expert ``e`` (a list of ints or a 1-D tensor). Parameters that are DTensors (expert
     parallelism's ``Shard(0)``) are used through their local tensors: ``counts`` then counts
-    this rank's experts."""
+    this rank's experts. ``quant``: block-wise FP8 compute (:func:`run_experts`), ``None``
+    (the default) for the parameters' dtype."""
+
+    quant: BlockFP8Config | None = None
 
     def __init__(
         self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool | None = None
@@ -174,7 +203,13 @@ class GroupedExperts(nn.Module):
         ws = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()
-        return run_experts(*ws, x, counts, self.use_grouped_mm)
+        return run_experts(*ws, x, counts, self.use_grouped_mm, self.quant)
+
+
+class RouterGate(nn.Linear):
+    """The router's ``nn.Linear(dim, E)``. A subclass so that block-wise FP8, which converts
+    exactly ``nn.Linear`` (``fully_shard(quant=...)``, ``convert_to_fp8_linear``), leaves it in
+    high precision, as DeepSeek-V3 keeps its gating modules: its scores choose the experts."""
 
 
 class TopKRouter(nn.Module):
@@ -189,7 +224,7 @@ class TopKRouter(nn.Module):
     ) -> None:
         super().__init__()
         _check_routing(num_experts, top_k, score_func)
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = RouterGate(dim, num_experts, bias=False)
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
 
@@ -369,20 +404,25 @@ def parallelize_moe(
             by default ``state_sharding`` with ``ep_dim`` dropped from each state
             (:func:`~ragged_placement.expert_parallel.split_state_sharding`).
         fsdp_kwargs: passed to every ``shard_fn`` call (``reshard_after_forward``,
-            ``mp_policy``, ...).
+            ``mp_policy``, ...), but ``quant``: block-wise FP8
+            (:class:`~ragged_placement.quant.BlockFP8Config`, ours only) goes to the dense
+            units (their ``nn.Linear`` weights gathered in FP8) and to every
+            ``GroupedExperts.quant`` (FP8 compute per expert matrix); the expert units gather
+            their stacks in ``param_dtype``, not FP8.
 
     Raises:
         ValueError: before any collective, if ``mesh`` is not 2-D with an ``ep_dim`` dim, or
             its size does not divide ``num_experts`` (an expert is never cut between ep ranks);
-            if a ``StateSharding`` is given to torch's ``fully_shard``, or one the runtime
-            cannot honour (:func:`~ragged_placement.expert_parallel.split_state_sharding`,
-            :func:`~ragged_placement.fsdp.nested.check_state_sharding`).
+            if a ``StateSharding`` or ``quant`` is given to torch's ``fully_shard``, or a
+            ``StateSharding`` the runtime cannot honour (:func:`~ragged_placement.expert_parallel.
+            split_state_sharding`, :func:`~ragged_placement.fsdp.nested.check_state_sharding`).
     """
     from ragged_placement.expert_parallel import (
         ExpertParallel,
         check_expert_parallel,
         split_state_sharding,
     )
+    from ragged_placement.fsdp.fp8 import check_quant
 
     names = mesh.mesh_dim_names if isinstance(mesh, DeviceMesh) else None
     if names is None or mesh.ndim != 2 or ep_dim not in names:
@@ -390,7 +430,9 @@ def parallelize_moe(
             f"mesh must be a 2-D DeviceMesh (dp_mod_ep, {ep_dim!r}) with named dims, got {mesh!r}"
         )
     dp_mod_ep = names[1 - names.index(ep_dim)]
-    shard_fn = _check_shard_fn(shard_fn, state_sharding, expert_state_sharding)
+    quant = check_quant(fsdp_kwargs.pop("quant", None))
+    shard_fn = _check_shard_fn(shard_fn, state_sharding=state_sharding,
+                               expert_state_sharding=expert_state_sharding, quant=quant)
     state_sharding, expert_state_sharding = split_state_sharding(
         mesh, ep_dim, state_sharding, expert_state_sharding
     )
@@ -400,16 +442,11 @@ def parallelize_moe(
     moe_blocks = [b for b in model.layers.values() if b.moe_enabled]
     for block in moe_blocks:
         check_expert_parallel(block.moe.experts, ep_size)
-    if state_sharding is None:
-        dense = {"mesh": mesh._flatten(f"{dp_mod_ep}_{ep_dim}")}
-    else:
-        dense = {"mesh": mesh, "state_sharding": state_sharding}
-    experts = {"mesh": mesh[dp_mod_ep]}
-    if expert_state_sharding is not None:
-        experts["state_sharding"] = expert_state_sharding
+    dense, experts = _unit_arguments(mesh, ep_dim, state_sharding, expert_state_sharding, quant)
     gloo = dist.get_backend(mesh.get_group(ep_dim)) == "gloo"
     for block in moe_blocks:
         parallelize_module(block.moe.experts, mesh[ep_dim], ExpertParallel())
+        block.moe.experts.quant = quant
     for block in model.layers.values():
         if block.moe_enabled:
             shard_fn(block.moe.experts, **experts, **fsdp_kwargs)
@@ -423,19 +460,40 @@ def parallelize_moe(
     return model
 
 
+def _unit_arguments(
+    mesh: DeviceMesh, ep_dim: str, state_sharding: Any, expert_state_sharding: Any, quant: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``shard_fn``'s mesh and options for the dense units (all data-parallel ranks: ``mesh``
+    flattened, or ``mesh`` itself with a ``state_sharding``; ``quant``) and for the expert units
+    (the dim beside ``ep_dim``; ``expert_state_sharding``)."""
+    dp_mod_ep = next(d for d in mesh.mesh_dim_names if d != ep_dim)
+    if state_sharding is None:
+        dense = {"mesh": mesh._flatten(f"{dp_mod_ep}_{ep_dim}")}
+    else:
+        dense = {"mesh": mesh, "state_sharding": state_sharding}
+    if quant is not None:
+        dense["quant"] = quant
+    experts = {"mesh": mesh[dp_mod_ep]}
+    if expert_state_sharding is not None:
+        experts["state_sharding"] = expert_state_sharding
+    return dense, experts
+
+
 def _check_shard_fn(
-    shard_fn: Callable[..., nn.Module] | None, *shardings: Any
+    shard_fn: Callable[..., nn.Module] | None, **ours_only: Any
 ) -> Callable[..., nn.Module]:
-    """``shard_fn``, ours by default; ``ValueError`` if a ``StateSharding`` goes to another."""
+    """``shard_fn``, ours by default; ``ValueError`` if one of ``ours_only`` (arguments only
+    ours takes: ``state_sharding``, ``quant``, ...) is given to another."""
     from ragged_placement.fsdp import fully_shard
 
     if shard_fn is None:
         return fully_shard
-    if shard_fn is not fully_shard and any(s is not None for s in shardings):
+    given = [name for name, value in ours_only.items() if value is not None]
+    if shard_fn is not fully_shard and given:
         raise ValueError(
-            f"state_sharding / expert_state_sharding are honoured by "
-            f"ragged_placement.fsdp.fully_shard only, not by shard_fn={shard_fn!r}: drop them "
-            f"or the shard_fn"
+            f"shard_fn={shard_fn!r} with {' and '.join(given)}: only "
+            f"ragged_placement.fsdp.fully_shard takes {' and '.join(given)}; drop "
+            f"{' and '.join(given)} or the shard_fn"
         )
     return shard_fn
 

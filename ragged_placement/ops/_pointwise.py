@@ -124,10 +124,16 @@ def _operand_target(op_schema, s: DTensorSpec, lead: DTensorSpec, out_shape) -> 
 
 
 def _partial_dims_to_replicate(op, specs: list[DTensorSpec], lead_index: int) -> list[DTensorSpec]:
-    """Replace ``Partial`` by ``Replicate`` on every mesh dim where ``op`` is not linear in it."""
+    """Replace ``Partial`` by ``Replicate`` on every mesh dim where ``op`` is not linear in it.
+
+    Operands on another mesh than the lead's are replicated scalars (torch replicates a plain
+    0-dim tensor, e.g. an optimizer's step count, on the first DTensor operand's mesh, which
+    for the elements of a fused optimizer op over parameters of several meshes is not theirs):
+    ``Replicate`` on every dim of the lead's mesh."""
     out = list(specs)
-    for m in range(specs[0].mesh.ndim):
-        pl = [s.placements[m] for s in specs]
+    mesh = specs[lead_index].mesh
+    for m in range(mesh.ndim):
+        pl = [s.placements[m] if s.mesh == mesh else Replicate() for s in specs]
         partial = [i for i, p in enumerate(pl) if p.is_partial()]
         if not partial:
             continue

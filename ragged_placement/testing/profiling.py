@@ -39,7 +39,8 @@ from typing_extensions import Self  # a dependency of torch
 import ragged_placement._compat as compat
 from ragged_placement.fsdp import collectives
 
-__all__ = ["AllocationMeter", "CollectiveMeter", "HeapPeakMeter", "LayoutCopyMeter", "heap_in_use"]
+__all__ = ["AllocationMeter", "CollectiveMeter", "HeapPeakMeter", "LayoutCopyMeter", "heap_in_use",
+           "state_bytes"]
 
 _LAYOUT_COPY_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "_chunk_cat", "chunk_cat")
 
@@ -57,9 +58,17 @@ class CollectiveMeter:
     on a ring: an all-gather's output less this rank's input (what it receives), a
     reduce-scatter's input less its output (what it sends), ``2 (n - 1) / n`` of an all-reduced
     tensor over ``n`` ranks. :meth:`by_dims` names the groups by the mesh dims they span.
+
+    ``all_to_all=True`` also counts ``dist.all_to_all_single`` calls (kind ``"all_to_all"``:
+    bytes the input, ``moved`` the input less the rows this rank keeps, approximated as
+    ``(n - 1) / n`` of it) that are not issued inside another counted collective (gloo's
+    reduce-scatters run as all-to-alls and stay reduce-scatters): expert parallelism's token
+    dispatch, an optimizer's exchange.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, all_to_all: bool = False) -> None:
+        self.all_to_all = all_to_all
+        self._depth = 0  # counted collectives in progress (an all-to-all inside one is theirs)
         self.counts: collections.Counter[str] = collections.Counter()
         self.by_group: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         self._saved: list[tuple[object, str, object]] = []
@@ -114,7 +123,13 @@ class CollectiveMeter:
         def counted(*args, **kwargs):
             arguments = signature.bind(*args, **kwargs).arguments
             tensors = _positional(signature, arguments)
-            if kind == "all_reduce":
+            if kind == "all_to_all":
+                if self._depth:
+                    return fn(*args, **kwargs)
+                nbytes = _nbytes(tensors[1])
+                n = dist.get_world_size(arguments.get("group"))
+                moved = (n - 1) * nbytes // n
+            elif kind == "all_reduce":
                 nbytes = _nbytes(tensors[0])
                 n = dist.get_world_size(arguments.get("group"))
                 moved = 2 * (n - 1) * nbytes // n
@@ -123,7 +138,11 @@ class CollectiveMeter:
                 nbytes = output if kind == "all_gather" else input
                 moved = abs(output - input)
             self._count(kind, arguments.get("group"), nbytes, moved)
-            return fn(*args, **kwargs)
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
 
         return counted
 
@@ -158,7 +177,7 @@ class CollectiveMeter:
             (compat, "_reduce_scatter", "reduce_scatter"),
             (compat, "reduce_scatter_by_all_to_all", "reduce_scatter"),  # gloo's sums
             (dist, "all_reduce", "all_reduce"),
-        ]
+        ] + ([(dist, "all_to_all_single", "all_to_all")] if self.all_to_all else [])
         for obj, name, kind in targets:
             fn = getattr(obj, name, None)
             if fn is not None:
@@ -350,3 +369,34 @@ class HeapPeakMeter:
         with _SampleAfterEachOp(self):
             yield
         self._sample()
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _param_chunk_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameter chunks a ``state_sharding`` keeps beside the optimizer shard
+    (the local tensors of ``model.parameters()``): the chunk over ``params`` when ``optim``
+    spans more ranks, the unsharded buffer when ``params=()``; 0 otherwise."""
+    units = getattr(model, "fsdp_units", None)
+    total = 0
+    for _, unit in units() if units is not None else ():
+        for b in unit.buffers:
+            held = b.comm.param_chunk
+            total += 0 if held is None else held.numel() * held.element_size()
+    return total
+
+
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameters (the sharded parameters and any parameter chunk of a
+    ``state_sharding``), gradients and optimizer state."""
+    params = list(model.parameters())
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": _local_bytes(params) + _param_chunk_bytes(model),
+            "grads": _local_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": _local_bytes(states)}

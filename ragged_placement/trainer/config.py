@@ -305,13 +305,13 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    if cfg.model == "moe":  # first: its mesh is not --mesh
+        _check_moe(cfg)
     _check_mesh(cfg)
     _check_state_sharding(cfg)
     if is_hf(cfg.model):
         hf_config(cfg, VOCAB)
-    elif cfg.model == "moe":
-        _check_moe(cfg)
-    elif cfg.model not in ("gpt", "llama"):
+    elif cfg.model not in ("gpt", "llama", "moe"):
         raise ValueError(f"--model must be gpt, llama, moe, hf:TYPE or a Hugging Face "
                          f"config.json, got {cfg.model!r}")
     if cfg.fp8 and cfg.runtime != "ours":
@@ -348,13 +348,15 @@ def _check_moe(cfg: TrainConfig) -> None:
     if cfg.mesh is not None:
         raise ValueError(f"--mesh {'x'.join(map(str, cfg.mesh))} with --model moe: the mesh is "
                          "(ranks / ep, ep), set by --ep; drop --mesh")
-    if cfg.state_sharding != "zero3":
-        raise ValueError(f"--state-sharding {cfg.state_sharding} with --model moe is not supported "
-                         "yet (the expert units' StateSharding, issue 37): use --state-sharding "
-                         "zero3 (the default)")
-    if cfg.fp8:
-        raise ValueError("--fp8 with --model moe is not supported yet (block-wise FP8 on the "
-                         "3-D expert stacks, issue 37): drop --fp8")
+    if cfg.state_sharding == "hsdp":
+        raise ValueError("--state-sharding hsdp with --model moe: the mesh is (ranks / ep, ep) and "
+                         "the experts are sharded by expert over ep; replicate with --state-"
+                         "sharding zero1 or zero2, or shard the parameters inside ep groups "
+                         "with amsp")
+    if cfg.state_sharding == "auto":
+        raise ValueError("--state-sharding auto with --model moe is not supported yet (the "
+                         "partitioner's EP search is not wired into the trainer): pass zero3, "
+                         "zero1, zero2 or amsp")
 
 
 def _check_mesh(cfg: TrainConfig) -> None:
@@ -409,7 +411,7 @@ def _check_state_sharding(cfg: TrainConfig) -> None:
             f"--state-sharding {cfg.state_sharding} needs --runtime ours: torch FSDP2 shards "
             "parameters, gradients and optimizer state over the same dims (zero3 or hsdp)"
         )
-    if cfg.state_sharding == "amsp" and len(cfg.mesh or ()) != 2:
+    if cfg.state_sharding == "amsp" and cfg.model != "moe" and len(cfg.mesh or ()) != 2:
         raise ValueError(
             "--state-sharding amsp needs a 2-D --mesh (inter, intra: parameters sharded over "
             f"intra, gradients and optimizer state over both), got "

@@ -37,6 +37,8 @@ SMALL: dict[str, list[str]] = {
                          "--runs", "1"],
     "gloo_reduce_scatter.py": ["--mib", "1", "--reps", "1"],
     "meta_init.py": ["--world", "2", "--layers", "1", "--width", "32"],
+    "moe.py": ["--width", "32", "--layers", "2", "--heads", "2", "--seq", "8", "--batch", "1",
+               "--warmup", "0", "--steps", "1", "--runs", "1"],
     "optim.py": ["--world", "2", "--steps", "1", "--runs", "1"],
     "optim_hsdp.py": ["--layers", "1", "--steps", "1"],
     "planner.py": ["--models", "gpt2-124m", "--worlds", "8"],

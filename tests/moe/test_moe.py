@@ -26,11 +26,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ragged_placement.fsdp import StateSharding
+from ragged_placement.quant import BlockFP8Config, convert_to_fp8_linear, fp8_linear
 from ragged_placement.models.moe import (
     GroupedExperts,
     MoE,
     MoEConfig,
     MoETransformer,
+    RouterGate,
     TopKRouter,
     parallelize_moe,
     run_experts,
@@ -398,6 +400,9 @@ def _bad_parallel_calls(rank: int, ws: int) -> dict:
             MoETransformer(CFG), mesh, state_sharding=StateSharding((), (), ("inter",)))),
         ("shard_fn", lambda: parallelize_moe(
             MoETransformer(CFG), mesh, shard_fn=fsdp2_fully_shard, state_sharding=ZERO1)),
+        ("quant", lambda: parallelize_moe(MoETransformer(CFG), mesh, quant="fp8")),
+        ("quant with FSDP2", lambda: parallelize_moe(
+            MoETransformer(CFG), mesh, shard_fn=fsdp2_fully_shard, quant=BlockFP8Config())),
         ("reshard_after_forward", lambda: parallelize_moe(
             MoETransformer(CFG), mesh, expert_state_sharding=StateSharding((), (), ("dp_mod_ep",)),
             reshard_after_forward=2)),
@@ -421,6 +426,85 @@ def test_bad_expert_parallel_arguments_raise_before_any_collective():
         assert "expert_state_sharding=" in errors["expert_state_sharding"]
         assert "names the ep dim 'ep'" in errors["expert_state_sharding"]
         assert "names ['inter'], not a dim of the mesh" in errors["unknown dim"]
-        assert "honoured by ragged_placement.fsdp.fully_shard only" in errors["shard_fn"]
+        assert "with state_sharding: only ragged_placement.fsdp.fully_shard" in errors["shard_fn"]
+        assert "with quant: only ragged_placement.fsdp.fully_shard" in errors["quant with FSDP2"]
         assert "reshard_after_forward=2 with state_sharding=" in errors["reshard_after_forward"]
+        assert "quant must be a BlockFP8Config or None, got 'fp8'" in errors["quant"]
         assert errors["collectives"] == {}
+
+
+# -- block-wise FP8 ---------------------------------------------------------------------------
+QUANT = BlockFP8Config()
+
+
+def _fp8(model: MoETransformer) -> MoETransformer:
+    """The one-process FP8 model: every ``nn.Linear`` an ``FP8Linear`` (what ``fully_shard(...,
+    quant=QUANT)`` converts in the dense units) and the experts computing in FP8."""
+    convert_to_fp8_linear(model, QUANT)
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.quant = QUANT
+    return model
+
+
+def _fp8_runs(rank: int, ws: int) -> list:
+    """EP 2 x FSDP 2 with ``quant=QUANT``: losses, full state, first gradients, and the type
+    of every Linear."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    model = _sharded_model(mesh, "ours", "plain", False, False, quant=QUANT)
+    losses = _train_distributed(model, rank, ws, "plain")
+    kinds = {type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)}
+    quant = [m.quant for m in model.modules() if isinstance(m, GroupedExperts)]
+    return losses, full_state(model), model.first_grads, kinds, quant
+
+
+# FP8 against the one-process FP8 model (tests/quant/test_fsdp_fp8.py's reference): the master weights
+# differ by fp32 reduction order (~1e-8) after each step, which can flip the FP8 rounding of a
+# single weight or activation element; AdamW then moves that entry by up to ~lr. Measured on EP
+# 2 x FSDP 2, 5 steps: first gradients 2.6e-8 apart, losses 1.9e-6, parameters 4.0e-5 (29 of the
+# 1,024 entries of one dense FP8Linear weight beyond 1e-6). Bounds: GRAD_ATOL, ATOL for the
+# losses, 1e-4 for the parameters.
+FP8_PARAM_ATOL = 1e-4
+
+
+@pytest.mark.multiprocess
+def test_fp8_ep_fsdp_matches_one_process_fp8():
+    """``parallelize_moe(..., quant=BlockFP8Config())`` on EP 2 x FSDP 2, 5 AdamW steps, against
+    the same FP8 model in one process (every ``nn.Linear`` an ``FP8Linear`` but the router gate,
+    the experts computing per expert matrix in FP8): first gradients within 1e-7, losses within
+    1e-5, parameters within 1e-4 (see ``FP8_PARAM_ATOL``); the routing margin asserted as in
+    the fp32 tests."""
+    model = _fp8(make_model())
+    margins = _record_margins(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS, foreach=False)
+    ref_losses = [_step(model, opt, x, y, s, "plain").item() for s, (x, y) in enumerate(batches())]
+    assert min(margins) >= MARGIN, f"a top-k decision is a near tie: margin {min(margins)}"
+    ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for losses, state, grads, kinds, quant in run_gloo(_fp8_runs, WORLD):
+        assert kinds == {"FP8Linear", "RouterGate"} and quant == [QUANT, QUANT]
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < ATOL
+        assert _max_diff(grads, model.first_grads) < GRAD_ATOL
+        assert _max_diff(state, ref_state) < FP8_PARAM_ATOL
+
+
+def test_fp8_experts_quantize_each_expert_matrix():
+    """``run_experts(..., quant=)`` is ``fp8_linear`` per expert matrix (its own 128 x 128
+    blocks and scales), not the parameters' dtype; the router gate is no FP8 candidate."""
+    g = torch.Generator().manual_seed(0)
+    w1, w3 = torch.randn(3, 16, 8, generator=g), torch.randn(3, 16, 8, generator=g)
+    w2 = torch.randn(3, 8, 16, generator=g)
+    w1[1] *= 100  # one expert's scale must not leak into the others'
+    x = torch.randn(7, 8, generator=g)
+    counts = [2, 0, 5]
+    out = run_experts(w1, w2, w3, x, counts, quant=QUANT)
+    rows = torch.split(x, counts)
+    expect = torch.cat([
+        fp8_linear(F.silu(fp8_linear(r, w1[e], config=QUANT)) * fp8_linear(r, w3[e], config=QUANT),
+                   w2[e], config=QUANT)
+        for e, r in enumerate(rows)
+    ])
+    assert torch.equal(out, expect)
+    assert not torch.allclose(out, run_experts(w1, w2, w3, x, counts), atol=1e-4)
+    router = TopKRouter(8, 3, 1)
+    convert_to_fp8_linear(router, QUANT)
+    assert type(router.gate) is RouterGate

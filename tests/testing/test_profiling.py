@@ -186,3 +186,33 @@ def test_collective_meter_counts_uneven_fp8_all_gathers_through_any_wrapper():
         assert ways[0] == ways[1]
         metered, counted, gathers = ways[0]
         assert metered == counted > 0 and gathers > 0
+
+
+def _all_to_alls_metered(rank: int, ws: int) -> list[tuple[dict, dict]]:
+    """An all-to-all of 8 floats and a gloo sum reduce-scatter of 8 floats (which the runtime
+    runs as an all-to-all), under the meter without and with ``all_to_all=True``."""
+    import torch.distributed as dist
+
+    from ragged_placement._compat import reduce_scatter_single
+    from ragged_placement._gloo import sums_by_all_to_all
+    from ragged_placement.testing.profiling import CollectiveMeter
+
+    assert sums_by_all_to_all(dist.ReduceOp.SUM, None)  # the reduce-scatter is an all-to-all
+    out = []
+    for all_to_all in (False, True):
+        with CollectiveMeter(all_to_all=all_to_all) as meter:
+            dist.all_to_all_single(torch.empty(8), torch.ones(8))
+            reduce_scatter_single(torch.empty(4), torch.ones(8))
+        out.append((dict(meter.counts), {k: v for k, v in meter.by_group.items()}))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_collective_meter_counts_all_to_alls_outside_other_collectives():
+    """``all_to_all=True`` (benchmarks/moe.py: expert parallelism's dispatch) counts an
+    all-to-all at its input's size, and the all-to-all by which gloo's reduce-scatter runs stays
+    that reduce-scatter, counted once; by default all-to-alls are not counted."""
+    for plain, counted in run_gloo(_all_to_alls_metered, 2):
+        assert plain[0] == {"reduce_scatter": 1, "reduce_scatter_bytes": 32}
+        assert counted[0] == {**plain[0], "all_to_all": 1, "all_to_all_bytes": 32}
+        assert counted[1][("all_to_all", (0, 1))] == [1, 32, 16]

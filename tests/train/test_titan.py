@@ -2,7 +2,8 @@
 switched in for FSDP2's: the same losses and gradient norms as torchtitan with FSDP2, step by step.
 
 The in-suite case is FSDP on 2 ranks; ``make titan`` runs the whole matrix (HSDP, FSDP + TP,
-activation checkpointing, resume) with ``tests/train/titan/compare.py``. Both runtimes start from one
+activation checkpointing, resume, full DTensor, the DeepSeek-V3 MoE model with expert
+parallelism) with ``tests/train/titan/compare.py``. Both runtimes start from one
 seed checkpoint made by torchtitan itself, in fp32, on CPU/gloo with the stand-ins of
 ``tests/train/titan/stand_ins.py``.
 """
@@ -33,3 +34,45 @@ def test_torchtitan_fsdp_matches_its_fsdp2_per_step(tmp_path):
     assert steps == compare.STEPS
     assert loss <= compare.TOLERANCE, f"max |loss diff| {loss:.2e}"
     assert grad_norm <= compare.TOLERANCE, f"max |grad-norm diff| {grad_norm:.2e}"
+
+
+_SNAPSHOT_OURS_AROUND_STAND_INS = r"""
+import sys
+
+sys.path.insert(0, sys.argv[1])
+import ragged_placement.fsdp  # noqa: F401  (what launch.py imports for ours)
+
+
+def snapshot():
+    out = {}
+    for name, module in list(sys.modules.items()):
+        if name == "ragged_placement" or name.startswith("ragged_placement."):
+            out[name] = {k: id(v) for k, v in vars(module).items()}
+            for k, v in vars(module).items():
+                if isinstance(v, type) and v.__module__ == name:
+                    out[f"{name}.{k}"] = {a: id(b) for a, b in vars(v).items()}
+    return out
+
+
+before = snapshot()
+import stand_ins
+
+stand_ins.install(None)
+after = snapshot()
+print("CHANGED", sorted(k for k in before if before[k] != after.get(k)), len(before))
+"""
+
+
+def test_stand_ins_change_nothing_in_ours():
+    """The Done-when check "nothing else patched in ours": installing every CPU stand-in of the
+    harness (both runtimes' jobs) leaves every attribute of every loaded ``ragged_placement``
+    module and class as it was; ``launch.py``'s one switch is torchtitan's ``fully_shard``."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _SNAPSHOT_OURS_AROUND_STAND_INS, compare.HERE],
+        capture_output=True, text=True, timeout=600, check=True,
+    ).stdout
+    changed, count = out.split("CHANGED ")[1].rsplit(" ", 1)
+    assert changed == "[]", changed
+    assert int(count) > 50  # the snapshot saw ragged_placement's modules and classes

@@ -4,8 +4,10 @@
 
 Each case runs ``torchtitan.train`` under ``torchrun`` (CPU, gloo) twice, with
 ``TITAN_FSDP=torch`` and ``TITAN_FSDP=ours`` (``launch.py``), from the same seed checkpoint
-(made once, by torchtitan's own ``--checkpoint.create_seed_checkpoint`` on one rank), and prints
-per case the largest per-step |loss difference| and |gradient-norm difference| over the steps.
+(made once per model, by torchtitan's own ``--checkpoint.create_seed_checkpoint`` on one rank),
+and prints per case the largest per-step |loss difference| and |gradient-norm difference| over
+the steps (relative to the norm for the MoE cases, whose norm reaches 41 where 1e-5 is two fp32
+ulps). ``moe_ep_fsdp`` runs only when named in ``--cases``.
 The resume case trains 12 steps saving a DCP checkpoint at step 6, then resumes each runtime from
 its own checkpoint in a fresh process and compares steps 7-12 with FSDP2's uninterrupted run.
 """
@@ -35,14 +37,29 @@ RESUME_STEP = 6
 RUNTIMES = ("torch", "ours")
 
 
+LLAMA3, DEEPSEEK_V3 = "llama3_debugmodel_cpu", "deepseek_v3_debugmodel_cpu"
+# torchtitan's own MoE recipe: EP 2, the routed experts FSDP-sharded over `efsdp` beside `ep`
+# (its shard_placement_fn returns FSDP2's per-parameter mesh), the rest of each block over
+# `fsdp`. Gradient clipping off: the clip coefficient carries the gradient norm's fp32 rounding,
+# which depends on the shard boundaries (ours and FSDP2's differ), into the update, where the
+# experts' bf16 matmuls and top-k routing amplify it (docs/torchtitan.md); without it both
+# runtimes train bit for bit alike and the norms differ by that rounding alone.
+_MOE = ("--parallelism.expert_parallel_degree", "2", "--training.max_norm", "1e9")
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One torchtitan configuration: ranks, config function and extra CLI options."""
+    """One torchtitan configuration: ranks, config function, extra CLI options, the config whose
+    seed checkpoint it starts from, and whether its gradient norms compare relative to their
+    size (``max |diff| / |FSDP2's norm|``; else absolute)."""
 
     nproc: int
-    config: str = "llama3_debugmodel_cpu"
+    config: str = LLAMA3
     options: tuple[str, ...] = ()
     resume: bool = False
+    seed_config: str = LLAMA3
+    relative_grad_norm: bool = False
+    in_default: bool = True  # run without --cases
 
 
 CASES = {
@@ -56,17 +73,22 @@ CASES = {
     "full_ac": Case(2, config="llama3_debugmodel_cpu_full_ac"),
     "selective_ac": Case(2, config="llama3_debugmodel_cpu_selective_ac"),
     "resume": Case(2, resume=True),
+    "moe_ep": Case(2, DEEPSEEK_V3, _MOE, seed_config=DEEPSEEK_V3, relative_grad_norm=True),
+    # Over 1e-5 (docs/torchtitan.md): 4-rank reduce-scatters sum in another order than gloo's
+    # (last-bit gradient differences), which the experts' bf16 matmuls and routing amplify.
+    "moe_ep_fsdp": Case(4, DEEPSEEK_V3, _MOE, seed_config=DEEPSEEK_V3, relative_grad_norm=True,
+                        in_default=False),
 }
 
 
 @dataclasses.dataclass
 class Workdir:
-    """The assets and the seed checkpoint every run starts from."""
+    """The assets and the seed checkpoints the runs start from (one per model config)."""
 
     root: str
     tokenizer: str
     dataset: str
-    seed: str
+    seeds: dict[str, str]
 
 
 def _torchrun(nproc: int, config: str, dump: str, work: Workdir, runtime: str,
@@ -111,19 +133,21 @@ def _run_group(cmd: list[str], env: dict[str, str], out) -> int:
         raise TimeoutError(f"{' '.join(cmd)} ran over {TIMEOUT} s") from None
 
 
-def make_workdir(root: str) -> Workdir:
-    """Write the assets and make the seed checkpoint (one rank, torchtitan's own option)."""
+def make_workdir(root: str, seed_configs: tuple[str, ...] = (LLAMA3,)) -> Workdir:
+    """Write the assets and make a seed checkpoint per config (one rank, torchtitan's own
+    option)."""
     tokenizer, dataset = assets.write_assets(os.path.join(root, "assets"))
-    work = Workdir(root, tokenizer, dataset, seed="")
-    dump = os.path.join(root, "seed")
-    _torchrun(1, "llama3_debugmodel_cpu", dump, work, "torch",
-              ("--checkpoint.enable", "--checkpoint.create_seed_checkpoint"))
-    work.seed = os.path.join(dump, "checkpoint", "step-0")
+    work = Workdir(root, tokenizer, dataset, seeds={})
+    for config in seed_configs:
+        dump = os.path.join(root, f"seed_{config}")
+        _torchrun(1, config, dump, work, "torch",
+                  ("--checkpoint.enable", "--checkpoint.create_seed_checkpoint"))
+        work.seeds[config] = os.path.join(dump, "checkpoint", "step-0")
     return work
 
 
-def _from_seed(work: Workdir, *, save: bool) -> tuple[str, ...]:
-    options = ("--checkpoint.enable", "--checkpoint.initial_load_path", work.seed,
+def _from_seed(work: Workdir, case: Case, *, save: bool) -> tuple[str, ...]:
+    options = ("--checkpoint.enable", "--checkpoint.initial_load_path", work.seeds[case.seed_config],
                "--checkpoint.interval", str(RESUME_STEP if save else 10 * STEPS))
     return options if save else options + ("--checkpoint.load_only",)
 
@@ -134,35 +158,40 @@ def run_case(name: str, case: Case, work: Workdir) -> dict[str, list[dict]]:
     for runtime in RUNTIMES:
         dump = os.path.join(work.root, name, runtime)
         out[runtime] = _torchrun(case.nproc, case.config, dump, work, runtime,
-                                 case.options + _from_seed(work, save=case.resume))
+                                 case.options + _from_seed(work, case, save=case.resume))
         if case.resume:
             resumed = os.path.join(work.root, name, f"{runtime}_resumed")
             shutil.copytree(os.path.join(dump, "checkpoint", f"step-{RESUME_STEP}"),
                             os.path.join(resumed, "checkpoint", f"step-{RESUME_STEP}"))
             out[f"{runtime}_resumed"] = _torchrun(case.nproc, case.config, resumed, work,
-                                                  runtime, case.options + _from_seed(work, save=True))
+                                                  runtime, case.options + _from_seed(work, case, save=True))
     return out
 
 
-def max_differences(reference: list[dict], other: list[dict]) -> tuple[float, float, int]:
-    """Largest |loss| and |grad_norm| differences over the steps ``other`` has, and their count."""
+def max_differences(reference: list[dict], other: list[dict],
+                    relative_grad_norm: bool = False) -> tuple[float, float, int]:
+    """Largest |loss| and |grad_norm| differences over the steps ``other`` has, and their count;
+    with ``relative_grad_norm``, each grad-norm difference over the reference's norm."""
     by_step = {r["step"]: r for r in reference}
     if not other or any(o["step"] not in by_step for o in other):
         raise ValueError(f"steps {[o['step'] for o in other]} not all in the reference's")
     loss = max(abs(o["loss"] - by_step[o["step"]]["loss"]) for o in other)
-    grad = max(abs(o["grad_norm"] - by_step[o["step"]]["grad_norm"]) for o in other)
+    grad = max(abs(o["grad_norm"] - by_step[o["step"]]["grad_norm"])
+               / (abs(by_step[o["step"]]["grad_norm"]) if relative_grad_norm else 1.0)
+               for o in other)
     return loss, grad, len(other)
 
 
 def compared(name: str, runs: dict[str, list[dict]]) -> tuple[float, float, int]:
     """The case's row: ours (resumed, for the resume case) against FSDP2's uninterrupted run."""
-    return max_differences(runs["torch"], runs["ours_resumed" if name == "resume" else "ours"])
+    return max_differences(runs["torch"], runs["ours_resumed" if name == "resume" else "ours"],
+                           CASES[name].relative_grad_norm)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of " +
-                        ", ".join(CASES))
+    parser.add_argument("--cases", default=",".join(n for n, c in CASES.items() if c.in_default),
+                        help="comma-separated, of " + ", ".join(CASES))
     parser.add_argument("--workdir", default=None, help="kept when given (logs, checkpoints)")
     args = parser.parse_args()
     names = args.cases.split(",")
@@ -171,7 +200,7 @@ def main() -> None:
         raise ValueError(f"--cases: unknown {unknown}; choose from {list(CASES)}")
     root = args.workdir or tempfile.mkdtemp(prefix="titan-")
     start = time.perf_counter()
-    work = make_workdir(root)
+    work = make_workdir(root, tuple(dict.fromkeys(CASES[n].seed_config for n in names)))
     rows, failed = [], []
     for name in names:
         t0 = time.perf_counter()
@@ -179,10 +208,11 @@ def main() -> None:
         rows.append((name, CASES[name].nproc, n, loss, grad, time.perf_counter() - t0))
         if max(loss, grad) > TOLERANCE:
             failed.append(name)
-    print(f"\n| configuration | ranks | steps compared | max abs loss diff | max abs grad-norm diff "
+    print(f"\n| configuration | ranks | steps compared | max abs loss diff | max grad-norm diff "
           f"| seconds |\n| --- | --- | --- | --- | --- | --- |")
     for name, nproc, n, loss, grad, seconds in rows:
-        print(f"| {name} | {nproc} | {n} | {loss:.1e} | {grad:.1e} | {seconds:.0f} |")
+        kind = "relative" if CASES[name].relative_grad_norm else "abs"
+        print(f"| {name} | {nproc} | {n} | {loss:.1e} | {grad:.1e} ({kind}) | {seconds:.0f} |")
     print(f"\ntotal {time.perf_counter() - start:.0f} s; runs under {root}")
     if not args.workdir:
         shutil.rmtree(root, ignore_errors=True)
