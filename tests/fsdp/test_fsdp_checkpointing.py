@@ -18,6 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
+from common_fsdp import full_params, global_loss, train_steps
 from dist_utils import run_gloo, run_threaded
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -147,24 +148,15 @@ def _local_batch(step: int, rank: int, ws: int) -> tuple[torch.Tensor, torch.Ten
 
 def _full_params(m: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters by name without checkpoint wrappers' prefixes, as full tensors."""
-    out = {}
-    for name, p in m.named_parameters():
-        name = name.replace("_checkpoint_wrapped_module.", "")
-        out[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-    return out
+    return full_params(m, drop="_checkpoint_wrapped_module.")
+
+
+def _batches():
+    return (CORPUS.batch(step, BATCH, SEQ) for step in range(STEPS))
 
 
 def _train(m: nn.Module, opt: torch.optim.Optimizer, rank: int, ws: int) -> list[float]:
-    losses = []
-    for step in range(STEPS):
-        loss = m(*_local_batch(step, rank, ws))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
-    return losses
+    return train_steps(m, opt, _batches(), rank, ws)
 
 
 def _train_sharded(rank: int, ws: int, runtime: str, mode: str | None, bf16: bool = False):
@@ -179,14 +171,7 @@ def _reference(mode: str | None = None) -> tuple[list[float], dict[str, torch.Te
     """One process, the concatenated batch, the model of ``mode`` (whose checkpointing changes
     nothing on one process; "selective" adds a tanh after each block)."""
     m = _model(mode)
-    opt = torch.optim.AdamW(m.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        loss = m(*CORPUS.batch(step, BATCH, SEQ))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(m, torch.optim.AdamW(m.parameters(), lr=LR), _batches())
     return losses, _full_params(m)
 
 
@@ -398,9 +383,7 @@ def _forward_between_backward_and_step(rank: int, ws: int, runtime: str):
         loss = m(*batch)
         opt.step()
         opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
+        losses.append(global_loss(loss, ws))
     return losses, _full_params(m)
 
 

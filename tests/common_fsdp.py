@@ -1,0 +1,110 @@
+"""What the FSDP tests share, as ``torch/testing/_internal/common_fsdp.py`` serves torch's.
+
+Most tests here check one property: a model sharded over ``world_size`` ranks, each rank training
+on its rows of every global batch, follows the same trajectory as one process training the same
+model on the whole (concatenated) batch, and as torch FSDP2 side by side on the same model and
+data. The pieces of that check live here, once:
+
+* :func:`train_steps`: the loop. On each rank: forward and backward on the rank's rows of the
+  batch, the optimizer step, then the global loss (the ranks' losses all-reduced and divided by
+  the world size: each rank's loss is the mean over its equal share of rows, so this is the mean
+  over the whole batch). With ``rank=0, world_size=1`` the same loop is the one-process reference
+  on the whole batch and issues no collective.
+* :func:`global_loss` and :func:`rows`: the two steps of that loop, for tests whose loop has
+  more in it (gradient accumulation, a meter around the step).
+* :func:`full` and :func:`full_params`: a parameter (or all of a module's) as the full tensor one
+  process would hold, to compare after training.
+* :func:`fully_shard_of`: ``"ours"`` or torch FSDP2's ``fully_shard``, so one test body runs
+  both runtimes.
+
+A test keeps its own model, data, optimizer and tolerances; what it compares stays in the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.tensor import DTensor
+
+from ragged_placement.fsdp import fully_shard
+
+__all__ = ["full", "full_params", "fully_shard_of", "global_loss", "rows", "train_steps"]
+
+
+def fully_shard_of(runtime: str) -> Callable[..., nn.Module]:
+    """``fully_shard`` of ``runtime``: ``"ours"`` (ragged_placement's) or ``"fsdp2"`` (torch's;
+    ``"torch"`` is a synonym)."""
+    if runtime == "ours":
+        return fully_shard
+    if runtime in ("fsdp2", "torch"):
+        return fsdp2_fully_shard
+    raise ValueError(f"runtime={runtime!r}: expected 'ours' or 'fsdp2'")
+
+
+def rows(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s equal share of ``t``'s rows (dim 0), in rank order; all of it on one
+    process."""
+    per = t.shape[0] // world_size
+    return t[rank * per : (rank + 1) * per]
+
+
+def global_loss(loss: torch.Tensor, world_size: int) -> float:
+    """The mean of the ranks' ``loss`` (one all-reduce of a copy; with ``world_size=1`` the loss
+    itself and no collective)."""
+    total = loss.detach().clone()
+    if world_size > 1:
+        dist.all_reduce(total)
+    return total.item() / world_size
+
+
+def train_steps(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: Iterable[Sequence[torch.Tensor]],
+    rank: int = 0,
+    world_size: int = 1,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    after_backward: Callable[[nn.Module], None] | None = None,
+    step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> list[float]:
+    """One training step per batch of ``batches``; the global mean loss of each step.
+
+    Each batch is a sequence of tensors whose dim 0 is the global batch; this rank runs
+    ``loss_fn(model, *its_rows)`` (see :func:`rows`; default ``model(*its_rows)``, for a model
+    that returns its loss), backward, ``after_backward(model)`` if
+    given, ``opt.step()`` and ``opt.zero_grad()``. ``step_context``: a context manager factory
+    entered around each forward and backward. ``rank=0, world_size=1`` (the default) is the
+    one-process reference on the whole batch.
+    """
+    losses = []
+    for batch in batches:
+        local = tuple(rows(t, rank, world_size) for t in batch)
+        with step_context() if step_context is not None else contextlib.nullcontext():
+            loss = model(*local) if loss_fn is None else loss_fn(model, *local)
+            loss.backward()
+        if after_backward is not None:
+            after_backward(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_loss(loss, world_size))
+    return losses
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one process holds it: a DTensor gathered (``full_tensor()``), a copy detached
+    from autograd."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def full_params(model: nn.Module, drop: str = "") -> dict[str, torch.Tensor]:
+    """``model``'s parameters by name as full tensors (:func:`full`); ``drop``: a substring
+    removed from each name (a wrapper's prefix, e.g. ``"_checkpoint_wrapped_module."``)."""
+    return {
+        (name.replace(drop, "") if drop else name): full(p) for name, p in model.named_parameters()
+    }
