@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from common_fsdp import full, fully_shard_of, train_steps
 from dist_utils import run_gloo, run_threaded
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -77,10 +78,6 @@ def _net() -> Net:
     return m
 
 
-def _full(p: torch.Tensor) -> torch.Tensor:
-    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-
-
 def _optimizer(params, sgd: bool) -> torch.optim.Optimizer:
     # SGD where the gradients' scale must show (AdamW's step nearly ignores it)
     return torch.optim.SGD(params, lr=LR) if sgd else torch.optim.AdamW(params, lr=LR)
@@ -106,29 +103,20 @@ def _train(rank: int, ws: int, runtime: str, shard, after_backward=None, sgd: bo
     applies ``runtime``'s fully_shard. Returns the global losses and the full parameters."""
     m = _net()
     mesh = DeviceMesh("cpu", list(range(ws)))
-    shard(m, mesh, fully_shard if runtime == "ours" else torch_fully_shard)
+    shard(m, mesh, fully_shard_of(runtime))
     opt = _optimizer(m.parameters(), sgd)
-    return _steps(m, opt, rank, ws, after_backward), {k: _full(v) for k, v in m.named_parameters()}
+    return _steps(m, opt, rank, ws, after_backward), {k: full(v) for k, v in m.named_parameters()}
 
 
 def _steps(m: nn.Module, opt: torch.optim.Optimizer, rank: int, ws: int,
            after_backward=None) -> list[float]:
     """``STEPS`` steps of the sharded ``m`` on this rank's part of each batch
     (``after_backward(m)`` between backward and the optimizer step): the global mean losses."""
-    per = BATCH // ws
-    losses = []
-    for s in range(STEPS):
-        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
-        loss = F.mse_loss(m(x), y)
-        loss.backward()
-        if after_backward is not None:
-            after_backward(m)
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
-    return losses
+    return train_steps(m, opt, zip(X, Y), rank, ws, loss_fn=_mse, after_backward=after_backward)
+
+
+def _mse(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(m(x), y)
 
 
 def _assert_matches(result, ref, what: str) -> None:
@@ -211,7 +199,7 @@ def _count_collectives(
     rank: int, ws: int, runtime: str, shard, by_group: bool
 ) -> dict[str, int] | dict[tuple[str, int], int]:
     m = _net()
-    fs = fully_shard if runtime == "ours" else torch_fully_shard
+    fs = fully_shard_of(runtime)
     shard(m, DeviceMesh("cpu", list(range(ws))), fs)
     F.mse_loss(m(X[0, :2]), Y[0, :2]).backward()  # warm-up: records the order for prefetching
     _COUNTS.pop(threading.get_ident(), None)
@@ -473,18 +461,7 @@ def _grouped_from_meta(rank: int, ws: int) -> list[float]:
     _grouped(m, DeviceMesh("cpu", list(range(ws))), fully_shard)
     m.to_empty(device="cpu")  # moves the group's one unit once per module of the group
     m.load_state_dict(INIT)
-    opt = torch.optim.AdamW(m.parameters(), lr=LR)
-    per, losses = BATCH // ws, []
-    for s in range(STEPS):
-        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
-        loss = F.mse_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
-    return losses
+    return train_steps(m, torch.optim.AdamW(m.parameters(), lr=LR), zip(X, Y), rank, ws, loss_fn=_mse)
 
 
 def test_list_of_modules_built_on_meta_matches_reference():
@@ -508,20 +485,8 @@ class CheckpointedNet(Net):
 def _grouped_checkpointed(rank: int, ws: int, runtime: str) -> list[float]:
     m = CheckpointedNet()
     m.load_state_dict(INIT)
-    fs = fully_shard if runtime == "ours" else torch_fully_shard
-    _grouped(m, DeviceMesh("cpu", list(range(ws))), fs)
-    opt = torch.optim.AdamW(m.parameters(), lr=LR)
-    per, losses = BATCH // ws, []
-    for s in range(STEPS):
-        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
-        loss = F.mse_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
-    return losses
+    _grouped(m, DeviceMesh("cpu", list(range(ws))), fully_shard_of(runtime))
+    return train_steps(m, torch.optim.AdamW(m.parameters(), lr=LR), zip(X, Y), rank, ws, loss_fn=_mse)
 
 
 def test_list_of_modules_under_activation_checkpointing_matches_reference_and_fsdp2():
@@ -551,25 +516,14 @@ def _chunked_head(rank: int, ws: int, runtime: str | None) -> list[float]:
     m = Trunk()
     m.load_state_dict(INIT)
     if runtime is not None:
-        fs = fully_shard if runtime == "ours" else torch_fully_shard
+        fs = fully_shard_of(runtime)
         mesh = DeviceMesh("cpu", list(range(ws)))
         for block in m.blocks[:2]:
             fs(block, mesh=mesh)
         fs([m.blocks[2], m.head], mesh=mesh)  # the head runs after the root's forward, per chunk
         fs(m, mesh=mesh)
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
-    per, losses = BATCH // ws, []
-    for s in range(STEPS):
-        x, y = X[s, rank * per : (rank + 1) * per], Y[s, rank * per : (rank + 1) * per]
-        loss = _chunked_loss(m, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if runtime is not None:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
-    return losses
+    return train_steps(m, opt, zip(X, Y), rank, ws, loss_fn=_chunked_loss)
 
 
 def test_list_of_modules_with_a_chunked_head_matches_reference_and_fsdp2():
@@ -853,7 +807,7 @@ def _load_full_state_dict(rank: int, ws: int):
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
             set_model_state_dict(m, sd, options=options)
             out[(runtime, broadcast)] = max(
-                (_full(v) - source[k]).abs().max().item() for k, v in m.state_dict().items()
+                (full(v) - source[k]).abs().max().item() for k, v in m.state_dict().items()
             )
             if runtime == "ours":  # loaded in place: the flat buffers the next all-gather reads
                 for flat in (b for _, unit in m.fsdp_units() for b in unit.buffers):
