@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from common_fsdp import train_steps
 from dist_utils import run_threaded
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -50,19 +51,7 @@ def init_weights(model: GPT) -> None:
 
 def _train(model: nn.Module, rank: int, ws: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-    per_rank = BATCH // ws
-    losses = []
-    for s in range(STEPS):
-        x, y = CORPUS.batch(s, BATCH, SEQ)
-        loss = model(x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if ws > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
-    return losses
+    return train_steps(model, opt, (CORPUS.batch(s, BATCH, SEQ) for s in range(STEPS)), rank, ws)
 
 
 def _reference() -> list[float]:

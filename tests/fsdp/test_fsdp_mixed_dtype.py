@@ -10,6 +10,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from common_fsdp import train_steps
 from dist_utils import run_gloo, run_threaded
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -77,20 +78,8 @@ def _train(m: nn.Module, rank: int, ws: int, on_step=None) -> list[float]:
     """``STEPS`` AdamW steps on this rank's share of each batch; the mean losses. ``on_step``:
     a context manager factory entered around each forward and backward."""
     opt = torch.optim.AdamW(m.parameters(), lr=LR, foreach=False)
-    per = BATCH // ws
-    losses = []
-    for s in range(STEPS):
-        x, y = _batch(s)
-        with on_step() if on_step is not None else contextlib.nullcontext():
-            loss = m(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if ws > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
-    return losses
+    batches = (_batch(s) for s in range(STEPS))
+    return train_steps(m, opt, batches, rank, ws, step_context=on_step)
 
 
 def _sharded_training(rank: int, ws: int, runtime: str, dtype: torch.dtype, mp: bool = False):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
+from common_fsdp import train_steps
 from dist_utils import run_gloo
 from ragged_placement.fsdp import fully_shard
 from ragged_placement.planner import Granularity, UnevenPlan
@@ -43,19 +44,11 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(m: nn.Module, rank: int, world: int) -> list[float]:
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    per = BATCH // world
-    losses = []
-    for s in range(STEPS):
-        x, y = _data(s)
-        loss = nn.functional.mse_loss(m(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return train_steps(m, opt, (_data(s) for s in range(STEPS)), rank, world, loss_fn=_mse)
+
+
+def _mse(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(m(x), y)
 
 
 def _full(m: nn.Module) -> dict[str, torch.Tensor]:
