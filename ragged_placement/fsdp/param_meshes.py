@@ -77,7 +77,7 @@ def split_by_mesh(
     otherwise ``ValueError`` naming the parameter, before any collective.
     """
     if not callable(shard_placement_fn) or ShardPlacementResult is None:
-        return shard_placement_fn, []  # None, or a bad value _check_shard_placements names
+        return shard_placement_fn, []  # None, or a bad value _placement_policy names
     own: dict[int, object] = {}
     groups: dict[DeviceMesh, OtherMeshGroup] = {}
     mesh_of: dict[int, DeviceMesh | None] = {}
