@@ -56,11 +56,6 @@ _LAYOUT = (
     "size); ours packs a unit's parameters in order into one run of whole rows per rank, so a "
     "parameter sits on a contiguous range of ranks, not always including rank 0"
 )
-_SHARD_DIM = (
-    "refused on purpose: shard_placement_fn returning Shard(d > 0) raises ValueError naming "
-    "the parameter (a RaggedShard local tensor is a run of whole dim-0 rows; uneven dim-0 "
-    "sizes, FSDP2's reason for Shard(1), are planned without padding)"
-)
 _STATE = "reads FSDP2's private state"
 #: Tests that pass with torch and not with ours, by test id suffix, with the reason: FSDP2's
 #: private state or layout, a behaviour we refuse on purpose, or an open issue owned elsewhere.
@@ -68,8 +63,7 @@ _STATE = "reads FSDP2's private state"
 KNOWN_DIFFERENCES: dict[str, str] = {
     # state_dict
     "TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load": (
-        f"{_LAYOUT} (rank 0 holds no row of a later parameter: `assertGreater(self.rank, 0)`); "
-        f"its Shard(largest dim) subtests: {_SHARD_DIM}"
+        f"{_LAYOUT} (rank 0 holds no row of a later parameter: `assertGreater(self.rank, 0)`)"
     ),
     "TestFullyShardStateDictMultiProcess.test_dp_tp_state_dict_save_load": _LAYOUT,
     "TestFullyShardStateDictMultiProcess.test_hsdp_tp_state_dict_save_load": _LAYOUT,
@@ -78,7 +72,7 @@ KNOWN_DIFFERENCES: dict[str, str] = {
         f"{_LAYOUT}: the test takes `vector_norm(ord=inf)` of each rank's local gradient "
         "itself, and torch raises on an empty tensor; our clip_grad_norm_ agrees for norm 2 and "
         "1 in the same test, and handles the inf-norm of empty shards "
-        "(tests/test_fsdp2_parity.py::test_clip_grad_norm_matches_one_process_and_fsdp2_with_"
+        "(tests/fsdp/test_fsdp2_parity.py::test_clip_grad_norm_matches_one_process_and_fsdp2_with_"
         "empty_shards)"
     ),
     # frozen
@@ -92,15 +86,7 @@ KNOWN_DIFFERENCES: dict[str, str] = {
         "since a parameter frozen after fully_shard stopped training, issue 34)"
     ),
     # training
-    "TestFullyShardRegisteredParams.test_param_registration_after_forward": (
-        "refused on purpose: with reshard_after_forward=False FSDP2 registers the unsharded "
-        "plain tensors between forward and backward; ours keeps the sharded DTensors registered "
-        "(model.parameters() is always the shards, so an optimizer built then trains)"
-    ),
     "TestFullyShardRegisteredParams.test_modules_to_run_forward_empty_for_single_module": _STATE,
-    "TestFullyShard1DTrainingCore.test_train_parity_single_group_shard_largest_dim": _SHARD_DIM,
-    "MultiProcess.test_train_parity_shard_placement_fn_shard_largest_dim": _SHARD_DIM,
-    "MultiThread.test_shard_placement_fn_contiguous_params_grads": _SHARD_DIM,
     "TestFullyShardSharedParams.test_shared_params_separate_fsdp_groups_error": (
         "refused earlier on purpose: ours raises the same ValueError ('already managed by "
         "another fully_shard unit') at the second fully_shard call that shares the weight, "

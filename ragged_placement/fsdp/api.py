@@ -40,7 +40,7 @@ from ragged_placement.fsdp.param_meshes import split_by_mesh
 from ragged_placement.fsdp.spmd import check_dp_mesh_dims, localize_spmd_params
 from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.fsdp.unit import FSDPUnit
-from ragged_placement.planner.granularity import resolve_policy
+from ragged_placement.planner.granularity import Granularity, default_granularity, resolve_policy
 from ragged_placement.quant import BlockFP8Config
 
 __all__ = [
@@ -255,18 +255,22 @@ def _check_ignored_params(ignored_params: object) -> set[int]:
     return {id(p) for p in ignored_params}
 
 
-def _check_shard_placements(
+def _placement_policy(
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     slots: list[ParamSlot],
     params: list[nn.Parameter],
     granularity,
-) -> None:
-    """Check FSDP2's ``shard_placement_fn`` against the planner's granularities (see
-    :func:`fully_shard`): ``None`` and ``Shard(0)`` are what the runtime does, others raise."""
+):
+    """The planner policy of a unit given FSDP2's ``shard_placement_fn`` (see
+    :func:`fully_shard`): ``granularity`` where it returns ``None`` or ``Shard(0)``; where it
+    returns ``Shard(d)``, ``d > 0``, cuts between whole slices ``x[i_0, ..., i_d]`` (a
+    RaggedShard over dims ``(0, ..., d)``), which spreads a stack with fewer dim-0 rows than
+    ranks (MoE experts) over every rank as FSDP2's ``Shard(d)`` does."""
     if shard_placement_fn is None:
-        return
+        return granularity
     if not callable(shard_placement_fn):
         raise ValueError(f"shard_placement_fn must be callable, got {shard_placement_fn!r}")
+    cuts: dict[str, Granularity] = {}
     for slot, p in zip(slots, params):
         result = shard_placement_fn(p)
         if result is None:
@@ -283,20 +287,34 @@ def _check_shard_placements(
                 f"shard_placement_fn returned {result!r} for parameter {slot.fqn!r} of shape "
                 f"{tuple(slot.shape)}: dim out of range"
             )
-        if dim != 0:
+        if dim > 0 and isinstance(p, DTensor):
             raise ValueError(
-                f"shard_placement_fn returned {result!r} for parameter {slot.fqn!r} of shape "
-                f"{tuple(slot.shape)}: a RaggedShard local tensor is a run of whole dim-0 rows, so "
-                f"a slice along dim {dim} cannot be expressed. Return None or Shard(0): uneven "
-                f"dim-0 sizes (FSDP2's reason for Shard(dim > 0), e.g. fewer experts than ranks) "
-                f"are planned without padding"
+                f"shard_placement_fn returned {result!r} for parameter {slot.fqn!r}, a DTensor "
+                f"with {tuple(p.placements)} on {p.device_mesh}: the planner cuts the local "
+                f"tensor of a tensor- or expert-parallel parameter between whole dim-0 rows only "
+                f"(RaggedShard composes with that placement by rows), so Shard({dim}) would not "
+                f"spread it as FSDP2 does. Return Shard(0) or None for it"
             )
+        if dim > 0:
+            cuts[slot.fqn] = Granularity.element(
+                keep_dims_whole=(dim + 1,) if dim + 1 < ndim else ()
+            )
+            continue
         gran = resolve_policy(granularity, slot.fqn, tuple(slot.shape))
         if gran.kind == "element" and len(slot.shape) >= 2:
             raise ValueError(
                 f"shard_placement_fn returned Shard(0) for parameter {slot.fqn!r}, but "
                 f"granularity gives it {gran}, which cuts inside dim-0 rows: drop one of them"
             )
+    if not cuts:
+        return granularity
+    if granularity is not None:
+        name = next(iter(cuts))
+        raise ValueError(
+            f"shard_placement_fn returned Shard(d > 0) for parameter {name!r} and granularity="
+            f"{granularity!r} is given too: both say where the planner may cut; pass one of them"
+        )
+    return lambda name, shape: cuts.get(name) or default_granularity(shape)
 
 
 def _check_other_mesh_options(granularity, quant, state_sharding, dp_mesh_dims) -> None:
@@ -328,7 +346,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int | None = True,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
@@ -370,11 +388,15 @@ def fully_shard(
             that are DTensors on a tensor-parallel mesh (``parallelize_module`` on a sibling
             sub-mesh of the same root) are planned on their TP-local shape and become DTensors
             on the ``(mesh..., tp)`` mesh (see :mod:`ragged_placement.fsdp.param`).
-        reshard_after_forward: ``True`` (or ``None``, FSDP2's default): free the unsharded
-            parameters after forward and all-gather them again in backward; ``False``: keep
-            them until backward. The outermost (root) unit always keeps them (FSDP2 does so
-            for ``None``; with an explicit ``True`` it re-gathers the root, to the same values),
-            which changes no result. As FSDP2, an ``int`` ``N`` is the world size to reshard to
+        reshard_after_forward: ``True``: free the unsharded parameters after forward and
+            all-gather them again in backward; ``False``: keep them until backward; ``None``
+            (the default, as FSDP2): ``True``, except at the root. The outermost (root) unit
+            always keeps them (FSDP2 does so for ``None``; with an explicit ``True`` it
+            re-gathers the root, to the same values), which changes no result. Registered on
+            the modules between forward and backward, as FSDP2's: the unsharded parameters
+            with ``False`` and at a root left at ``None`` (``model.parameters()`` gives them
+            until backward, ``reshard()`` or ``state_dict()``; an optimizer built from them
+            raises at its first ``step()``), else the sharded ones. As FSDP2, an ``int`` ``N`` is the world size to reshard to
             after forward and must divide the shard world size ``W``; ``W`` means ``True`` and
             ``1`` means ``False``. For ``1 < N < W`` each rank keeps, between forward and
             backward, ``1/N`` of the unit's gathered parameters (one copy out of the all-gather
@@ -385,12 +407,16 @@ def fully_shard(
             (``quant``) and tensor-parallel parameters take it too. Values that are not a bool,
             ``None`` or a divisor of ``W`` raise ``ValueError``.
         shard_placement_fn: FSDP2's per-parameter placement, ``Callable[[nn.Parameter],
-            Shard | None]``, called once per managed parameter. ``None`` and ``Shard(0)`` are
-            this runtime's layout: RaggedShard cuts a parameter between whole dim-0 rows (the
-            planner's ``row`` or a coarser granularity). ``Shard(d)`` for ``d > 0`` (a slice of
-            dim ``d`` on every rank) cannot be expressed by a run of rows and raises
-            ``ValueError``, as does a ``Shard(0)`` for a parameter that ``granularity`` cuts
-            inside rows; layout choices beyond FSDP2's go through ``granularity``. FSDP2's
+            Shard | None]``, called once per managed parameter; it says where the planner may
+            cut the parameter (the unit stays one run of whole rows per rank, so a local shard
+            is not FSDP2's slice; the numbers are). ``None`` and ``Shard(0)``: between whole
+            dim-0 rows (the planner's ``row`` or a coarser granularity; ``Shard(0)`` with a
+            ``granularity`` that cuts inside rows raises ``ValueError``). ``Shard(d)``, ``d >
+            0``: between whole slices ``x[i_0, ..., i_d]`` (RaggedShard dims ``(0, ..., d)``),
+            e.g. torchtitan's ``Shard(1)`` for an expert stack ``[E, H, D]`` with fewer experts
+            than ranks, which then spreads over every rank; with ``granularity`` also given,
+            or for a parameter that is a tensor- or expert-parallel DTensor (its local tensor
+            is cut between whole dim-0 rows only), ``ValueError``. FSDP2's
             ``ShardPlacementResult(placement, mesh_info)`` (torch 2.13; torchtitan's MoE recipe
             under expert parallelism) places a parameter on ``mesh_info.mesh``: the parameters on
             each mesh other than ``mesh`` become one unit of the submodules that register them,
@@ -491,7 +517,7 @@ def fully_shard(
                 offload_policy=offload_policy, ignored_params=ignored_params,
             )
         slots, params, owned_modules = _collect_params(modules, ignored)
-    _check_shard_placements(shard_placement_fn, slots, params, granularity)
+    policy = _placement_policy(shard_placement_fn, slots, params, granularity)
     if check_quant(quant) is not None:
         for m in modules:
             convert_unit_linears(m, slots, params, quant)
@@ -509,11 +535,12 @@ def fully_shard(
         isinstance(sub, FSDPModule) for m in modules for sub in m.modules() if sub is not m
     )
     options = UnitOptions(
-        mp_policy.param_dtype, mp_policy.reduce_dtype, granularity, quant,
+        mp_policy.param_dtype, mp_policy.reduce_dtype, policy, quant,
         split_by_submodule=wraps_units, offload_policy=offload, spmd=spmd,
     )
     unit = FSDPUnit(slots, params, dp, options)
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
+    state.reshard_by_default = reshard_after_forward is None
     state.unmatched_granularity = unmatched_patterns(granularity, modules)
     record_managed([s.fqn for s in slots], originals, where)
     for m in modules:

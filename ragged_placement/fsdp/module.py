@@ -160,6 +160,7 @@ class FSDPModule(TorchFSDPModule):
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
                 m._fsdp_state.reshard_after_forward = reshard_after_forward
+                m._fsdp_state.reshard_by_default = False
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted as FSDP2 (pipeline schedules call it): every backward here finishes its

@@ -49,6 +49,16 @@ def _result_mesh(result: object, fqn: str, mesh: DeviceMesh) -> tuple[object, De
             f"built without dp_mesh_dims"
         )
     other = info.mesh
+    # fully_shard's reading of a mesh: 1-D shards over dim 0; 2-D replicates over 0, shards over 1
+    expected = (0, None) if other.ndim == 1 else (1, 0)
+    got = (getattr(info, "shard_mesh_dim", None), getattr(info, "replicate_mesh_dim", None))
+    if got != expected:
+        raise ValueError(
+            f"shard_placement_fn returned {result!r} for parameter {fqn!r}: fully_shard shards "
+            f"a {other.ndim}-D mesh with (shard_mesh_dim, replicate_mesh_dim) = {expected}, "
+            f"not {got}; pass FSDPMeshInfo(mesh, shard_mesh_dim=0) for a 1-D mesh or "
+            f"HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0) for a 2-D one"
+        )
     return result.placement, (None if other == mesh else other)
 
 
@@ -67,7 +77,7 @@ def split_by_mesh(
     otherwise ``ValueError`` naming the parameter, before any collective.
     """
     if not callable(shard_placement_fn) or ShardPlacementResult is None:
-        return shard_placement_fn, []  # None, or a bad value _check_shard_placements names
+        return shard_placement_fn, []  # None, or a bad value _placement_policy names
     own: dict[int, object] = {}
     groups: dict[DeviceMesh, OtherMeshGroup] = {}
     mesh_of: dict[int, DeviceMesh | None] = {}

@@ -28,11 +28,13 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
   first); with a :class:`~ragged_placement.fsdp.mesh.PostForwardMesh` (an ``int``
   ``reshard_after_forward``) keep this rank's ``1/N`` of the gathered buffer first, which
-  backward all-gathers over the ``N``-rank group. A unit that keeps its buffer still
-  registers its *sharded* parameters, so that ``model.parameters()`` outside forward and
-  backward are always the sharded ones (autograd holds the unsharded tensors it saved); the
-  root's unsharded ones stay reachable as attributes until its post-backward, as in FSDP2, for
-  a loss computed after forward (see ``FSDPState._show_unsharded``). Hook the outputs.
+  backward all-gathers over the ``N``-rank group. Registered after forward, as FSDP2's: the
+  unsharded parameters where the unit keeps them for FSDP2's reasons (``reshard_after_forward=
+  False``, the root at the default ``None``; an optimizer built from them then refuses to step,
+  :mod:`~ragged_placement.fsdp.unsharded_guard`), else the sharded ones (the root, which keeps
+  its buffer whatever the setting, with its unsharded ones reachable as attributes until its
+  post-backward for a loss computed after forward: ``FSDPState._show_unsharded``). Hook the
+  outputs.
 * pre-backward (a hook on ``u``'s outputs; -> PRE_BACKWARD, once per backward of ``u``):
   re-gather, register the unsharded parameters (a recomputed forward reads them from the module)
   and prefetch the all-gather of the unit whose backward runs next (on GPUs). The first gradient
@@ -84,6 +86,7 @@ from ragged_placement.fsdp._validation import check_no_all_gather_extension, unm
 from ragged_placement.fsdp.common import TrainingState
 from ragged_placement.fsdp.mesh import PostForwardMesh
 from ragged_placement.fsdp.unit import FSDPUnit
+from ragged_placement.fsdp.unsharded_guard import mark as mark_unsharded
 
 __all__ = ["FSDPState", "RootContext", "drop_unused_grads"]
 
@@ -248,6 +251,9 @@ class FSDPState:
         self._to_run: set[int] = set()  # ids of the group's modules yet to run in this pass
         self.unit = unit
         self.reshard_after_forward = reshard_after_forward
+        # fully_shard's reshard_after_forward=None (FSDP2's default): True, but at the root
+        # False for registration (keeps_unsharded_registered); set_reshard_after_forward clears it
+        self.reshard_by_default = False
         self.mp_policy = mp_policy
         self.requires_gradient_sync = True
         # patterns of the ``granularity`` mapping that matched no parameter of this unit's tree
@@ -274,6 +280,7 @@ class FSDPState:
         self._hook_grads([i for i, slot in enumerate(unit.slots) if slot.requires_grad])
         for m in self.modules:
             m.register_forward_hook(self._post_forward, prepend=False)
+            m.register_state_dict_pre_hook(self.release_kept)
 
     def _hook_grads(self, indices: list[int]) -> None:
         """Register :meth:`_on_grad` on the unsharded parameters of the slots ``indices`` (at
@@ -383,6 +390,23 @@ class FSDPState:
             self.training_state = TrainingState.IDLE
             self._show_unsharded(False)
 
+    def keeps_unsharded_registered(self) -> bool:
+        """Whether the unsharded parameters stay registered from forward to backward, as
+        FSDP2's: with ``reshard_after_forward=False``, and on the root left at the default
+        ``None`` (FSDP2 does not reshard its root then). An explicit ``True`` (or ``int``)
+        registers the sharded ones after forward, as FSDP2's reshard; the root here keeps its
+        gathered buffer for backward all the same."""
+        return self.reshard_after_forward is False or (self.is_root and self.reshard_by_default)
+
+    def release_kept(self, *args) -> None:
+        """Register the sharded parameters of a unit that kept its all-gather after forward:
+        for a ``state_dict()`` between forward and backward, as FSDP2's (its state-dict pre-hook
+        reshards), and after an optimizer step on them (the unsharded ones are stale then).
+        Backward (or the next forward) registers the unsharded ones again."""
+        del args
+        if self.training_state is TrainingState.POST_FORWARD:
+            self.unit.expose_sharded()
+
     def _show_unsharded(self, show: bool) -> None:
         """Between the root's forward and its backward, attribute access to a root parameter
         (``model.head.weight``) gives the unsharded parameter, as FSDP2's root: a loss computed
@@ -449,10 +473,14 @@ class FSDPState:
             elif not grad or (raf and not self.is_root):
                 self.unit.reshard()
                 state = TrainingState.IDLE
+            elif self.keeps_unsharded_registered():
+                # As FSDP2: the unsharded parameters stay registered until backward (or
+                # reshard(), or a state_dict()); an optimizer built from them now refuses to step
+                self.unit.keep_unsharded()
+                mark_unsharded(self)
             else:
-                # Keep the gathered buffer for backward, but expose the sharded parameters:
-                # autograd already holds the unsharded tensors it saved, and pre-backward
-                # registers them again for a recomputation.
+                # Keep the gathered buffer for backward, but expose the sharded parameters, as
+                # FSDP2's after its reshard; pre-backward registers the unsharded ones again.
                 self.unit.expose_sharded()
                 if self.is_root:
                     self._show_unsharded(True)

@@ -358,6 +358,13 @@ class FSDPUnit:
         for b in self.buffers:
             b.expose_sharded()
 
+    def keep_unsharded(self) -> None:
+        """Leave the unsharded parameters registered with the gathered buffers (a unit holding
+        its forward's all-gather for backward, as FSDP2 registers it), once CPU-offload staging
+        copies still reading the host chunks have finished: the host may write them now."""
+        for b in self.buffers:
+            b.staging.wait_to_device()
+
     def reshard(self) -> None:
         """Register the sharded parameters and free the unsharded buffers' storage (or the
         post-forward shards)."""

@@ -357,9 +357,6 @@ def _check_moe(cfg: TrainConfig) -> None:
         raise ValueError("--state-sharding auto with --model moe is not supported yet (the "
                          "partitioner's EP search is not wired into the trainer): pass zero3, "
                          "zero1, zero2 or amsp")
-    if cfg.fp8:
-        raise ValueError("--fp8 with --model moe is not supported yet (block-wise FP8 on the "
-                         "3-D expert stacks, issue 37): drop --fp8")
 
 
 def _check_mesh(cfg: TrainConfig) -> None:

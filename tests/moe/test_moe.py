@@ -464,7 +464,7 @@ def _fp8_runs(rank: int, ws: int) -> list:
     return out
 
 
-# FP8 against the one-process FP8 model (tests/test_fsdp_fp8.py's reference): the master weights
+# FP8 against the one-process FP8 model (tests/quant/test_fsdp_fp8.py's reference): the master weights
 # differ by fp32 reduction order (~1e-8) after each step, which can flip the FP8 rounding of a
 # single weight or activation element; AdamW then moves that entry by up to ~lr. Measured on EP
 # 2 x FSDP 2, 5 steps: first gradients 2.6e-8 apart, losses 1.9e-6, parameters 4.0e-5 (29 of the

@@ -414,7 +414,8 @@ def _held_between_forward_and_backward(rank: int, ws: int, value):
             0 if shard is None else shard.untyped_storage().nbytes(),
             flat.plan.buffer_numel * 4,
         ))
-    sharded = all(isinstance(p, DTensor) for p in m.parameters())
+    # as FSDP2's: the blocks' sharded parameters registered, their unsharded ones with False
+    sharded = all(isinstance(p, DTensor) for b in m.blocks for p in b.parameters())
     for unit in blocks:
         unit.stats.reset()
     loss.backward()
@@ -435,7 +436,7 @@ def test_reshard_after_forward_holds_1_over_n_between_forward_and_backward(value
     for held, sharded, gathers, next_forward in run_threaded(
         _held_between_forward_and_backward, 4, value
     ):
-        assert sharded
+        assert sharded == (value != 1)
         for unsharded, shard, full in held:
             if value == 4:  # True: nothing held
                 assert (unsharded, shard) == (0, 0)
@@ -654,11 +655,23 @@ def test_shard_placement_fn_shard0_matches_fsdp2():
     _assert_matches_reference_and_fsdp2(_per_block(shard_placement_fn=_dim0))
 
 
+def _last_dim(p: nn.Parameter) -> Shard:
+    return Shard(p.ndim - 1)
+
+
+def test_shard_placement_fn_last_dim_matches_fsdp2():
+    """``Shard(1)`` of every matrix (FSDP2 slices dim 1; ours may cut between elements)."""
+    _assert_matches_reference_and_fsdp2(_per_block(shard_placement_fn=_last_dim))
+
+
 def _placement_fn_errors(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
-    expected = r"Shard\(dim=1\) for parameter 'fc1.weight' .*Return None or Shard\(0\)"
+    expected = r"Shard\(d > 0\) for parameter 'fc1.weight' and granularity=.*pass one of them"
     with pytest.raises(ValueError, match=expected):
-        fully_shard(_net().blocks[0], mesh=mesh, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+        fully_shard(
+            _net().blocks[0], mesh=mesh, shard_placement_fn=_last_dim,
+            granularity=Granularity.row(),
+        )
     with pytest.raises(ValueError, match="shard_placement_fn must be callable"):
         fully_shard(_net().blocks[0], mesh=mesh, shard_placement_fn=Shard(0))
     with pytest.raises(ValueError, match=r"takes None, Shard\(dim\) or FSDP2.s ShardPlacementResult"):
@@ -674,7 +687,7 @@ def _placement_fn_errors(rank: int, ws: int):
     return True
 
 
-def test_shard_placement_fn_other_dims_raise_naming_the_parameter():
+def test_shard_placement_fn_bad_values_raise_naming_the_parameter():
     assert all(run_threaded(_placement_fn_errors, WORLD))
 
 
@@ -717,7 +730,7 @@ def test_all_gather_extensions_raise_instead_of_being_skipped():
 def _surface_checks(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
     # CPUOffloadPolicy: the sharded chunk on CPU, staged through the mesh's device (see
-    # tests/test_fsdp_offload.py); pinned memory needs an accelerator, as in FSDP2
+    # tests/fsdp/test_fsdp_offload.py); pinned memory needs an accelerator, as in FSDP2
     m = fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     assert isinstance(m, FSDPModule) and isinstance(m, TorchFSDPModule)
     assert m.fsdp_unit.buffers[0].offload_device == torch.device("cpu")

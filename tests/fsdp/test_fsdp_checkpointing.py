@@ -373,15 +373,13 @@ def _optimizer_after_forward(
     return all_sharded, losses, _full_params(m)
 
 
-def test_optimizer_built_after_a_forward_trains_exactly_unlike_fsdp2(one_torch_thread):
+def test_optimizer_built_after_a_forward_refuses_to_step_unlike_fsdp2(one_torch_thread):
+    """As FSDP2's, the root (at the default ``reshard_after_forward=None``) registers its
+    unsharded parameters from forward to backward, so an optimizer built then holds them."""
     for mode, reshard in ((None, True), (None, False), ("inline", True), ("wrapper_before", True)):
-        all_sharded, losses, params = run_threaded(
-            _optimizer_after_forward, WORLD, "ours", mode, reshard
-        )[0]
-        assert all_sharded, (mode, reshard)
-        _assert_matches_reference(mode, losses, params)
-    # FSDP2 leaves the root's unsharded parameters registered after forward: the optimizer
-    # steps those, which the next all-gather overwrites, so the root's parameters never train.
+        with pytest.raises(AssertionError, match="holds the unsharded parameter"):
+            run_threaded(_optimizer_after_forward, WORLD, "ours", mode, reshard)
+    # FSDP2 steps those, which the next all-gather overwrites: the root's parameters never train.
     all_sharded, losses, _ = run_threaded(_optimizer_after_forward, WORLD, "fsdp2", None, True)[0]
     assert not all_sharded
     assert max(abs(a - b) for a, b in zip(losses, _reference()[0])) > 1e-3

@@ -67,22 +67,27 @@ class Block(nn.Module):
         return h + self.experts(h)
 
 
-def _placement_fn(experts: set, expert_mesh, dense_mesh):
-    """torchtitan's (``apply_fsdp_to_decoder`` with ``ep_degree > 1``): FSDP2's mesh infos."""
+def _placement_fn(experts: set, expert_mesh, dense_mesh, expert_dim: int = 0):
+    """torchtitan's (``apply_fsdp_to_decoder`` with ``ep_degree > 1``): FSDP2's mesh infos;
+    ``expert_dim=1`` when efsdp x ep > experts."""
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
     expert_info, dense_info = _get_mesh_info(expert_mesh, None), _get_mesh_info(dense_mesh, None)
-    return lambda p: ShardPlacementResult(Shard(0), expert_info if p in experts else dense_info)
+    return lambda p: (
+        ShardPlacementResult(Shard(expert_dim), expert_info) if p in experts
+        else ShardPlacementResult(Shard(0), dense_info)
+    )
 
 
-def _train(rank: int, ws: int, runtime: str):
+def _train(rank: int, ws: int, runtime: str, expert_dim: int = 0):
     sparse = init_device_mesh("cpu", (ws // EP, EP), mesh_dim_names=("efsdp", "ep"))
     dense = init_device_mesh("cpu", (ws,), mesh_dim_names=("fsdp",))
     block = Block()
     block.experts.w = nn.Parameter(distribute_tensor(block.experts.w.data, sparse["ep"], [Shard(0)]))
     model = nn.Sequential(block, _init(nn.Linear(D, 3), 3))
     shard = fully_shard if runtime == "ours" else torch_fully_shard
-    shard(block, mesh=dense, shard_placement_fn=_placement_fn({block.experts.w}, sparse["efsdp"], dense))
+    fn = _placement_fn({block.experts.w}, sparse["efsdp"], dense, expert_dim)
+    shard(block, mesh=dense, shard_placement_fn=fn)
     shard(model, mesh=dense)
     for m in model.modules():  # torchtitan's disable_fsdp_gradient_division; plain sums (the
         if isinstance(m, TorchFSDPModule):  # threaded group has no PREMUL_SUM)
@@ -129,16 +134,25 @@ def _refused(rank: int, ws: int, case: str) -> str:
         with pytest.raises(ValueError, match=r"'dense.bias'.*a module's parameters must all be "
                                              r"on one mesh"):
             fully_shard(block, mesh=dense, shard_placement_fn=fn)
-    else:  # Shard(1) on the other mesh (torchtitan's choice when efsdp x ep > experts): refused
-        from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    elif case == "dims":  # a 2-D mesh read as 1-D sharding over its dim 1: not fully_shard's
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
-        info = _get_mesh_info(sparse["efsdp"], None)
-        fn = lambda p: ShardPlacementResult(Shard(1), info) if p is block.experts.w else None
-        with pytest.raises(ValueError, match=r"Shard\(dim=1\) for parameter 'w'.*whole dim-0 rows"):
+        info = FSDPMeshInfo(mesh=sparse, shard_mesh_dim=1)
+        fn = lambda p: ShardPlacementResult(Shard(0), info) if p is block.experts.w else None
+        with pytest.raises(ValueError, match=r"\(shard_mesh_dim, replicate_mesh_dim\) = "
+                                             r"\(1, 0\), not \(1, None\)"):
+            fully_shard(block, mesh=dense, shard_placement_fn=fn)
+    else:  # Shard(1) of the EP-sharded experts (torchtitan's when efsdp x ep > experts)
+        block.experts.w = nn.Parameter(
+            distribute_tensor(block.experts.w.data, sparse["ep"], [Shard(0)])
+        )
+        fn = _placement_fn({block.experts.w}, sparse["efsdp"], dense, expert_dim=1)
+        with pytest.raises(ValueError, match=r"Shard\(dim=1\) for parameter 'w'.*between whole "
+                                             r"dim-0 rows only"):
             fully_shard(block, mesh=dense, shard_placement_fn=fn)
     return case
 
 
 def test_per_parameter_mesh_that_splits_a_module_raises():
-    for case in ("root", "mixed", "shard1"):
+    for case in ("root", "mixed", "dims", "shard1"):
         assert run_threaded(_refused, WORLD, case) == [case] * WORLD
