@@ -29,7 +29,7 @@ test: $(STAMP)
 # torchtitan's own trainer with FSDP2 and with ours, every configuration (docs/torchtitan.md);
 # `make test` runs its FSDP case only.
 titan: $(STAMP)
-	$(VPY) tests/titan/compare.py
+	$(VPY) tests/train/titan/compare.py
 
 bench: $(STAMP)
 	$(VPY) -m pip install -q -e '.[dev,bench]'

@@ -6,7 +6,7 @@ Spawns ``dp * tp`` gloo ranks on this machine (CPU). Both runs build the same Ll
 torch's. Training: AdamW(foreach) on the DTensor parameters. No ``clip_grad_norm_``: under
 FSDP2 the parameters TP leaves plain (the RMSNorm weights) are DTensors on the 1-D dp mesh, the
 others on the (dp, tp) mesh, and torch's ``clip_grad_norm_`` cannot stack norms across meshes
-(ours puts them on the (dp, tp) mesh with ``Replicate()`` on tp; tests/test_compose.py clips).
+(ours puts them on the (dp, tp) mesh with ``Replicate()`` on tp; tests/compose/test_compose.py clips).
 The instruments are :mod:`ragged_placement.testing.profiling`, the same for both:
 
 * FSDP collectives per step and their bytes (all-gather outputs, reduce-scatter inputs); the

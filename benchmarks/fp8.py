@@ -48,7 +48,7 @@ device, which this task did not have: they are not measured here.
 
 ``--train-steps N`` also trains the small GPT of ``ragged_placement.models`` (2 layers, width
 128) on the stdlib byte corpus for N AdamW steps in fp32, bf16 autocast and FP8 (CPU emulation of
-the FP8 Linear) in one process and prints the validation losses (tests/test_fsdp_fp8.py trains
+the FP8 Linear) in one process and prints the validation losses (tests/quant/test_fsdp_fp8.py trains
 FP8 vs bf16 under ``fully_shard`` on 4 ranks for 200 steps).
 
 Usage: python benchmarks/fp8.py [--models a,b] [--worlds 8,64,256] [--layers-per-unit 4]

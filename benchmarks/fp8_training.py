@@ -1,7 +1,7 @@
 """Validation loss after a few hundred steps of block-wise FP8 training against bf16.
 
-The tests check the same property over 30 steps (``tests/test_quant_linear.py``,
-``tests/test_fsdp_fp8.py``); this runs it long enough for differences in the recipe to show. A
+The tests check the same property over 30 steps (``tests/quant/test_quant_linear.py``,
+``tests/quant/test_fsdp_fp8.py``); this runs it long enough for differences in the recipe to show. A
 1-layer GPT (width 128, 4 heads, sequence 64) from ``ragged_placement.models`` on the stdlib byte
 corpus, AdamW (lr 1e-3, no weight decay), batch 8, the same initialization and batches for
 every run:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks: the CUDA tests (tests/test_cuda.py: Triton kernels, scaled_mm), then the trainer
+# The GPU checks: the CUDA tests (tests/cuda/test_cuda.py: Triton kernels, scaled_mm), then the trainer
 # on one CUDA device under torchrun (NCCL, world 1): ours against torch FSDP2 on the same model
 # and data, resume after a killed worker (--max-restarts 1), bf16 throughput, FP8 against bf16,
 # and the optimizers and options on CUDA. About 5 minutes on an H100.
@@ -11,8 +11,8 @@ export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 run() { torchrun --standalone --nproc-per-node 1 "$@"; }
 T="-m ragged_placement.train --device ${DEVICE:-cuda} --log-every 10"
 small="--steps 20 --seed 0 --precision fp32"
-echo "== tests/test_cuda.py"
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -m cuda || echo "FAILED test_cuda"
+echo "== tests/cuda/test_cuda.py"
+python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda.py -m cuda || echo "FAILED test_cuda"
 echo "== fp32: ours vs fsdp2"
 run $T $small --runtime ours --output "$out/ours.pt" || echo "FAILED ours fp32"
 run $T $small --runtime fsdp2 --output "$out/fsdp2.pt" || echo "FAILED fsdp2 fp32"

@@ -2,13 +2,13 @@
 # The GPU measurement of issue 38, one command, bounded at 8 minutes on a GPU (each part runs
 # under `timeout`: 90 s for each test file, 55 s for each benchmark run; LIMIT overrides the
 # latter; on the CPU 900 s each, hang guards):
-#   1. the CUDA tests (tests/test_cuda.py: Triton kernels, scaled_mm);
+#   1. the CUDA tests (tests/cuda/test_cuda.py: Triton kernels, scaled_mm);
 #   2. benchmarks/fsdp_vs_fsdp2.py --device cuda: ours against torch FSDP2 in one process on 4
 #      Llama-3-8B-shaped blocks (seq 4096, bf16 params, fp32 reduction): world 1 (NCCL, torchrun
 #      with one process), then worlds 8 and 64 through torch's fake process group, each with and
 #      without --checkpoint (step time, copy kernels, peak memory, bytes moved);
 #   3. two ranks sharing the GPU over gloo, with prefetch, against one process
-#      (tests/test_cuda_shared_gpu.py).
+#      (tests/cuda/test_cuda_shared_gpu.py).
 # Everything goes to OUT: gpu_check.log (all of it) and one table per benchmark run.
 # Without a GPU it runs the same steps on the CPU: the CUDA tests say they skipped, and the
 # benchmark runs with --device cpu at a small size (SIZE overrides the size options).
@@ -41,8 +41,8 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, note a
   echo "-- $name: $((SECONDS - t0)) s"
 }
 
-step "CUDA tests (tests/test_cuda.py)" "$test_limit" \
-  "$py" -m pytest -q -p no:cacheprovider -p no:xdist tests/test_cuda.py -m cuda -rs
+step "CUDA tests (tests/cuda/test_cuda.py)" "$test_limit" \
+  "$py" -m pytest -q -p no:cacheprovider -p no:xdist tests/cuda/test_cuda.py -m cuda -rs
 
 bench="benchmarks/fsdp_vs_fsdp2.py --device $device $size"
 for ckpt in "" "--checkpoint"; do
@@ -55,8 +55,8 @@ for ckpt in "" "--checkpoint"; do
   done
 done
 
-step "two ranks on one GPU (tests/test_cuda_shared_gpu.py)" "$test_limit" \
-  "$py" -m pytest -q -p no:cacheprovider -p no:xdist tests/test_cuda_shared_gpu.py -m cuda -rs
+step "two ranks on one GPU (tests/cuda/test_cuda_shared_gpu.py)" "$test_limit" \
+  "$py" -m pytest -q -p no:cacheprovider -p no:xdist tests/cuda/test_cuda_shared_gpu.py -m cuda -rs
 
 if ((${#failed[@]})); then
   printf 'FAILED: %s\n' "${failed[@]}"

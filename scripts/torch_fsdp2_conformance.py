@@ -79,7 +79,7 @@ KNOWN_DIFFERENCES: dict[str, str] = {
         f"{_LAYOUT}: the test takes `vector_norm(ord=inf)` of each rank's local gradient "
         "itself, and torch raises on an empty tensor; our clip_grad_norm_ agrees for norm 2 and "
         "1 in the same test, and handles the inf-norm of empty shards "
-        "(tests/test_fsdp2_parity.py::test_clip_grad_norm_matches_one_process_and_fsdp2_with_"
+        "(tests/fsdp/test_fsdp2_parity.py::test_clip_grad_norm_matches_one_process_and_fsdp2_with_"
         "empty_shards)"
     ),
     # frozen

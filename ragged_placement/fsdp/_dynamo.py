@@ -15,7 +15,7 @@ hooks) is wrapped in ``torch._dynamo.disable(..., recursive=True)``:
   ``_call_impl``: the first disabled hook is a graph break inside the loop over the blocks, which
   Dynamo cannot resume from, so it runs the root's ``forward`` eagerly (a skipped frame, not
   counted as a graph break) and compiles each block's ``forward`` on its own: the same graphs as
-  per-block compile. FSDP2 behaves identically (``tests/test_fsdp_compile.py`` compares the
+  per-block compile. FSDP2 behaves identically (``tests/fsdp/test_fsdp_compile.py`` compares the
   counts in the same test).
 
 ``torch._dynamo`` is imported when ``fully_shard`` first registers the hooks (it is imported by

@@ -135,7 +135,7 @@ def run_experts(
 
     ``torch._grouped_mm`` (one kernel per matrix for all experts) or a loop of ``matmul`` per
     expert; both compute, per expert, ``x_e @ w[e].T`` (on CPU ``torch._grouped_mm``'s forward
-    agrees with the loop to fp32 rounding, tests/test_moe.py, but its backward does not run
+    agrees with the loop to fp32 rounding, tests/moe/test_moe.py, but its backward does not run
     there, so ``None`` picks it only on CUDA; the CUDA path has not run here: no GPU).
 
     ``quant``: block-wise FP8 (DeepSeek-V3's recipe, :func:`~ragged_placement.quant.fp8_linear`)

@@ -76,7 +76,7 @@ def test_zero1_and_zero2_over_dp_compose_with_tensor_parallel_exactly():
     """``state_sharding`` zero1 / zero2 on ``mesh["dp"]`` of a ``(dp, tp)`` mesh, the blocks
     tensor parallel over ``tp``: the losses and parameters of the plain FSDP x TP run (bitwise)
     and of one process (losses within 1e-5, parameters 1e-4: Adam's normalized update turns
-    summation-order noise in near-zero gradients into ~lr*1e-3, as in tests/test_compose.py)."""
+    summation-order noise in near-zero gradients into ~lr*1e-3, as in tests/compose/test_compose.py)."""
     from test_compose import CFG as TRAIN_CFG
     from test_compose import _batches, _train
 

@@ -47,7 +47,7 @@ SMALL = ["--layers", "2", "--width", "32", "--heads", "2", "--seq", "16", "--bat
 # main() in-process: torchrun's @record cannot install its fault handler under pytest's capture
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 TIMEOUT = 240  # hang guard per torchrun launch, never what decides a pass
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _descendants(pid: int) -> list[int]:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--device", "cpu", "--layers", "2", "--width", "64", "--ffn", "128", "--heads", "4",
          "--kv-heads", "2", "--seq", "16", "--warmup", "1", "--steps", "1", "--runs", "1",
          "--profile-steps", "1"]

@@ -1,6 +1,6 @@
 """torchtitan's trainer with torch's FSDP2 and with ours, from one seed checkpoint: the table.
 
-    .venv/bin/python tests/titan/compare.py [--cases fsdp,hsdp,...] [--workdir DIR]
+    .venv/bin/python tests/train/titan/compare.py [--cases fsdp,hsdp,...] [--workdir DIR]
 
 Each case runs ``torchtitan.train`` under ``torchrun`` (CPU, gloo) twice, with
 ``TITAN_FSDP=torch`` and ``TITAN_FSDP=ours`` (``launch.py``), from the same seed checkpoint

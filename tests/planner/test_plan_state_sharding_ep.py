@@ -17,7 +17,7 @@ MESH = {"inter": 2, "intra": 2}
 BW = {"inter": 50e9, "intra": 450e9}
 # one MoE unit, fp32: a dense 16x8 matrix and 4 stacked experts of 8x8 ([E, out, in])
 MOE = [[("layer.attn.w", (16, 8)), ("layer.mlp.experts.w1", (4, 8, 8))]]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _plan(units=MOE, **kw):

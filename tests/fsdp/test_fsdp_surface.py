@@ -730,7 +730,7 @@ def test_all_gather_extensions_raise_instead_of_being_skipped():
 def _surface_checks(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
     # CPUOffloadPolicy: the sharded chunk on CPU, staged through the mesh's device (see
-    # tests/test_fsdp_offload.py); pinned memory needs an accelerator, as in FSDP2
+    # tests/fsdp/test_fsdp_offload.py); pinned memory needs an accelerator, as in FSDP2
     m = fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     assert isinstance(m, FSDPModule) and isinstance(m, TorchFSDPModule)
     assert m.fsdp_unit.buffers[0].offload_device == torch.device("cpu")

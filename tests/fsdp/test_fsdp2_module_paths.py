@@ -7,7 +7,7 @@ across the loss chunks), torch's ``register_fsdp_forward_method``, ``clip_grad_n
 state-dict helpers and torch ``FSDPModule``'s ``__new__`` / ``_apply`` take them for FSDP2's.
 Each is checked against torch FSDP2 on the same model and data and against one process on the
 concatenated batch (4 gloo ranks, one spawn: FSDP2's divide factor is a pre-multiplied sum,
-which threaded ranks do not run); pipelining's path is in ``tests/test_compose.py``.
+which threaded ranks do not run); pipelining's path is in ``tests/compose/test_compose.py``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ AdamW on the DTensor parameters; a DCP checkpoint (model and optimizer) after st
 resumed on 2. FSDP2 runs the same recipe in the same test; ours also runs it in fp32, where it
 must equal one process.
 
-Tolerances (measured with ``pytest tests/test_fsdp_recipe.py -s`` on torch 2.13 CPU):
+Tolerances (measured with ``pytest tests/fsdp/test_fsdp_recipe.py -s`` on torch 2.13 CPU):
 
 * fp32, the whole recipe against one process on the concatenated batch: 4.8e-7 on the loss over
   10 steps on 4 ranks, 2.4e-7 on the 5 steps resumed on 2 ranks; checked at 1e-5.

@@ -2,7 +2,7 @@
 
 torchtitan targets accelerators; each stand-in below replaces one piece that cannot run on a
 CPU-only machine with torch 2.13, and says why. None of them touches the FSDP runtime: the
-comparison in ``tests/titan/compare.py`` runs torchtitan's FSDP2 and ours with the same set.
+comparison in ``tests/train/titan/compare.py`` runs torchtitan's FSDP2 and ours with the same set.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ switched in for FSDP2's: the same losses and gradient norms as torchtitan with F
 
 The in-suite case is FSDP on 2 ranks; ``make titan`` runs the whole matrix (HSDP, FSDP + TP,
 activation checkpointing, resume, full DTensor, the DeepSeek-V3 MoE model with expert
-parallelism) with ``tests/titan/compare.py``. Both runtimes start from one
+parallelism) with ``tests/train/titan/compare.py``. Both runtimes start from one
 seed checkpoint made by torchtitan itself, in fp32, on CPU/gloo with the stand-ins of
-``tests/titan/stand_ins.py``.
+``tests/train/titan/stand_ins.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """torchrun entry: torchtitan's own trainer, ``torchtitan.train.main``, with FSDP2 or ours.
 
-    TITAN_FSDP=ours TITAN_METRICS=m.jsonl torchrun --nproc-per-node 2 tests/titan/launch.py \
+    TITAN_FSDP=ours TITAN_METRICS=m.jsonl torchrun --nproc-per-node 2 tests/train/titan/launch.py \
         --module titan_config --config llama3_debugmodel_cpu [torchtitan options...]
 
 ``TITAN_FSDP=ours`` switches the one import, torchtitan's ``fully_shard`` (its

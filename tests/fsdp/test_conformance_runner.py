@@ -10,7 +10,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "torch_fsdp2_conformance.py"
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "torch_fsdp2_conformance.py"
 _spec = importlib.util.spec_from_file_location("torch_fsdp2_conformance", _PATH)
 conformance = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(conformance)
