@@ -17,15 +17,25 @@ after a step (local tensors), and the heap's peak during a step above the heap b
 was built (:class:`HeapPeakMeter`). Tokens/s: global tokens over rank 0's median step time, the
 median of the runs.
 
+``--two-nodes`` (root): the same job as 2 nodes x 2 ranks in two network namespaces joined by a
+shaped link (``scripts/two_nodes.sh``, ``--rate``, ``--queue``), ranks 0-1 one node: each ep
+group inside a node, ``dp_mod_ep`` across the link; the table then adds the bytes each node sent
+across the link during the counted step (max over nodes).
+
     .venv/bin/python benchmarks/moe.py                 # the table of docs/moe.md
+    .venv/bin/python benchmarks/moe.py --two-nodes     # across two emulated nodes (root)
     .venv/bin/python benchmarks/moe.py --width 64 --layers 2 --steps 2 --runs 1   # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,8 +44,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ragged_placement.models.moe import MoEConfig, MoETransformer, parallelize_moe
 from ragged_placement.testing.launch import run_gloo
-from ragged_placement.testing.profiling import CollectiveMeter, HeapPeakMeter, state_bytes
+from ragged_placement.testing.profiling import (
+    CollectiveMeter,
+    HeapPeakMeter,
+    net_bytes,
+    state_bytes,
+)
 
+REPO = Path(__file__).resolve().parents[1]
 RUNTIMES = ("fsdp2", "ours")
 KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
 
@@ -99,14 +115,27 @@ def _one_run(runtime: str, mesh, args: argparse.Namespace, counted: bool) -> dic
             dist.barrier()
             times.append(time.perf_counter() - t0)
         if counted:
+            dist.barrier()
+            sent = net_bytes()
             with CollectiveMeter(all_to_all=True) as meter:
                 step(args.warmup + args.steps)
+            dist.barrier()
+            out["link"] = _link_bytes(sent, net_bytes())
             out["comm"] = {f"{kind} {'+'.join(dims)}": counts
                            for (kind, dims), counts in meter.by_dims(mesh).items()}
         step(args.warmup + args.steps + 1, out.setdefault("state", {}))
         del model, opt, step
     out["peak"], out["time"] = mem.peak, statistics.median(times)
     return out
+
+
+def _link_bytes(before: dict[str, int], after: dict[str, int]) -> int:
+    """Bytes this node sent on its links between two :func:`net_bytes` (not loopback: inside
+    a node; 0 outside ``scripts/two_nodes.sh``'s namespaces, where only one rank per node
+    counts, its local rank 0)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0" or "GLOO_SOCKET_IFNAME" not in os.environ:
+        return 0
+    return sum(after[k] - before.get(k, 0) for k in after if k != "lo")
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
@@ -153,6 +182,10 @@ def report(per_rank: list[dict], args: argparse.Namespace, world: int) -> dict:
     for kind in ("params", "grads", "optimizer"):
         _row(f"{kind} MiB per rank (max)", state["fsdp2"][kind], state["ours"][kind])
     _row("heap peak in a step MiB per rank (max)", peak["fsdp2"], peak["ours"])
+    link = {rt: max(rank[rt][0]["link"] for rank in per_rank) for rt in RUNTIMES}
+    if any(link.values()):
+        _row("MiB a node sent across the link in the counted step (max)", link["fsdp2"],
+             link["ours"])
     _row("tokens/s (median of runs)", tps["fsdp2"], tps["ours"], fmt=lambda t: f"{t:,.0f}")
     worse = [k for k in keys if first["ours"]["comm"].get(k, [0, 0])[1] >
              first["fsdp2"]["comm"].get(k, [0, 0])[1] and not k.startswith("all_reduce")]
@@ -161,7 +194,29 @@ def report(per_rank: list[dict], args: argparse.Namespace, world: int) -> dict:
     runs = {rt: [f"{tokens / r['time']:,.0f}" for r in per_rank[0][rt]] for rt in RUNTIMES}
     print(f"tokens/s per run: FSDP2 + EP {runs['fsdp2']}, ours {runs['ours']}")
     return {"comm": {rt: first[rt]["comm"] for rt in RUNTIMES}, "state": state, "peak": peak,
-            "tokens_per_s": tps, "worse": worse}
+            "tokens_per_s": tps, "worse": worse, "link": link}
+
+
+def _under_torchrun(args: argparse.Namespace) -> None:
+    """One rank of the ``--two-nodes`` job (started by torchrun in scripts/two_nodes.sh)."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, _rank(rank, world, args))
+    if rank == 0:
+        report(per_rank, args, world)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _two_nodes(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run this script under scripts/two_nodes.sh (2 nodes x ``--world / 2`` ranks)."""
+    forwarded = [a for a in argv if a != "--two-nodes"]
+    cmd = ["bash", "scripts/two_nodes.sh", "--rate", args.rate, "--queue", args.queue,
+           "--nproc-per-node", str(args.world // 2), "--script", "benchmarks/moe.py", "--",
+           *forwarded, "--torchrun"]
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=REPO, env=env, check=False).returncode
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -179,10 +234,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--two-nodes", action="store_true",
+                    help="2 emulated nodes over a shaped link (scripts/two_nodes.sh; root)")
+    ap.add_argument("--rate", default="1gbit", help="--two-nodes: the link's rate")
+    ap.add_argument("--queue", default="10ms", help="--two-nodes: the link's queue (tbf latency)")
+    ap.add_argument("--torchrun", action="store_true", help=argparse.SUPPRESS)  # a --two-nodes rank
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     _config(args)  # bad sizes raise here, before any process starts
     if args.world % args.ep or args.experts % args.ep:
         ap.error(f"--ep {args.ep} must divide --world {args.world} and --experts {args.experts}")
+    if args.two_nodes and (args.world % 2 or (args.world // 2) % args.ep):
+        ap.error(f"--two-nodes puts --world / 2 ranks on a node and each ep group inside one: "
+                 f"--ep {args.ep} must divide {args.world // 2}")
+    if args.torchrun:
+        _under_torchrun(args)
+        return {}
+    if args.two_nodes:
+        sys.exit(_two_nodes(args, argv))
     per_rank = run_gloo(_rank, args.world, args)
     return report(per_rank, args, args.world)
 

@@ -41,6 +41,7 @@ from ragged_placement.testing.profiling import (
     HeapPeakMeter,
     LayoutCopyMeter,
     heap_in_use,
+    net_bytes,
     state_bytes,
 )
 from ragged_placement.testing.launch import exit_without_finalization
@@ -89,14 +90,6 @@ def _inject_fault(rank: int, step: int) -> None:
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(3600)  # "hang": frozen until torchrun's agent ends it
-
-
-def _net_bytes() -> dict[str, int]:
-    """Bytes sent by each network interface of this machine (or network namespace)."""
-    root = Path("/sys/class/net")
-    if not root.is_dir():
-        return {}
-    return {p.name: int((p / "statistics" / "tx_bytes").read_text()) for p in root.iterdir()}
 
 
 class _CudaPeakMeter:
@@ -260,7 +253,7 @@ def _resume(resume: Resume, ckpt: Checkpointer, model, opt, sched, env: Distribu
 
 def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]:
     progress, losses, last = _Progress(cfg, env, start), [], cfg.steps - 1
-    copies, net0, timed = LayoutCopyMeter(), _net_bytes(), (0.0, 0, 0.0)
+    copies, net0, timed = LayoutCopyMeter(), net_bytes(), (0.0, 0, 0.0)
     with CollectiveWatch(env) as watch, CollectiveMeter() as meter, CollectiveBytes() as comm:
         for step in range(start, cfg.steps):
             watch.step = step
@@ -283,7 +276,7 @@ def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]
                                                  "data": {"next_step": step + 1, "seed": cfg.seed},
                                                  "rng": rng_state(env.device)})
     n = max(1, cfg.steps - start)
-    net1 = _net_bytes()
+    net1 = net_bytes()
     return {
         "losses": losses, "start": start,
         "tokens_per_s": cfg.batch * cfg.seq * env.world_size * timed[1] / timed[0] if timed[1] else None,

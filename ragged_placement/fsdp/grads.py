@@ -5,6 +5,10 @@
   unsharded parameter's ``.grad`` is preset to a view of its segment's buffer, so autograd's
   ``AccumulateGrad`` adds the parameter gradient into it in place; the buffers are then the
   reduce-scatter inputs (:meth:`FlatGrads.prepare_reduce`).
+* ``accumulated``: per segment, in ``reduce_dtype`` where it differs from ``param_dtype``: the
+  gradients of backwards run without gradient sync, moved out of ``unsharded`` after each
+  (:meth:`FlatGrads.accumulate_unreduced`), so that micro-batches accumulate in
+  ``reduce_dtype`` as FSDP2's (its ``unsharded_accumulated_grad``), not in ``param_dtype``.
 * ``sharded``: ``[S]`` in the parameters' dtype: the reduce-scatter output, averaged over the
   world (:meth:`FlatGrads.land`). Each sharded parameter's ``.grad`` is a RaggedShard DTensor
   view of it; a later reduction without ``zero_grad()`` adds into it.
@@ -35,6 +39,7 @@ class FlatGrads:
     """
 
     unsharded: list[torch.Tensor | None]  # per plan segment
+    accumulated: list[torch.Tensor | None]  # per plan segment, in reduce_dtype
     sharded: torch.Tensor | None
     segment_of: list[int]  # slot index -> plan segment
     _buffer: FlatBuffer
@@ -52,6 +57,7 @@ class FlatGrads:
     def reset(self) -> None:
         """No gradients (new buffers: each segment's is allocated at its first gradient)."""
         self.unsharded = [None] * len(self._buffer.plan.segments)
+        self.accumulated = [None] * len(self._buffer.plan.segments)
         self.sharded = None
         self._reduction = None
 
@@ -67,7 +73,7 @@ class FlatGrads:
     @property
     def pending(self) -> bool:
         """Whether backward has produced gradients that are not reduced yet."""
-        return any(g is not None for g in self.unsharded)
+        return any(g is not None for g in (*self.unsharded, *self.accumulated))
 
     @property
     def reducing(self) -> bool:
@@ -101,6 +107,28 @@ class FlatGrads:
                     tp = b.spmd.grad_spec(tp)
                 p.grad = g if tp is None else DTensor(g, tp, requires_grad=False)
 
+    def drop_unreduced(self) -> None:
+        """Forget the gradients not reduced yet (``reset_iter_state`` after an exception)."""
+        self.unsharded = [None] * len(self.unsharded)
+        self.accumulated = [None] * len(self.accumulated)
+
+    def accumulate_unreduced(self) -> None:
+        """After a backward without gradient sync, where ``reduce_dtype`` differs from
+        ``param_dtype``: add each segment's gradients into its ``reduce_dtype`` accumulator and
+        zero them for the next micro-batch (FSDP2's ``to_accumulated_grad_if_needed`` and
+        ``accumulate_unsharded_grad_if_needed``, bitwise: the same casts and additions)."""
+        b = self._buffer
+        if b.reduce_dtype == b.param_dtype:
+            return
+        for k, g in enumerate(self.unsharded):
+            if g is None:
+                continue
+            if self.accumulated[k] is None:
+                self.accumulated[k] = g.to(b.reduce_dtype)
+            else:
+                self.accumulated[k].add_(g)
+            g.zero_()
+
     def prepare_reduce(self) -> Reduction:
         """Release the unsharded gradients into the reduce-scatter inputs (cast to
         ``reduce_dtype``; a segment no gradient reached contributes zeros) and allocate its
@@ -113,12 +141,14 @@ class FlatGrads:
         for p in b.unsharded_params:
             p.grad = None
         rs_in = [
-            g if g is not None else torch.zeros(
+            (acc.add_(g) if g is not None else acc) if acc is not None
+            else g if g is not None else torch.zeros(
                 seg.buffer_numel(b.world_size), dtype=b.reduce_dtype, device=b.device
             )
-            for g, seg in zip(self.unsharded, b.plan.segments)
+            for g, acc, seg in zip(self.unsharded, self.accumulated, b.plan.segments)
         ]
         self.unsharded = [None] * len(rs_in)
+        self.accumulated = [None] * len(rs_in)
         rs_in = [g.to(b.reduce_dtype) for g in rs_in]  # the mixed-precision cast, if any
         self._reduction = b.comm.reduction(rs_in, self.reduce_group)
         return self._reduction

@@ -78,6 +78,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_placement._compat import outside_selective_checkpoint
@@ -159,7 +160,7 @@ class RootContext:
         self.finish_pending_reduce()
         for s in self.states:
             for buffer in s.unit.buffers:
-                buffer.grads.unsharded = [None] * len(buffer.grads.unsharded)
+                buffer.grads.drop_unreduced()
             s.unit.unreplicated_grads = [None] * len(s.unit.buffers)
             s.unit.reshard()
             s._show_unsharded(False)
@@ -224,11 +225,14 @@ def _grad_tensors(output: Any) -> list[torch.Tensor]:
     return [t for item in items for t in _grad_tensors(item)]
 
 
-def _map_float_tensors(fn, tree: Any) -> Any:
-    leaves, spec = tree_flatten(tree)
-    return tree_unflatten(
-        [fn(x) if torch.is_tensor(x) and x.is_floating_point() else x for x in leaves], spec
-    )
+def _cast_float_tensors(dtype: torch.dtype, tree: Any) -> Any:
+    """``tree`` with its floating-point tensors cast to ``dtype``, found as FSDP2 finds them
+    (torch's ``_apply_to_tensors``: lists, tuples, named tuples, dicts, dataclasses, ...)."""
+
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+
+    return _apply_to_tensors(cast, tree)
 
 
 class FSDPState:
@@ -430,12 +434,12 @@ class FSDPState:
     def _cast_inputs(self, args: tuple, kwargs: dict):
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
-            args, kwargs = _map_float_tensors(lambda t: t.to(mp.param_dtype), (args, kwargs))
+            args, kwargs = _cast_float_tensors(mp.param_dtype, (args, kwargs))
         return args, kwargs
 
     def _cast_output(self, output: Any) -> Any:
         if self.mp_policy.output_dtype is not None:
-            output = _map_float_tensors(lambda t: t.to(self.mp_policy.output_dtype), output)
+            output = _cast_float_tensors(self.mp_policy.output_dtype, output)
         return output
 
     def _wrap_inputs_for_post_backward(self, args: tuple, kwargs: dict):
@@ -545,6 +549,8 @@ class FSDPState:
                 # until wait(): on CPU, where the overlap buys little, finishing it here frees
                 # them before the next unit's backward (FSDP2 is synchronous on CPU too)
                 unit.finish_reduce()
+        elif unit.has_unsharded_grads:  # micro-batches accumulate in reduce_dtype, as FSDP2
+            unit.accumulate_unreduced_grads()
         if self.reshard_after_backward:
             unit.reshard()
         else:  # FSDPModule.set_reshard_after_backward(False): the next forward reuses it

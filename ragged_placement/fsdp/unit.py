@@ -424,6 +424,12 @@ class FSDPUnit:
         k, j = self._where[index]
         self.buffers[k].grads.prepare(j)
 
+    def accumulate_unreduced_grads(self) -> None:
+        """After a backward without gradient sync: accumulate in ``reduce_dtype`` (see
+        :meth:`~ragged_placement.fsdp.grads.FlatGrads.accumulate_unreduced`)."""
+        for b in self.buffers:
+            b.grads.accumulate_unreduced()
+
     def reduce_grads(self) -> None:
         """Issue one coalesced reduce-scatter (a sum, async) of every buffer with gradients;
         :meth:`finish_reduce` completes it. The unsharded gradient buffers are released here."""

@@ -27,6 +27,7 @@ import gc
 import inspect
 import itertools
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ import ragged_placement._compat as compat
 from ragged_placement.fsdp import collectives
 
 __all__ = ["AllocationMeter", "CollectiveMeter", "HeapPeakMeter", "LayoutCopyMeter", "heap_in_use",
-           "state_bytes"]
+           "net_bytes", "state_bytes"]
 
 _LAYOUT_COPY_OPS = ("all_gather_copy_in", "split_with_sizes_copy", "_chunk_cat", "chunk_cat")
 
@@ -400,3 +401,11 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     return {"params": _local_bytes(params) + _param_chunk_bytes(model),
             "grads": _local_bytes(p.grad for p in params if p.grad is not None),
             "optimizer": _local_bytes(states)}
+
+
+def net_bytes() -> dict[str, int]:
+    """Bytes sent by each network interface of this machine (or network namespace)."""
+    root = Path("/sys/class/net")
+    if not root.is_dir():
+        return {}
+    return {p.name: int((p / "statistics" / "tx_bytes").read_text()) for p in root.iterdir()}

@@ -4,6 +4,7 @@ with torch's ``fully_shard`` on the same model and data."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -185,3 +186,65 @@ def _shard_with_both(rank: int, ws: int) -> None:
         MLP(), mesh=DeviceMesh("cpu", list(range(ws))), shard_placement_fn=_shard_dim1,
         granularity=Granularity.row(),
     )
+
+
+def _accumulated_grads(rank: int, ws: int, runtime: str) -> list[torch.Tensor]:
+    """bf16 compute, fp32 reduction, 4 micro-batches with gradient sync on the last only (torch's
+    ``test_grad_acc_with_reduce_dtype``): the full gradients after the sync."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model, gen = nn.Sequential(MLP(16), MLP(16)), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / 4)
+    mesh, mp = DeviceMesh("cpu", list(range(ws))), MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    )
+    for m in model:
+        SHARD[runtime](m, mesh=mesh, mp_policy=mp)
+    SHARD[runtime](model, mesh=mesh, mp_policy=mp)
+    x = torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(1 + rank))
+    for i in range(4):
+        model.set_requires_gradient_sync(i == 3)
+        model(x[i]).sum().backward()
+    return [p.grad.full_tensor() for p in model.parameters()]
+
+
+def test_micro_batches_accumulate_in_reduce_dtype_as_fsdp2(one_torch_thread):
+    """Without gradient sync, each micro-batch's bf16 gradients are added into an fp32
+    accumulator (FSDP2's ``unsharded_accumulated_grad``), not summed in bf16 (7e-5 off)."""
+    theirs = run_threaded(_accumulated_grads, 2, "fsdp2")[0]
+    ours = run_threaded(_accumulated_grads, 2, "ours")[0]
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+
+
+class _DataclassInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, batch: _Batch) -> torch.Tensor:
+        return self.lin(batch.x)
+
+
+def _dataclass_input_cast(rank: int, ws: int, runtime: str) -> torch.dtype:
+    """torch's ``test_dataclass_input``: ``cast_forward_inputs`` reaches a dataclass's tensors."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = _DataclassInput()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=True)
+    SHARD[runtime](model, mesh=DeviceMesh("cpu", list(range(ws))), mp_policy=mp)
+    out = model(_Batch(torch.randn(2, 8)))
+    out.sum().backward()
+    return out.dtype
+
+
+def test_forward_inputs_in_a_dataclass_are_cast_as_fsdp2(one_torch_thread):
+    for runtime in ("fsdp2", "ours"):
+        assert run_threaded(_dataclass_input_cast, 2, runtime) == [torch.bfloat16] * 2, runtime

@@ -11,6 +11,7 @@ statistical.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -448,14 +449,19 @@ def _fp8(model: MoETransformer) -> MoETransformer:
 
 
 def _fp8_runs(rank: int, ws: int) -> list:
-    """EP 2 x FSDP 2 with ``quant=QUANT``: losses, full state, first gradients, and the type
-    of every Linear."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
-    model = _sharded_model(mesh, "ours", "plain", False, False, quant=QUANT)
-    losses = _train_distributed(model, rank, ws, "plain")
-    kinds = {type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)}
-    quant = [m.quant for m in model.modules() if isinstance(m, GroupedExperts)]
-    return losses, full_state(model), model.first_grads, kinds, quant
+    """``quant=QUANT`` on EP 2 x FSDP 2 and with AMSP on 2x2 ``(inter, intra)``, EP over
+    ``intra``: per run, losses, full state, first gradients, the type of every Linear and the
+    experts' ``quant``."""
+    out = []
+    for names, kw in ((("dp_mod_ep", "ep"), {}),
+                      (("inter", "intra"), {"ep_dim": "intra", "state_sharding": AMSP})):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        model = _sharded_model(mesh, "ours", "plain", False, False, quant=QUANT, **kw)
+        losses = _train_distributed(model, rank, ws, "plain")
+        kinds = {type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)}
+        quant = [m.quant for m in model.modules() if isinstance(m, GroupedExperts)]
+        out.append((losses, full_state(model), model.first_grads, kinds, quant))
+    return out
 
 
 # FP8 against the one-process FP8 model (tests/quant/test_fsdp_fp8.py's reference): the master weights
@@ -469,7 +475,8 @@ FP8_PARAM_ATOL = 1e-4
 
 @pytest.mark.multiprocess
 def test_fp8_ep_fsdp_matches_one_process_fp8():
-    """``parallelize_moe(..., quant=BlockFP8Config())`` on EP 2 x FSDP 2, 5 AdamW steps, against
+    """``parallelize_moe(..., quant=BlockFP8Config())`` on EP 2 x FSDP 2 and with AMSP on 2x2
+    (EP over ``intra``), 5 AdamW steps, against
     the same FP8 model in one process (every ``nn.Linear`` an ``FP8Linear`` but the router gate,
     the experts computing per expert matrix in FP8): first gradients within 1e-7, losses within
     1e-5, parameters within 1e-4 (see ``FP8_PARAM_ATOL``); the routing margin asserted as in
@@ -480,7 +487,7 @@ def test_fp8_ep_fsdp_matches_one_process_fp8():
     ref_losses = [_step(model, opt, x, y, s, "plain").item() for s, (x, y) in enumerate(batches())]
     assert min(margins) >= MARGIN, f"a top-k decision is a near tie: margin {min(margins)}"
     ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for losses, state, grads, kinds, quant in run_gloo(_fp8_runs, WORLD):
+    for losses, state, grads, kinds, quant in itertools.chain(*run_gloo(_fp8_runs, WORLD)):
         assert kinds == {"FP8Linear", "RouterGate"} and quant == [QUANT, QUANT]
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < ATOL
         assert _max_diff(grads, model.first_grads) < GRAD_ATOL
