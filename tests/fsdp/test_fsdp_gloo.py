@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor.debug import CommDebugMode
+from common_fsdp import train_steps
 from dist_utils import run_gloo
 from ragged_placement.planner import Granularity
 from torch.distributed.checkpoint.state_dict import (
@@ -35,17 +36,13 @@ def _init_state() -> dict[str, torch.Tensor]:
     return GPT(CFG).state_dict()
 
 
-def _step(m, opt, corpus, step: int, rank: int, ws: int) -> float:
-    per = BATCH // ws
-    x, y = corpus.batch(step, BATCH, SEQ)
-    loss = m(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
-    loss.backward()
+def _clip(m: torch.nn.Module) -> None:
     torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad()
-    total = loss.detach().clone()
-    torch.distributed.all_reduce(total)
-    return total.item() / ws
+
+
+def _step(m, opt, corpus, step: int, rank: int, ws: int) -> float:
+    batch = corpus.batch(step, BATCH, SEQ)
+    return train_steps(m, opt, [batch], rank, ws, after_backward=_clip)[0]
 
 
 def _sharded(runtime: str, mesh) -> tuple[GPT, torch.optim.Optimizer]:
@@ -110,16 +107,7 @@ def _reference() -> list[float]:
     m.load_state_dict(_init_state())
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
     corpus = StdlibCorpus(max_bytes=1 << 18)
-    losses = []
-    for s in range(STEPS):
-        x, y = corpus.batch(s, BATCH, SEQ)
-        loss = m(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(m, opt, (corpus.batch(s, BATCH, SEQ) for s in range(STEPS)), after_backward=_clip)
 
 
 def test_dtensor_adamw_training_and_dcp_resume_on_fewer_ranks(tmp_path):
