@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from common_fsdp import train_steps
 from dist_utils import run_gloo
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -193,7 +194,7 @@ def test_every_point_matches_one_process_and_fsdp2_on_2x2():
 
 # -- FP8 units: the refresh and the all-gathers move FP8 blocks and scales ----------------------
 def _fp8_rank(rank: int, ws: int, steps: int) -> dict[str, tuple[list[float], dict]]:
-    from test_fsdp_fp8 import QUANT, SEQ, _corpus, _gpt, _rows
+    from test_fsdp_fp8 import QUANT, SEQ, _corpus, _gpt
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=BOTH)
@@ -203,16 +204,8 @@ def _fp8_rank(rank: int, ws: int, steps: int) -> dict[str, tuple[list[float], di
         for sub in (*m.layers, m):
             fully_shard(sub, mesh=mesh, quant=QUANT, state_sharding=SHARDINGS[name])
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        losses = []
-        for s in range(steps):
-            x, y = _corpus().batch(s, 8, SEQ)
-            loss = m(_rows(x, rank, ws), _rows(y, rank, ws))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            torch.distributed.all_reduce(total)
-            losses.append(total.item() / ws)
+        batches = (_corpus().batch(s, 8, SEQ) for s in range(steps))
+        losses = train_steps(m, opt, batches, rank, ws)
         unit = m.layers[0]._fsdp_state.unit
         b = unit.buffers[0]
         chunk = b.comm.chunk.numel() if b.comm.chunk is not None else None

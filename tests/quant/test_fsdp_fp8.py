@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from common_fsdp import rows as _rows
+from common_fsdp import train_steps
 from dist_utils import run_gloo, run_threaded
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -74,11 +76,6 @@ def _shard(m: GPT, mesh, quant=QUANT, mp=FP32, granularity=None, reshard=True) -
 
 def _mesh(ws: int) -> DeviceMesh:
     return DeviceMesh("cpu", list(range(ws)))
-
-
-def _rows(x: torch.Tensor, rank: int, ws: int) -> torch.Tensor:
-    per = x.shape[0] // ws
-    return x[rank * per : (rank + 1) * per]
 
 
 # -- the all-gather: bitwise FP8, byte count, one collective per unit per pass (gloo) ---------
@@ -456,14 +453,7 @@ def _net_reference() -> list[float]:
     net.load_state_dict(NET_INIT)
     convert_to_fp8_linear(net, QUANT)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    losses = []
-    for x in _net_batches():
-        loss = _net_loss(net, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(net, opt, ((x,) for x in _net_batches()), loss_fn=_net_loss)
 
 
 def _net_rank(rank: int, ws: int) -> dict[str, tuple]:
@@ -471,7 +461,6 @@ def _net_rank(rank: int, ws: int) -> dict[str, tuple]:
     of the batch), each block's (plan, uneven sends, gathered bytes == sends + alignment only),
     and the post-forward all-gathers."""
     torch.set_num_threads(1)
-    per = NET_BATCH // ws
     out = {}
     for name in ("plain", "int", "offload", "hsdp"):
         if name == "hsdp":
@@ -486,15 +475,8 @@ def _net_rank(rank: int, ws: int) -> dict[str, tuple]:
                         reshard_after_forward=2 if name == "int" else True)
         fully_shard(net, mesh=mesh, quant=QUANT, offload_policy=offload)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-        losses = []
-        for x in _net_batches():
-            loss = _net_loss(net, x[rank * per:(rank + 1) * per])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            torch.distributed.all_reduce(total)
-            losses.append(total.item() / ws)
+        batches = ((x,) for x in _net_batches())
+        losses = train_steps(net, opt, batches, rank, ws, loss_fn=_net_loss)
         units = [blk.fsdp_unit for blk in net]
         kinds = [
             (type(b.plan).__name__, b.fp8.segment.rank_starts is not None,
