@@ -158,6 +158,35 @@ def _launch_shape(rows: int, cols: int, block: tuple[int, int]) -> tuple[tuple[i
     return (triton.cdiv(rows, bm * groups), triton.cdiv(cols, bn)), groups
 
 
+def _launch(
+    kernel, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, block: tuple[int, int]
+) -> None:
+    """Run ``kernel`` (``_quantize_kernel`` or ``_dequantize_kernel``) over ``a``'s 2-D shape in
+    ``block`` tiles: its three tensors, the shape, each tensor's two strides; nothing when
+    ``a`` is empty."""
+    rows, cols = a.shape
+    if rows == 0 or cols == 0:
+        return
+    grid, groups = _launch_shape(rows, cols, block)
+    kernel[grid](
+        a,
+        b,
+        c,
+        rows,
+        cols,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        c.stride(1),
+        BLOCK_M=block[0],
+        BLOCK_N=block[1],
+        GROUPS=groups,
+        num_warps=8,
+    )
+
+
 def quantize_into(
     x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, block: tuple[int, int]
 ) -> None:
@@ -166,27 +195,7 @@ def quantize_into(
     All three may be strided views (e.g. a row run of a flat buffer and slices of a send
     buffer). Shapes and dtypes are the caller's responsibility (:mod:`.blockwise` checks them).
     """
-    rows, cols = x.shape
-    if rows == 0 or cols == 0:
-        return
-    grid, groups = _launch_shape(rows, cols, block)
-    _quantize_kernel[grid](
-        x,
-        q_out,
-        s_out,
-        rows,
-        cols,
-        x.stride(0),
-        x.stride(1),
-        q_out.stride(0),
-        q_out.stride(1),
-        s_out.stride(0),
-        s_out.stride(1),
-        BLOCK_M=block[0],
-        BLOCK_N=block[1],
-        GROUPS=groups,
-        num_warps=8,
-    )
+    _launch(_quantize_kernel, x, q_out, s_out, block)
 
 
 def dequantize_into(
@@ -195,24 +204,4 @@ def dequantize_into(
     """Write ``q.float() * s`` (broadcast over ``block`` tiles) into ``out`` (its dtype)."""
     if q.dtype != FP8_DTYPE:
         raise ValueError(f"q must be float8_e4m3fn, got {q.dtype}")
-    rows, cols = q.shape
-    if rows == 0 or cols == 0:
-        return
-    grid, groups = _launch_shape(rows, cols, block)
-    _dequantize_kernel[grid](
-        q,
-        s,
-        out,
-        rows,
-        cols,
-        q.stride(0),
-        q.stride(1),
-        s.stride(0),
-        s.stride(1),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_M=block[0],
-        BLOCK_N=block[1],
-        GROUPS=groups,
-        num_warps=8,
-    )
+    _launch(_dequantize_kernel, q, s, out, block)
