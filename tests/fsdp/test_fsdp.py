@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
+from common_fsdp import global_loss, train_steps
 from dist_utils import run_threaded
 from ragged_placement.planner import Granularity
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,15 +48,7 @@ def _reference(steps: int) -> list[float]:
     """Single-process AdamW training on the full global batch."""
     m = _model()
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
-    losses = []
-    for s in range(steps):
-        x, y = CORPUS.batch(s, BATCH, SEQ)
-        loss = m(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(m, opt, (CORPUS.batch(s, BATCH, SEQ) for s in range(steps)))
 
 
 class _LocalAdamW:
@@ -122,8 +115,7 @@ def _train(
         opt.step()
         if runtime == "fsdp2":
             opt.zero_grad()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
+        losses.append(global_loss(total, ws))
     return losses
 
 
