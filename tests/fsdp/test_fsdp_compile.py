@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch.distributed as dist
+from common_fsdp import train_steps
 from dist_utils import run_threaded
 from torch._dynamo.backends.registry import lookup_backend
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -95,14 +96,7 @@ def _optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
 def _reference(steps: int) -> _Run:
     """One process, the concatenated batch, eager."""
     m = _model()
-    opt = _optimizer(m)
-    losses = []
-    for s in range(steps):
-        loss = m(*CORPUS.batch(s, BATCH, SEQ))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(m, _optimizer(m), (CORPUS.batch(s, BATCH, SEQ) for s in range(steps)))
     return _Run(losses, {n: p.detach().clone() for n, p in m.named_parameters()})
 
 
@@ -127,18 +121,8 @@ def _train(
             m.layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     shard(m, mesh=mesh)
     model = torch.compile(m, backend=backend) if compile_mode == "model" else m
-    opt = _optimizer(m)
-    per_rank = BATCH // ws
-    losses = []
-    for s in range(steps):
-        x, y = (t[rank * per_rank : (rank + 1) * per_rank] for t in CORPUS.batch(s, BATCH, SEQ))
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / ws)
+    batches = (CORPUS.batch(s, BATCH, SEQ) for s in range(steps))
+    losses = train_steps(model, _optimizer(m), batches, rank, ws)
     return _Run(
         losses,
         {n.replace(_CHECKPOINT_PREFIX, ""): p.full_tensor() for n, p in m.named_parameters()},
