@@ -18,10 +18,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from common_fsdp import full
 from dist_utils import run_gloo, run_threaded
-from test_fsdp_surface import (
-    INIT, X, Y, Net, _assert_matches, _full, _net, _optimizer, _reference, _steps,
-)
+from test_fsdp_surface import INIT, X, Y, Net, _assert_matches, _net, _optimizer, _reference, _steps
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -95,7 +94,7 @@ def _train(rank: int, ws: int, runtime: str, offload: OffloadPolicy,
     if checked:  # AdamW's moments follow the parameters: on CPU
         states = [v for st in opt.state.values() for v in st.values() if isinstance(v, DTensor)]
         assert states and all(v._local_tensor.device.type == "cpu" for v in states)
-    return losses, {k: _full(v) for k, v in m.named_parameters()}
+    return losses, {k: full(v) for k, v in m.named_parameters()}
 
 
 RUNS = {
