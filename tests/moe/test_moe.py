@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common_fsdp import global_loss
 from dist_utils import recording_collectives, run_gloo, run_threaded
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -203,9 +204,7 @@ def _train_distributed(model: nn.Module, rank: int, ws: int, variant: str) -> li
     losses = []
     for s, (x, y) in enumerate(batches()):
         rows = slice(rank * per, (rank + 1) * per)
-        total = _step(model, opt, x[rows], y[rows], s, variant)
-        dist.all_reduce(total)
-        losses.append(total.item() / ws)
+        losses.append(global_loss(_step(model, opt, x[rows], y[rows], s, variant), ws))
     return losses
 
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from common_fsdp import rows as _rows
-from common_fsdp import train_steps
+from common_fsdp import global_loss, train_steps
 from dist_utils import run_gloo, run_threaded
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -330,9 +330,7 @@ def _fp8_train_rank(rank: int, ws: int, steps: int, batch: int):
             }
         opt.step()
         opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
+        losses.append(global_loss(loss, ws))
     kinds = {n: type(mod).__name__ for n, mod in m.named_modules() if isinstance(mod, nn.Linear)}
     return losses, grads, zero_copy, kinds
 
