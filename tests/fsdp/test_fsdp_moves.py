@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from common_fsdp import global_loss, rows
 from dist_utils import run_threaded
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,19 +42,15 @@ def _shard(m: GPT, runtime: str, mesh: DeviceMesh) -> GPT:
 
 
 def _train(m: nn.Module, opt: torch.optim.Optimizer, rank: int, ws: int) -> list[float]:
-    per_rank = BATCH // ws
     dtype = next(m.parameters()).dtype
     losses = []
     for s in range(STEPS):
         x, y = CORPUS.batch(s, BATCH, SEQ)
-        loss = m(x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
+        loss = m(rows(x, rank, ws), rows(y, rank, ws))
         loss.backward()
         opt.step()
         opt.zero_grad()
-        total = loss.detach().to(dtype).clone()
-        if ws > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / ws)
+        losses.append(global_loss(loss.detach().to(dtype), ws))  # the loss in the model's dtype
     return losses
 
 
