@@ -18,6 +18,7 @@ from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement.fsdp._validation import (
     check_granularity,
     check_no_all_gather_extension,
+    check_no_scalar_params,
     check_not_managed,
     record_managed,
     unmatched_patterns,
@@ -503,6 +504,7 @@ def fully_shard(
     slots, params, owned_modules = _collect_params(modules, ignored)
     where = type(modules[0]).__name__
     check_not_managed([s.fqn for s in slots], params, where)
+    check_no_scalar_params([s.fqn for s in slots], params, where)
     check_no_all_gather_extension([s.fqn for s in slots], params, where)
     shard_placement_fn, other_meshes = split_by_mesh(
         shard_placement_fn, slots, params, mesh, modules

@@ -732,6 +732,23 @@ def test_gradient_divide_factor_on_gloo_and_ranks_disagreeing_on_the_plan():
         assert seconds < 2.0
 
 
+def _fsdp2_errors(rank: int, ws: int, runtime: str) -> None:
+    """A 0-d parameter and a 3-D mesh raise FSDP2's ``ValueError`` messages (the ones torch's
+    test_fully_shard_init.py matches)."""
+    m = nn.Sequential(nn.Linear(3, 3))
+    m.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
+    with pytest.raises(ValueError, match=r"Change scalar_p to a 1D tensor with numel equal to 1\."):
+        _fs(runtime)(m, mesh=_mesh(ws))
+    cube = DeviceMesh("cpu", torch.arange(ws).view(ws, 1, 1))
+    with pytest.raises(ValueError, match=r"fully_shard expects a 1D or 2D DeviceMesh but got Dev"):
+        _fs(runtime)(nn.Linear(3, 3), mesh=cube)
+
+
+def test_scalar_parameter_and_3d_mesh_raise_fsdp2s_errors():
+    for runtime in ("ours", "fsdp2"):
+        run_threaded(_fsdp2_errors, WORLD, runtime)
+
+
 # -- bad input: named, before any collective -------------------------------------------------------
 
 
@@ -991,6 +1008,50 @@ def test_all_reduce_hook_receives_the_reduced_shard_and_its_result_is_used_as_in
     F.mse_loss(m(X[0]), Y[0]).backward()
     for runtime in ("ours", "fsdp2"):
         for grads in run_threaded(_hooked, WORLD, runtime):
+            for k, p in m.named_parameters():
+                torch.testing.assert_close(grads[k], 2 * p.grad, atol=TOL, rtol=0, msg=k)
+
+
+def _hook_on_stream(rank: int, ws: int) -> dict:
+    """``set_all_reduce_hook(hook, stream=s)`` (in processes: the CPU current stream is a
+    process global), for ours and FSDP2: the hook runs with ``s`` current and its doubling of
+    the reduced gradients lands; the current stream is restored; on a 2-D (HSDP) mesh both
+    refuse the stream with FSDP2's message."""
+    torch.set_num_threads(1)
+    sl = slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
+    out = {}
+    for runtime in ("ours", "fsdp2"):
+        m = Chain()
+        m.load_state_dict(CHAIN)
+        _fs(runtime)(m, mesh=_mesh(ws))
+        stream, seen = torch.cpu.Stream(), []
+
+        def hook(reduced: torch.Tensor) -> None:
+            seen.append(torch.cpu.current_stream())
+            reduced.mul_(2)
+
+        m.set_all_reduce_hook(hook, stream=stream)
+        F.mse_loss(m(X[0, sl]), Y[0, sl]).backward()
+        on_stream = bool(seen) and all(s is stream for s in seen)
+        restored = torch.cpu.current_stream() is not stream
+        hsdp = Chain()
+        hsdp_mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("replicate", "shard"))
+        _fs(runtime)(hsdp, mesh=hsdp_mesh)
+        with pytest.raises(ValueError, match="^stream cannot be set when using native HSDP$"):
+            hsdp.set_all_reduce_hook(hook, stream=stream)
+        grads = {k: _full(p.grad) for k, p in m.named_parameters()}
+        out[runtime] = (grads, on_stream, restored)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_all_reduce_hook_on_a_stream_as_in_fsdp2():
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    F.mse_loss(m(X[0]), Y[0]).backward()
+    for per_runtime in run_gloo(_hook_on_stream, WORLD):
+        for runtime, (grads, on_stream, restored) in per_runtime.items():
+            assert on_stream and restored, runtime
             for k, p in m.named_parameters():
                 torch.testing.assert_close(grads[k], 2 * p.grad, atol=TOL, rtol=0, msg=k)
 
