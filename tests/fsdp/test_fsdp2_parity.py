@@ -749,6 +749,45 @@ def test_scalar_parameter_and_3d_mesh_raise_fsdp2s_errors():
         run_threaded(_fsdp2_errors, WORLD, runtime)
 
 
+def _replicated(rank: int, ws: int) -> dict:
+    """torch's composable ``replicate()`` over a model one block of which is ``fully_shard``-ed
+    (torch's test_unshard_async shape), for ours and FSDP2: the block's parameters are left to
+    ``fully_shard`` (its local shards differ in shape across ranks with ours, which DDP's
+    shape check refused), the rest are DDP's; the parameters after ``STEPS`` Adam steps."""
+    from torch.distributed._composable import replicate
+
+    torch.set_num_threads(1)
+    sl = slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
+    out = {}
+    for runtime in ("ours", "fsdp2"):
+        m = Chain()
+        m.load_state_dict(CHAIN)
+        _fs(runtime)(m.blocks[1], mesh=_mesh(ws))
+        replicate(m)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2, foreach=False)
+        for step in range(STEPS):
+            F.mse_loss(m(X[step, sl]), Y[step, sl]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[runtime] = {k: _full(p) for k, p in m.named_parameters()}
+    return out
+
+
+@pytest.mark.multiprocess
+def test_replicate_over_a_fully_shard_block_trains_as_one_process_and_fsdp2():
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2, foreach=False)
+    for step in range(STEPS):
+        F.mse_loss(m(X[step]), Y[step]).backward()
+        opt.step()
+        opt.zero_grad()
+    for per_runtime in run_gloo(_replicated, WORLD):
+        for runtime, params in per_runtime.items():
+            for k, p in m.named_parameters():
+                torch.testing.assert_close(params[k], p.detach(), atol=TOL, rtol=0, msg=runtime + k)
+
+
 # -- bad input: named, before any collective -------------------------------------------------------
 
 
