@@ -474,7 +474,9 @@ def _unit_arguments(
     if quant is not None:
         dense["quant"] = quant
     experts = {"mesh": mesh[dp_mod_ep]}
-    if expert_state_sharding is not None:
+    # on a 1-rank dp_mod_ep (EP over every rank) every sharding of the experts is the same:
+    # nothing to shard, nothing sent; the nested runtime needs >= 2 ranks
+    if expert_state_sharding is not None and mesh[dp_mod_ep].size() > 1:
         experts["state_sharding"] = expert_state_sharding
     return dense, experts
 
