@@ -25,6 +25,11 @@ across the link during the counted step (max over nodes).
     .venv/bin/python benchmarks/moe.py                 # the table of docs/moe.md
     .venv/bin/python benchmarks/moe.py --two-nodes     # across two emulated nodes (root)
     .venv/bin/python benchmarks/moe.py --width 64 --layers 2 --steps 2 --runs 1   # a smoke run
+    .venv/bin/python benchmarks/moe.py --fp8           # ours in block-wise FP8, FSDP2 in bf16
+
+``--fp8``: both runtimes gather in bf16 (``MixedPrecisionPolicy(bfloat16, float32)``), ours
+with ``quant=BlockFP8Config()`` too: the dense ``nn.Linear`` weights and the expert stacks
+gathered as FP8 blocks and scales (the ``all_gather dp_mod_ep`` rows are the expert units').
 """
 
 from __future__ import annotations
@@ -71,6 +76,19 @@ def _shard_fn(runtime: str):
     return fully_shard
 
 
+def _fsdp_kwargs(runtime: str, args: argparse.Namespace) -> dict:
+    """``--fp8``: bf16 all-gathers for both runtimes, and ours' ``quant``."""
+    if not args.fp8:
+        return {}
+    if runtime == "ours":
+        from ragged_placement.fsdp import MixedPrecisionPolicy
+        from ragged_placement.quant import BlockFP8Config
+        return {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32),
+                "quant": BlockFP8Config()}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)}
+
+
 def _batch(step: int, rank: int, args: argparse.Namespace) -> torch.Tensor:
     g = torch.Generator().manual_seed(1_000 * step + rank)
     return torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)
@@ -79,7 +97,7 @@ def _batch(step: int, rank: int, args: argparse.Namespace) -> torch.Tensor:
 def _build(runtime: str, mesh, args: argparse.Namespace):
     torch.manual_seed(0)
     model = MoETransformer(_config(args))
-    parallelize_moe(model, mesh, shard_fn=_shard_fn(runtime))
+    parallelize_moe(model, mesh, shard_fn=_shard_fn(runtime), **_fsdp_kwargs(runtime, args))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rank = dist.get_rank()
 
@@ -87,7 +105,7 @@ def _build(runtime: str, mesh, args: argparse.Namespace):
         """One step; ``state`` gets this rank's state bytes before the gradients are freed."""
         tokens = _batch(i, rank, args)
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         opt.step()
         if state is not None:
@@ -170,7 +188,8 @@ def report(per_rank: list[dict], args: argparse.Namespace, world: int) -> dict:
     print(f"\nMoE {n_params / 1e6:.1f} M parameters ({args.layers} blocks x {args.width}, "
           f"{args.layers - args.dense_layers} MoE of {args.experts} experts, top {args.top_k}), "
           f"{world} gloo ranks as EP {args.ep} x FSDP {world // args.ep}, batch {args.batch} x "
-          f"seq {args.seq} per rank, AdamW; {args.runs} runs of {args.steps} timed steps\n")
+          f"seq {args.seq} per rank, AdamW; {args.runs} runs of {args.steps} timed steps"
+          f"{'; ours in FP8 (quant), FSDP2 + EP in bf16' if args.fp8 else ''}\n")
     print("| per step, rank 0 (MiB; dims: dp_mod_ep, ep, or both: all ranks) | FSDP2 + EP | ours | ours/FSDP2 |")
     print("|---|---|---|---|")
     keys = sorted(set(first["fsdp2"]["comm"]) | set(first["ours"]["comm"]),
@@ -234,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--fp8", action="store_true",
+                    help="ours with quant=BlockFP8Config(), both with bf16 all-gathers")
     ap.add_argument("--two-nodes", action="store_true",
                     help="2 emulated nodes over a shaped link (scripts/two_nodes.sh; root)")
     ap.add_argument("--rate", default="1gbit", help="--two-nodes: the link's rate")
