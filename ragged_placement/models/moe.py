@@ -500,7 +500,9 @@ def _unit_arguments(
     experts = {"mesh": mesh[dp_mod_ep]}
     if quant is not None:
         dense["quant"] = experts["quant"] = quant
-    if expert_state_sharding is not None:
+    # on a 1-rank dp_mod_ep (EP over every rank) every sharding of the experts is the same:
+    # nothing to shard, nothing sent; the nested runtime needs >= 2 ranks
+    if expert_state_sharding is not None and mesh[dp_mod_ep].size() > 1:
         experts["state_sharding"] = expert_state_sharding
     return dense, experts
 
