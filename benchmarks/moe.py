@@ -41,6 +41,12 @@ spans it) are the machine-independent comparison of the three.
     .venv/bin/python benchmarks/moe.py                 # the table of docs/moe.md
     .venv/bin/python benchmarks/moe.py --two-nodes     # across two emulated nodes (root)
     .venv/bin/python benchmarks/moe.py --width 64 --layers 2 --steps 2 --runs 1   # a smoke run
+    .venv/bin/python benchmarks/moe.py --fp8 --no-muon # ours in block-wise FP8, FSDP2 in bf16
+
+``--fp8``: every runtime gathers in bf16 (``MixedPrecisionPolicy(bfloat16, float32)``), ours
+(and the choice) with ``quant=BlockFP8Config()`` too: the dense ``nn.Linear`` weights and the
+expert stacks gathered as FP8 blocks and scales (the ``all_gather dp_mod_ep`` rows are the
+expert units').
 """
 
 from __future__ import annotations
@@ -117,12 +123,25 @@ def plan(args: argparse.Namespace, ep: object = None) -> StateShardingPlan:
 def _parallelize(runtime: str, model: MoETransformer, mesh, args: argparse.Namespace) -> None:
     """``parallelize_moe`` with torch's ``fully_shard`` (fsdp2), ours (plain FSDP layout), or
     ours with the partitioner's choice (``choice``)."""
-    kwargs = {}
+    kwargs = _precision(runtime, args)
     if runtime == "choice":
         choice = plan(args)
-        kwargs = {"state_sharding": choice.sharding,
-                  "reshard_after_forward": choice.reshard_after_forward}
+        kwargs.update(state_sharding=choice.sharding,
+                      reshard_after_forward=choice.reshard_after_forward)
     parallelize_moe(model, mesh, shard_fn=_shard_fn(runtime), **kwargs)
+
+
+def _precision(runtime: str, args: argparse.Namespace) -> dict:
+    """``--fp8``: bf16 all-gathers for every runtime, and ours' ``quant``."""
+    if not args.fp8:
+        return {}
+    if runtime == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        return {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)}
+    from ragged_placement.fsdp import MixedPrecisionPolicy
+    from ragged_placement.quant import BlockFP8Config
+    return {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32),
+            "quant": BlockFP8Config()}
 
 
 def _muon(model: MoETransformer) -> Muon:
@@ -337,7 +356,8 @@ def report(per_rank: list[dict], args: argparse.Namespace, world: int) -> dict:
     print(f"\nMoE {n_params / 1e6:.1f} M parameters ({args.layers} blocks x {args.width}, "
           f"{args.layers - args.dense_layers} MoE of {args.experts} experts, top {args.top_k}), "
           f"{world} gloo ranks as EP {args.ep} x FSDP {world // args.ep}, batch {args.batch} x "
-          f"seq {args.seq} per rank, AdamW; {args.runs} runs of {args.steps} timed steps")
+          f"seq {args.seq} per rank, AdamW; {args.runs} runs of {args.steps} timed steps"
+          f"{'; ours in FP8 (quant), FSDP2 + EP in bf16' if args.fp8 else ''}")
     chosen = _plan_lines(args)
     print()
     _header("per step, rank 0 (MiB; dims: dp_mod_ep, ep, or both: all ranks)")
@@ -415,6 +435,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "optimizer state and buffers")
     ap.add_argument("--no-muon", dest="muon", action="store_false",
                     help="skip the Muon step (one step per runtime, after the timed runs)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="ours with quant=BlockFP8Config(), every runtime with bf16 all-gathers")
     ap.add_argument("--two-nodes", action="store_true",
                     help="2 emulated nodes over a shaped link (scripts/two_nodes.sh; root)")
     ap.add_argument("--rate", default="1gbit", help="--two-nodes: the link's rate")
