@@ -57,6 +57,23 @@ def local_tensor_from_full(
     return local
 
 
+def _already_distributed(
+    tensor: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placement]
+) -> DTensor:
+    """``tensor`` if it is on ``device_mesh`` with ``placements`` (torch's messages otherwise)."""
+    if tensor.device_mesh != device_mesh:
+        raise ValueError(
+            f"Cannot distribute a DTensor with device mesh {tensor.device_mesh} to a different "
+            f"device mesh {device_mesh}."
+        )
+    if tensor.placements != tuple(placements):
+        raise ValueError(
+            f"Cannot distribute a DTensor with placements {tensor.placements} to a different "
+            f"placements {tuple(placements)}. do you want to call `redistribute` instead?"
+        )
+    return tensor
+
+
 def distribute_tensor(
     tensor: torch.Tensor,
     device_mesh: DeviceMesh,
@@ -67,10 +84,15 @@ def distribute_tensor(
     """``distribute_tensor`` for placement lists that contain a RaggedShard.
 
     Placements apply in mesh-dim order, like torch's. A RaggedShard mesh dim moves only each
-    rank's run (one ``all_to_all_single`` from ``src_data_rank``), never a full replica.
+    rank's run (one ``all_to_all_single`` from ``src_data_rank``), never a full replica. A
+    ``tensor`` that is a DTensor already is returned as is when its mesh and placements are
+    these (torch's rule; e.g. ``check_sharded_parity`` of two sharded models), else
+    ``ValueError`` (use ``redistribute``).
     """
     if not tensor.is_leaf:
         raise RuntimeError("`distribute_tensor` should be used to distribute leaf tensors! but found non-leaf tensor!")
+    if isinstance(tensor, DTensor):
+        return _already_distributed(tensor, device_mesh, normalize_placements(placements, tensor.ndim))
     if device_mesh.device_type != tensor.device.type and not tensor.is_meta:
         tensor = tensor.to(device_mesh.device_type)
     placements = normalize_placements(placements, tensor.ndim)

@@ -832,6 +832,26 @@ def test_2d_mesh_without_names_and_a_noncontiguous_parameter_train_as_one_proces
                 torch.testing.assert_close(got[k], p.detach(), atol=TOL, rtol=0, msg=k)
 
 
+def _distribute_sharded(rank: int, ws: int, runtime: str) -> None:
+    """``distribute_tensor`` of a sharded parameter onto its own mesh and placements returns it
+    (what ``check_sharded_parity`` does with two sharded models); to other placements it raises
+    torch's ``ValueError``."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
+
+    m = _square()
+    _fs(runtime)(m, mesh=_mesh(ws))
+    p = m[0].weight
+    assert torch_distribute_tensor(p, p.device_mesh, p.placements) is p
+    with pytest.raises(ValueError, match="do you want to call `redistribute` instead"):
+        torch_distribute_tensor(p, p.device_mesh, [Replicate()])
+
+
+def test_distribute_tensor_of_a_sharded_parameter_returns_it_as_fsdp2s():
+    for runtime in ("ours", "fsdp2"):
+        run_threaded(_distribute_sharded, WORLD, runtime)
+
+
 # -- bad input: named, before any collective -------------------------------------------------------
 
 
