@@ -184,6 +184,10 @@ def pointwise(op_schema: OpSchema, meta) -> OutputSharding:
         ops_i = operands(i)
         shape = out_shape(i)
         ragged_ops = [s for s in ops_i if has_ragged(s.placements)]
+        if not ragged_ops:  # an element of a foreach list whose operands have no RaggedShard
+            out_placements.append(_unragged_element(op_schema, i, ops_i))
+            leads.append(ops_i[0])
+            continue
         lead = ops_i[0] if inplace else next((s for s in ragged_ops if tuple(s.shape) == shape), ragged_ops[0])
         k = len(ragged_of(lead)[1].dims) if ragged_of(lead) else 0
         if shape is not None and (len(shape) != lead.ndim or shape[:k] != tuple(lead.shape[:k])):
@@ -210,6 +214,17 @@ def pointwise(op_schema: OpSchema, meta) -> OutputSharding:
                           op_schema.kwargs_schema)
     suggestion = OpSchema(op_schema.op, new_args, new_kwargs, schema_info=op_schema.schema_info)
     return OutputSharding(out, suggestion, needs_redistribute=True)
+
+
+def _unragged_element(op_schema: OpSchema, i: int, specs: list[DTensorSpec]) -> tuple[Placement, ...]:
+    """The placements of element ``i`` of a foreach op none of whose operands is RaggedShard
+    (e.g. a replicated parameter under ``implicit_replication`` in the optimizer's list next to
+    sharded ones): its operands' common placements, when none is a pending reduction."""
+    placements = specs[0].placements
+    if any(s.placements != placements for s in specs) or any(p.is_partial() for p in placements):
+        raise _unsupported(op_schema, f"element {i} of a foreach op has operands on "
+                                      f"{[s.placements for s in specs]} (one layout without Partial needed)")
+    return placements
 
 
 def transposed_pointwise(op_schema: OpSchema, meta) -> OutputSharding:

@@ -753,8 +753,10 @@ def _replicated(rank: int, ws: int) -> dict:
     """torch's composable ``replicate()`` over a model one block of which is ``fully_shard``-ed
     (torch's test_unshard_async shape), for ours and FSDP2: the block's parameters are left to
     ``fully_shard`` (its local shards differ in shape across ranks with ours, which DDP's
-    shape check refused), the rest are DDP's; the parameters after ``STEPS`` Adam steps."""
+    shape check refused), the rest are DDP's; the parameters after ``STEPS`` foreach Adam steps
+    under ``implicit_replication`` (one foreach list of sharded and replicated parameters)."""
     from torch.distributed._composable import replicate
+    from torch.distributed.tensor.experimental import implicit_replication
 
     torch.set_num_threads(1)
     sl = slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
@@ -764,10 +766,11 @@ def _replicated(rank: int, ws: int) -> dict:
         m.load_state_dict(CHAIN)
         _fs(runtime)(m.blocks[1], mesh=_mesh(ws))
         replicate(m)
-        opt = torch.optim.Adam(m.parameters(), lr=1e-2, foreach=False)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2, foreach=True)
         for step in range(STEPS):
             F.mse_loss(m(X[step, sl]), Y[step, sl]).backward()
-            opt.step()
+            with implicit_replication():
+                opt.step()
             opt.zero_grad()
         out[runtime] = {k: _full(p) for k, p in m.named_parameters()}
     return out
