@@ -144,12 +144,6 @@ KNOWN_DIFFERENCES: dict[str, str] = {
         "counts FSDP2's out-of-place `aten.div.Tensor` at world size 1 with a divide factor; "
         "ours divides in place (`aten.div_.Tensor`), the gradient is the same (3 / 2)"
     ),
-    "TestFullyShardUnshardMultiProcess.test_unshard_async": (
-        "open: torch's composable `replicate()` over a model holding our fully_shard modules "
-        "skips only the parameters FSDP2's own registry marks as sharded; DDP then sees our "
-        "local shards, whose shapes differ across ranks, and raises at its shape check (a "
-        "RuntimeError, not a silent difference)"
-    ),
     "TestFullyShardAllocFromPG.test_exception_when_used_together_with_comm_hooks": (
         "refused on purpose: set_allocate_memory_from_process_group_for_comm(True) raises "
         "NotImplementedError (ours all-gathers straight into the unsharded parameters' storage)"
@@ -212,6 +206,15 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "TestFullyShardMeshArg.test_2d_mesh_without_mesh_dim_names": (
         "accepted on purpose: a 2-D mesh without mesh_dim_names (FSDP2: AssertionError); ours "
         "takes dim 0 as replicate and dim 1 as shard, as FSDP2 does with names"
+    ),
+    "TestFullyShardMetaDeviceInit.test_invalid_meta_device_init": (
+        "refused as FSDP2 does, before any collective, with a ValueError naming the unit's "
+        "first parameter still on the meta device (FSDP2: a RuntimeError listing them all)"
+    ),
+    "TestFullyShardLazyInit.test_reset_sharded_param_in_lazy_init": (
+        "open: a parameter replaced after fully_shard (a new nn.Parameter assigned to the "
+        "module) is adopted by FSDP2 at lazy init; ours keeps its flat buffer and raises a "
+        "ValueError at the first forward (here: that unit was never materialized from meta)"
     ),
     "TestFullyShardMetaDeviceInit.test_rank0_broadcast_meta_device_init": (
         "refused on purpose: `load_state_dict(assign=True)` raises ValueError (ours loads in "
