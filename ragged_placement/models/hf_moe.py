@@ -119,10 +119,13 @@ def parallelize_hf_moe(
     Raises:
         ValueError: before any collective, for a layer whose experts are not in the layout the
             forward computes (:func:`hf_experts`), a mesh that is not 2-D with an ``ep_dim``
-            dim, or an ``ep`` size that does not divide the number of experts.
+            dim, an ``ep`` size that does not divide the number of experts, or ``quant``.
     """
     from ragged_placement.models.moe import parallelize_experts
 
+    if fsdp_kwargs.get("quant") is not None:
+        raise ValueError(f"quant={fsdp_kwargs['quant']!r}: the transformers experts have no FP8 "
+                         f"compute here; drop quant")
     blocks = list(blocks)
     experts = {block: module for block in blocks if (module := hf_experts(block)) is not None}
     if not experts:
