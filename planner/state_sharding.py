@@ -79,7 +79,9 @@ bytes per rank (uniform routing; ``hidden`` the last dim of the unit's input pro
 ``w1``/``w3``/``gate_proj``/``up_proj``/``gate_up_proj``, else of its first 3-D expert tensor;
 ``itemsize`` of ``param_dtype``, or the experts' dtype), ``ep - 1`` steps each, charged to the
 slowest dim the EP group spans. Activation recomputation's repeated all-to-alls are not
-modelled.
+modelled. At ``ep > 1`` a sharding whose ``optim`` names only dims the EP group takes whole,
+where other dims remain, is not a candidate: it would leave the experts replicated over those
+(DDP), which ``parallelize_moe`` refuses.
 """
 
 from __future__ import annotations
@@ -752,6 +754,19 @@ def _ep_candidates(ep: object, units: list[tuple[_Unit, int]], sizes: dict[str, 
     return tuple(dict.fromkeys(values))
 
 
+def _experts_sharded(sharding: StateSharding, sizes: Mapping[str, int], ep: int) -> bool:
+    """Whether ``sharding`` at degree ``ep`` can shard the experts: its ``optim`` names a dim the
+    EP group does not take whole, or the EP group takes every dim whole (nothing is left to
+    shard the experts over). Otherwise the experts would be replicated over the remaining
+    ranks (DDP), which the runtime refuses (``parallelize_moe``'s ``state_sharding`` with the
+    ep dim dropped from each state)."""
+    if ep == 1:
+        return True
+    reduced, spans = _ep_mesh(sizes, ep)
+    left = [d for d in sizes if d not in spans or reduced[d] > 1]
+    return not left or any(d in left for d in sharding.optim)
+
+
 def _routing(degrees: tuple[int, ...], units: list[tuple[_Unit, int]], tokens_per_rank: object,
              top_k: object) -> tuple[int, int]:
     """``(tokens_per_rank, top_k)``, checked where a degree above 1 is searched."""
@@ -873,8 +888,9 @@ def plan_state_sharding(
     candidates = []
     for params, grads, optim in _candidates(list(sizes)):
         sharding = StateSharding(params=params, grads=grads, optim=optim)
+        runnable = [d for d in degrees if _experts_sharded(sharding, sizes, d)]
         for reshard in (True, False) if params else (True,):
-            candidates += [_evaluate(grouped, sharding, reshard, model, d) for d in degrees]
+            candidates += [_evaluate(grouped, sharding, reshard, model, d) for d in runnable]
     fitting = sorted((c for c in candidates if c.fits),
                      key=lambda c: (c.comm_seconds_total, c.memory_total, str(c.sharding), c.ep))
     if not fitting:

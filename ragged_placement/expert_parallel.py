@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ragged_placement.planner.sharding import StateSharding
 
-__all__ = ["ExpertParallel", "check_expert_parallel", "split_state_sharding"]
+__all__ = ["ExpertParallel", "check_expert_parallel", "drop_dim", "split_state_sharding"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -111,7 +111,7 @@ def split_state_sharding(
     if state_sharding is not None:
         state_sharding.validate(mesh)
     if expert_state_sharding is None and state_sharding is not None:
-        expert_state_sharding = _drop_dim(state_sharding, ep_dim)
+        expert_state_sharding = drop_dim(state_sharding, ep_dim)
         if not expert_state_sharding.optim:
             raise ValueError(
                 f"state_sharding={state_sharding} shards the optimizer state over the ep dim "
@@ -130,14 +130,15 @@ def split_state_sharding(
                 f"the expert units' parameters are sharded by expert over {ep_dim!r} "
                 f"(ExpertParallel), so their states can be sharded over {dp_mod_ep!r} only; "
                 f"drop {ep_dim!r}, e.g. expert_state_sharding="
-                f"{_drop_dim(expert_state_sharding, ep_dim)!r}"
+                f"{drop_dim(expert_state_sharding, ep_dim)!r}"
             )
         expert_state_sharding.validate({dp_mod_ep: mesh[dp_mod_ep].size()})
     return state_sharding, expert_state_sharding
 
 
-def _drop_dim(sharding: StateSharding, dim: str) -> StateSharding:
-    """``sharding`` with ``dim`` dropped from each state."""
+def drop_dim(sharding: StateSharding, dim: str) -> StateSharding:
+    """``sharding`` with ``dim`` dropped from each state: the experts' sharding that
+    :func:`split_state_sharding` derives from a ``state_sharding`` with EP over ``dim``."""
     return StateSharding(*(tuple(d for d in dims if d != dim)
                            for dims in (sharding.params, sharding.grads, sharding.optim)))
 

@@ -44,6 +44,7 @@ from ragged_placement.testing.profiling import (
     net_bytes,
     state_bytes,
 )
+from ragged_placement.expert_parallel import split_state_sharding
 from ragged_placement.testing.launch import exit_without_finalization
 from ragged_placement.planner import StateShardingPlan
 from ragged_placement.trainer.build import (
@@ -61,7 +62,7 @@ from ragged_placement.trainer.checkpoint import (
     move_incomplete_aside,
 )
 from ragged_placement.trainer.collective_bytes import CollectiveBytes
-from ragged_placement.trainer.config import TrainConfig, check_world, parse_config
+from ragged_placement.trainer.config import MOE_DIMS, TrainConfig, check_world, parse_config
 from ragged_placement.trainer.grad_norm import clip_grad_norm_
 from ragged_placement.trainer.distributed import (
     CollectiveWatch,
@@ -178,9 +179,23 @@ def _validate(model, data: TokenData, cfg: TrainConfig, env: DistributedEnv) -> 
     return val.item() / env.world_size
 
 
-def _show_plan(plan: StateShardingPlan | None, env: DistributedEnv) -> None:
+def _expert_sharding(plan: StateShardingPlan, mesh) -> str | None:
+    """For ``--model moe``: the experts' own sharding, the choice with the ep dim dropped (as
+    ``parallelize_moe`` applies it); ``None`` for a dense model."""
+    if MOE_DIMS[1] not in (mesh.mesh_dim_names or ()):
+        return None
+    return str(split_state_sharding(mesh, MOE_DIMS[1], plan.sharding, None)[1])
+
+
+def _experts_line(plan: StateShardingPlan, mesh) -> str:
+    experts = _expert_sharding(plan, mesh)
+    return "" if experts is None else f" with ep {plan.ep} over {MOE_DIMS[1]!r} (the experts: {experts})"
+
+
+def _show_plan(plan: StateShardingPlan | None, env: DistributedEnv, mesh) -> None:
     if plan is not None and env.rank == 0:
-        print(f"--state-sharding auto: the partitioner chose {plan.sharding}, "
+        print(f"--state-sharding auto: the partitioner chose {plan.sharding}"
+              f"{_experts_line(plan, mesh)}, "
               f"reshard_after_forward={plan.reshard_after_forward}; predicted communication "
               f"{sum(plan.comm_seconds.values()):.4g} s/step "
               f"({', '.join(f'{d} {t:.4g} s' for d, t in plan.comm_seconds.items())}) at "
@@ -188,11 +203,13 @@ def _show_plan(plan: StateShardingPlan | None, env: DistributedEnv) -> None:
               f"{plan.table()}", flush=True)
 
 
-def _plan_metrics(plan: StateShardingPlan | None) -> dict[str, Any] | None:
-    """The partitioner's choice and every candidate's predictions (``--metrics``)."""
+def _plan_metrics(plan: StateShardingPlan | None, mesh) -> dict[str, Any] | None:
+    """The partitioner's choice (with ``--model moe``: its EP degree and the experts' sharding)
+    and every candidate's predictions (``--metrics``)."""
     if plan is None:
         return None
     return {"choice": str(plan.sharding), "reshard_after_forward": plan.reshard_after_forward,
+            "ep": plan.ep, "experts": _expert_sharding(plan, mesh),
             "bandwidth": plan.bandwidth, "latency": plan.latency,
             "candidates": [{"sharding": str(c.sharding), "reshard_after_forward": c.reshard_after_forward,
                             "comm_seconds": c.comm_seconds, "comm_bytes": c.comm_bytes,
@@ -217,7 +234,7 @@ def _train(cfg: TrainConfig, env: DistributedEnv, resume: Resume | None) -> dict
     meter = _CudaPeakMeter(env.device) if env.device.type == "cuda" else HeapPeakMeter()
     with meter as mem:
         model, plan = build_model(cfg, mesh, env.device)
-        _show_plan(plan, env)
+        _show_plan(plan, env, mesh)
         opt, ckpt = build_optimizer(cfg, model), None
         sched = build_scheduler(cfg, opt)
         start = 0
@@ -228,7 +245,7 @@ def _train(cfg: TrainConfig, env: DistributedEnv, resume: Resume | None) -> dict
             start = _resume(resume, ckpt, model, opt, sched, env)
         out = _loop(cfg, env, model, opt, sched, data, ckpt, start, mem)
     out.update(val_loss=_validate(model, data, cfg, env), plans=_unit_plans(model),
-               state_sharding=_plan_metrics(plan))
+               state_sharding=_plan_metrics(plan, mesh))
     if cfg.output:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if env.rank == 0:

@@ -244,3 +244,57 @@ def test_the_runtime_never_asks_which_kind_of_mesh_a_unit_holds():
     buffer's ``BufferComm``); no module outside the meshes' own tests its type."""
     tests = {m: _mesh_type_tests(ast.parse(p.read_text())) for m, p in _sources().items()}
     assert {m: t for m, t in tests.items() if t and m not in _MESH_MODULES} == {}
+
+
+# -- Feature branches: each feature plugs in where it is chosen, not throughout the runtime --------
+
+_FEATURES = {
+    # feature: (what a branch on it names, the modules that are the feature's own)
+    "fp8": (re.compile(r"fp8|quant|FP8", re.I), {"fp8"}),
+    "offload": (re.compile(r"offload|pin_memory", re.I), {"offload"}),
+    "state sharding": (re.compile(r"state_sharding|nested|StateSharded", re.I), {"nested"}),
+}
+_MAX_FEATURE_BRANCHES = 5
+
+
+def _feature_branches(tree: ast.Module, pattern: re.Pattern) -> list[str]:
+    """Conditions (``if``, ``while``, conditional expressions and comprehension filters) that
+    name the feature, except argument checks (an ``if`` whose body only raises)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and all(isinstance(s, ast.Raise) for s in node.body):
+            continue
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            tests = [node.test]
+        elif isinstance(node, ast.comprehension):
+            tests = node.ifs
+        else:
+            continue
+        found += [ast.unparse(t) for t in tests if pattern.search(ast.unparse(t))]
+    return found
+
+
+def test_the_branch_counter_skips_argument_checks():
+    tree = ast.parse(
+        "if quant is not None:\n    raise ValueError(quant)\n"
+        "if self.fp8 is not None:\n    x = 1\n"
+        "y = a if offloaded else b\n"
+    )
+    assert _feature_branches(tree, _FEATURES["fp8"][0]) == ["self.fp8 is not None"]
+    assert _feature_branches(tree, _FEATURES["offload"][0]) == ["offloaded"]
+
+
+@pytest.mark.parametrize("feature", sorted(_FEATURES))
+def test_each_feature_branches_at_most_five_times_outside_its_module(feature):
+    """FP8, CPU offload and per-state sharding are chosen once (the unit's gather, staging and
+    ``UnitMesh``); the rest of ``fsdp/`` branches on each at most five times (torch FSDP2's
+    ``_fully_shard/`` has six feature branches in all). Counted by this test on dc8caaf, before
+    the mesh abstraction: FP8 10, offload 11, state sharding 16 (now 5, 4, 2)."""
+    pattern, own = _FEATURES[feature]
+    fsdp = ROOT / "fsdp"
+    branches = {
+        p.stem: b for p in sorted(fsdp.glob("*.py"))
+        if p.stem not in own | {"_validation"}
+        for b in [_feature_branches(ast.parse(p.read_text()), pattern)] if b
+    }
+    assert sum(map(len, branches.values())) <= _MAX_FEATURE_BRANCHES, branches

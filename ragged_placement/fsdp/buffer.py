@@ -418,9 +418,9 @@ class FlatBuffer:
     def _unsharded_views(self) -> list[torch.Tensor]:
         """The unsharded parameters' tensors (and :attr:`unsharded_specs`): the gather's
         (tensor-parallel ones wrapped as DTensors on the TP mesh, TP-local views), or
-        placeholders on the meta device. (An FP8 buffer has no tensor-parallel parameter,
-        :meth:`FP8UnitGather.check_params`, nor a full SPMD mesh: ``dp_mesh_dims`` refuses
-        ``quant``.)"""
+        placeholders on the meta device. (An FP8 buffer has no tensor-parallel parameter but
+        FP8 stacks sharded by expert, :meth:`FP8UnitGather.check_params`, nor a full SPMD
+        mesh: ``dp_mesh_dims`` refuses ``quant``.)"""
         self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
         if self.spmd is not None:  # fully_shard(dp_mesh_dims=...): on the full SPMD mesh
             self.unsharded_specs = [
@@ -437,8 +437,9 @@ class FlatBuffer:
             ]
         else:
             tensors = self.gather.params
-        return [
-            t if tp is None else DTensor(t, tp, requires_grad=False)
+        return [  # (an FP8 gradient sink is a parameter: its TP wrapper holds it detached)
+            t if tp is None else
+            DTensor(t.detach() if isinstance(t, nn.Parameter) else t, tp, requires_grad=False)
             for t, tp in zip(tensors, self.unsharded_specs)
         ]
 

@@ -3,9 +3,17 @@
 Which parameters train in FP8: the 2-D weights of ``nn.Linear`` modules (exactly
 ``nn.Linear``, swapped for :class:`~ragged_placement.quant.FP8Linear` by ``fully_shard``;
 subclasses with their own forward are left alone) that every owner uses as a Linear weight; a
-weight tied to an embedding stays in high precision. They are planned at
-``Granularity.block(*block)`` (whole ``block[0]``-row bands per rank), so every rank
-quantizes its own blocks from the fp32 master shard with no communication.
+weight tied to an embedding stays in high precision. Also the stacks of matrices ``[*stack, m,
+n]`` that a module names in its class attribute ``fp8_stacks`` (MoE experts:
+:class:`~ragged_placement.models.moe.GroupedExperts`' ``w1``/``w2``/``w3``, each expert's matrix
+an ``fp8_linear`` weight); ``fully_shard`` sets such a module's ``quant`` and its
+``fp8_weights[name] = (q, s)`` (``q`` of the stack's shape, ``s`` of :func:`~ragged_placement.
+quant.reference.scale_shape`: one scale per block of each matrix). A stack may be a
+tensor-parallel ``Shard(0)`` DTensor, sharded by whole matrices (expert parallelism): the unit
+then gathers and quantizes the TP-local stack. They are planned at ``Granularity.block(*block)``
+(whole ``block[0]``-row bands per rank; of one matrix, for a stack: a block never holds rows of
+two experts), so every rank quantizes its own blocks from the fp32 master shard with no
+communication.
 
 Per unshard (:class:`FP8UnitGather`), with ``W`` ranks and one
 :class:`~ragged_placement.quant.FP8GatherLayout` per segment of the unit's plan:
@@ -44,6 +52,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from ragged_placement.planner import Granularity, Segment
 from ragged_placement.planner.granularity import resolve, resolve_policy
@@ -56,7 +65,7 @@ from ragged_placement.quant import (
 )
 from ragged_placement.quant.reference import FP8_DTYPE, scale_shape
 from ragged_placement.quant.sharded import _alias as _byte_alias
-from ragged_placement.quant.sharded import _align
+from ragged_placement.quant.sharded import _align, _block_row
 
 if TYPE_CHECKING:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -67,7 +76,9 @@ __all__ = [
     "FP8UnitGather",
     "check_quant",
     "convert_unit_linears",
+    "fp8_config",
     "fp8_granularity",
+    "fp8_stacks",
     "is_fp8_weight",
     "segment_layouts",
 ]
@@ -80,13 +91,41 @@ def check_quant(quant: object) -> BlockFP8Config | None:
     return quant
 
 
+def fp8_stacks(module: nn.Module) -> tuple[str, ...]:
+    """The parameters ``module`` computes with as stacks of FP8 matrices (its class attribute
+    ``fp8_stacks``; see the module doc)."""
+    return tuple(getattr(type(module), "fp8_stacks", ()))
+
+
+def fp8_config(module: nn.Module) -> BlockFP8Config | None:
+    """The FP8 config ``module`` computes with: an ``FP8Linear``'s ``config``, the ``quant`` of
+    a module with ``fp8_stacks``; ``None`` for any other module (or one not set)."""
+    if isinstance(module, FP8Linear):
+        return module.config
+    return getattr(module, "quant", None) if fp8_stacks(module) else None
+
+
 def is_fp8_weight(owners: Sequence[tuple[nn.Module, str]], shape: Sequence[int]) -> bool:
     """Whether a parameter trains in FP8: 2-D and the ``weight`` of Linear modules only (a
-    weight tied to an embedding or used elsewhere stays in high precision)."""
-    return len(shape) == 2 and all(
-        attr == "weight" and (type(m) is nn.Linear or isinstance(m, FP8Linear))
-        for m, attr in owners
-    )
+    weight tied to an embedding or used elsewhere stays in high precision), or a stack of
+    matrices (>= 3-D) that every owner names in its ``fp8_stacks``."""
+    if len(shape) == 2:
+        return all(
+            attr == "weight" and (type(m) is nn.Linear or isinstance(m, FP8Linear))
+            for m, attr in owners
+        )
+    return len(shape) > 2 and all(attr in fp8_stacks(m) for m, attr in owners)
+
+
+def _set_fp8_weight(module: nn.Module, attr: str, weight) -> None:
+    """Point ``module``'s FP8 view of its parameter ``attr`` at the gathered ``(q, s)``
+    (``None``: none, the module is sharded)."""
+    if isinstance(module, FP8Linear):
+        module.weight_fp8 = weight
+    elif weight is None:
+        module.fp8_weights.pop(attr, None)
+    else:
+        module.fp8_weights[attr] = weight
 
 
 def convert_unit_linears(
@@ -97,7 +136,9 @@ def convert_unit_linears(
 ) -> None:
     """Swap the ``nn.Linear`` modules whose weight is one of this unit's FP8 weights (``slots``
     with ``.fqn``, ``.owners``, ``.shape``, parallel to ``params``) for :class:`FP8Linear`
-    sharing its parameters. Linears of inner ``fully_shard`` units are left alone."""
+    sharing its parameters, and set ``quant`` on the modules that own its FP8 stacks
+    (``ValueError`` if one has another config). Modules of inner ``fully_shard`` units are left
+    alone."""
     if type(module) is nn.Linear:
         raise ValueError(
             "fully_shard(quant=...) swaps the nn.Linear children of module for FP8Linear; a bare "
@@ -108,11 +149,14 @@ def convert_unit_linears(
         if not is_fp8_weight(slot.owners, slot.shape):
             continue
         for m, _ in slot.owners:
-            if isinstance(m, FP8Linear) and m.config != quant:
+            config = fp8_config(m)
+            if config is not None and config != quant:
                 raise ValueError(
-                    f"{slot.fqn} belongs to an FP8Linear with config {m.config}, but fully_shard "
-                    f"got quant={quant}"
+                    f"{slot.fqn} belongs to a {type(m).__name__} with FP8 config {config}, but "
+                    f"fully_shard got quant={quant}"
                 )
+            if fp8_stacks(m):
+                m.quant = quant
         ids.add(id(p))
     convert_to_fp8_linear(module, quant, filter_fn=lambda _, linear: id(linear.weight) in ids)
 
@@ -126,15 +170,23 @@ def _explicit(policy, name: str, shape: tuple[int, ...]) -> Granularity | None:
     return resolve_policy(policy, name, shape)
 
 
-def _keeps_blocks(name: str, shape: tuple[int, int], gran: Granularity, bm: int) -> bool:
-    """Whether every cut ``gran`` allows in an ``[m, n]`` weight falls on a ``bm``-row boundary."""
+def _keeps_blocks(name: str, shape: tuple[int, ...], gran: Granularity, bm: int) -> bool:
+    """Whether every cut ``gran`` allows in an ``[m, n]`` weight (or a stack ``[*stack, m, n]``
+    of them) falls on a ``bm``-row boundary of one matrix or between two."""
     spec = resolve(name, shape, gran)
     if spec.whole:
         return True
-    band = spec.band * spec.row_numel
-    period = spec.period * spec.row_numel
-    unit = bm * shape[1]
-    return band % unit == 0 and (period >= spec.numel or period % unit == 0)
+    band, period = spec.band * spec.row_numel, spec.period * spec.row_numel
+    if band % shape[-1]:  # a cut inside a row
+        return False
+    blocks = resolve(name, shape, Granularity.block(bm, 1))
+    # both cut patterns repeat with their periods: check one common period
+    span = min(spec.numel, math.lcm(period, blocks.period * blocks.row_numel))
+    return all(
+        blocks.cut_allowed(start + offset)
+        for start in range(0, span, period)
+        for offset in range(0, period, band)
+    )
 
 
 def fp8_granularity(policy, fp8_shapes: Mapping[str, tuple[int, int]], block: tuple[int, int]):
@@ -195,11 +247,19 @@ class FP8UnitGather:
     # -- the gather's constraints, read before it exists ---------------------------------------
     @staticmethod
     def check_params(buffer: FlatBuffer, tp_specs: Sequence[DTensorSpec | None]) -> None:
-        """``ValueError`` if tensor-parallel parameters share the unit with FP8 weights."""
-        tp_names = [s.fqn for s, t in zip(buffer.slots, tp_specs) if t is not None]
-        if tp_names:
+        """``ValueError`` if tensor-parallel parameters share the unit with FP8 weights, unless
+        each is an FP8 stack sharded by whole matrices (``Shard(0)``, expert parallelism):
+        its TP-local stack holds whole matrices, quantized as one process would."""
+        bad = [
+            f"{s.fqn} ({tuple(t.placements)})"
+            for s, t, q in zip(buffer.slots, tp_specs, buffer.quantized)
+            if t is not None and not (q and len(s.shape) > 2 and t.placements == (Shard(0),))
+        ]
+        if bad:
             raise ValueError(
-                f"quant does not compose with tensor-parallel parameters yet: {tp_names}"
+                f"quant composes with tensor-parallel parameters only for stacks of FP8 "
+                f"matrices sharded by whole matrices (Shard(0), expert parallelism); got "
+                f"{', '.join(bad)}: shard them without quant, or as Shard(0) stacks"
             )
 
     @staticmethod
@@ -322,9 +382,9 @@ class FP8UnitGather:
             n = (pc.end - pc.start) * itemsize
             self._copies.append((base + pc.data_offset, region["data"] + pc.start * itemsize, n))
             if quantized:
-                cols = shape[1]
-                first_block_row = pc.start // cols // self.quant.block[0]
-                nb = scale_shape(shape, self.quant.block)[1]
+                cols, rows, bm = shape[-1], shape[-2], self.quant.block[0]
+                first_block_row = _block_row(pc.start // cols, rows, bm)
+                nb = scale_shape(shape, self.quant.block)[-1]
                 self._copies.append(
                     (
                         base + pc.scale_offset,
@@ -366,12 +426,13 @@ class FP8UnitGather:
         return dtype
 
     def register_weights(self, slots, *, sharded: bool) -> None:
-        """Point each FP8 weight's ``FP8Linear.weight_fp8`` at its gathered ``(q, s)``
-        (``None`` while ``sharded``): the module reads them, not the parameter."""
+        """Point each FP8 weight's ``FP8Linear.weight_fp8`` (a stack's ``fp8_weights[name]``)
+        at its gathered ``(q, s)`` (none while ``sharded``): the module reads them, not the
+        parameter."""
         for slot, w in zip(slots, self.weights):
             if w is not None:
-                for module, _ in slot.owners:
-                    module.weight_fp8 = None if sharded else w
+                for module, attr in slot.owners:
+                    _set_fp8_weight(module, attr, None if sharded else w)
 
     def pack(self, rank: int, sharded: torch.Tensor) -> torch.Tensor:
         """Quantize ``rank``'s blocks of its flat master chunk (all segments) into a new send

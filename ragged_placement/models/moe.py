@@ -128,6 +128,7 @@ def run_experts(
     counts: list[int],
     use_grouped_mm: bool | None = None,
     quant: BlockFP8Config | None = None,
+    fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """SwiGLU experts on tokens sorted by expert: rows ``[sum(counts[:e]), sum(counts[:e+1]))``
     of ``x`` go through expert ``e`` of the stacked plain tensors ``w1``/``w3`` ``[E, ffn, dim]``
@@ -142,9 +143,16 @@ def run_experts(
     per expert, as ``FP8Linear`` computes a Linear: each expert's matrix quantized in its own
     ``quant.block`` blocks (never across experts), the activations in 1 x ``quant.tile`` tiles,
     FP8 forward and input gradient, high-precision weight gradient; always the loop (no FP8
-    grouped GEMM here)."""
+    grouped GEMM here). ``fp8_weights``: ``{"w1": (q, s), ...}``, stacks already quantized so
+    (what the FSDP FP8 all-gather gives, :mod:`ragged_placement.fsdp.fp8`: ``q`` of the stack's
+    shape, ``s`` one scale per block of each expert's matrix); the others are quantized here."""
+    if fp8_weights and quant is None:
+        raise ValueError(
+            f"fp8_weights for {sorted(fp8_weights)} without quant: the stacks are given as FP8 "
+            f"blocks, so pass the quant (BlockFP8Config) they were quantized with"
+        )
     if quant is not None:
-        return _run_experts_fp8(w1, w2, w3, x, counts, quant)
+        return _run_experts_fp8(w1, w2, w3, x, counts, quant, fp8_weights or {})
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_supported(x.device)
     if use_grouped_mm:
@@ -162,15 +170,25 @@ def run_experts(
 
 def _run_experts_fp8(
     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: list[int],
-    quant: BlockFP8Config,
+    quant: BlockFP8Config, fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:
-    """:func:`run_experts`' loop with each matmul in block-wise FP8."""
+    """:func:`run_experts`' loop with each matmul in block-wise FP8 (the stacks in
+    ``fp8_weights`` taken quantized, each expert's ``(q[e], s[e])``)."""
     from ragged_placement.quant import fp8_linear
+
+    # unbind: one gradient stack per weight in backward (indexing would add a zero-filled stack
+    # per expert)
+    stacks = {"w1": w1.unbind(0), "w2": w2.unbind(0), "w3": w3.unbind(0)}
+    fp8 = {name: tuple(zip(q.unbind(0), s.unbind(0))) for name, (q, s) in fp8_weights.items()}
+
+    def linear(inp: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        quantized = fp8[name][e] if name in fp8 else None
+        return fp8_linear(inp, stacks[name][e], config=quant, weight_fp8=quantized)
 
     outs = []
     for e, x_e in enumerate(torch.split(x, counts, dim=0)):
-        h = F.silu(fp8_linear(x_e, w1[e], config=quant)) * fp8_linear(x_e, w3[e], config=quant)
-        outs.append(fp8_linear(h, w2[e], config=quant))
+        h = F.silu(linear(x_e, "w1", e)) * linear(x_e, "w3", e)
+        outs.append(linear(h, "w2", e))
     return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w2.shape[1])
 
 
@@ -180,9 +198,15 @@ class GroupedExperts(nn.Module):
     rows for expert ``e`` (a list of ints or a 1-D tensor). Parameters that are DTensors (expert
     parallelism's ``Shard(0)``) are used through their local tensors: ``counts`` then counts
     this rank's experts. ``quant``: block-wise FP8 compute (:func:`run_experts`), ``None``
-    (the default) for the parameters' dtype."""
+    (the default) for the parameters' dtype.
+
+    Under ``fully_shard(..., quant=)`` (which sets ``quant``) the three stacks are FP8 weights
+    (``fp8_stacks``, :mod:`ragged_placement.fsdp.fp8`): all-gathered as FP8 blocks with one
+    scale per block of each expert's matrix, which the runtime puts in ``fp8_weights`` while
+    the module is unsharded; its parameters are then gradient sinks, not values."""
 
     quant: BlockFP8Config | None = None
+    fp8_stacks = ("w1", "w2", "w3")
 
     def __init__(
         self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool | None = None
@@ -190,6 +214,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.use_grouped_mm = use_grouped_mm
+        self.fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -203,7 +228,7 @@ class GroupedExperts(nn.Module):
         ws = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()
-        return run_experts(*ws, x, counts, self.use_grouped_mm, self.quant)
+        return run_experts(*ws, x, counts, self.use_grouped_mm, self.quant, self.fp8_weights)
 
 
 class RouterGate(nn.Linear):
@@ -404,11 +429,12 @@ def parallelize_moe(
             by default ``state_sharding`` with ``ep_dim`` dropped from each state
             (:func:`~ragged_placement.expert_parallel.split_state_sharding`).
         fsdp_kwargs: passed to every ``shard_fn`` call (``reshard_after_forward``,
-            ``mp_policy``, ...), but ``quant``: block-wise FP8
-            (:class:`~ragged_placement.quant.BlockFP8Config`, ours only) goes to the dense
-            units (their ``nn.Linear`` weights gathered in FP8) and to every
-            ``GroupedExperts.quant`` (FP8 compute per expert matrix); the expert units gather
-            their stacks in ``param_dtype``, not FP8.
+            ``mp_policy``, ...), and ``quant``: block-wise FP8
+            (:class:`~ragged_placement.quant.BlockFP8Config`, ours only): the dense units'
+            ``nn.Linear`` weights and the expert units' stacks are gathered as FP8 blocks and
+            scales (each rank quantizes its own whole blocks; a block never holds rows of two
+            experts, each expert's matrix has its own scales) and computed in FP8
+            (``GroupedExperts.quant``, per expert matrix).
 
     Raises:
         ValueError: before any collective, if ``mesh`` is not 2-D with an ``ep_dim`` dim, or
@@ -431,6 +457,7 @@ def parallelize_moe(
         )
     dp_mod_ep = names[1 - names.index(ep_dim)]
     quant = check_quant(fsdp_kwargs.pop("quant", None))
+    _check_fp8_configs(model, quant)
     shard_fn = _check_shard_fn(shard_fn, state_sharding=state_sharding,
                                expert_state_sharding=expert_state_sharding, quant=quant)
     state_sharding, expert_state_sharding = split_state_sharding(
@@ -446,7 +473,6 @@ def parallelize_moe(
     gloo = dist.get_backend(mesh.get_group(ep_dim)) == "gloo"
     for block in moe_blocks:
         parallelize_module(block.moe.experts, mesh[ep_dim], ExpertParallel())
-        block.moe.experts.quant = quant
     for block in model.layers.values():
         if block.moe_enabled:
             shard_fn(block.moe.experts, **experts, **fsdp_kwargs)
@@ -465,18 +491,37 @@ def _unit_arguments(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``shard_fn``'s mesh and options for the dense units (all data-parallel ranks: ``mesh``
     flattened, or ``mesh`` itself with a ``state_sharding``; ``quant``) and for the expert units
-    (the dim beside ``ep_dim``; ``expert_state_sharding``)."""
+    (the dim beside ``ep_dim``; ``expert_state_sharding``; ``quant``)."""
     dp_mod_ep = next(d for d in mesh.mesh_dim_names if d != ep_dim)
     if state_sharding is None:
         dense = {"mesh": mesh._flatten(f"{dp_mod_ep}_{ep_dim}")}
     else:
         dense = {"mesh": mesh, "state_sharding": state_sharding}
-    if quant is not None:
-        dense["quant"] = quant
     experts = {"mesh": mesh[dp_mod_ep]}
-    if expert_state_sharding is not None:
+    if quant is not None:
+        dense["quant"] = experts["quant"] = quant
+    # on a 1-rank dp_mod_ep (EP over every rank) every sharding of the experts is the same:
+    # nothing to shard, nothing sent; the nested runtime needs >= 2 ranks
+    if expert_state_sharding is not None and mesh[dp_mod_ep].size() > 1:
         experts["state_sharding"] = expert_state_sharding
     return dense, experts
+
+
+def _check_fp8_configs(model: nn.Module, quant: Any) -> None:
+    """``ValueError`` (before any unit is built) if a module of ``model`` already computes in
+    FP8 with another config than ``quant`` (``fully_shard`` would refuse it unit by unit,
+    after the units before it)."""
+    from ragged_placement.fsdp.fp8 import fp8_config
+
+    if quant is None:
+        return
+    for name, m in model.named_modules():
+        config = fp8_config(m)
+        if config is not None and config != quant:
+            raise ValueError(
+                f"quant={quant}, but {name} ({type(m).__name__}) already computes in FP8 with "
+                f"{config}: pass that config as quant, or reset the module's"
+            )
 
 
 def _check_shard_fn(

@@ -73,9 +73,12 @@ def check_quantizable(x: torch.Tensor, name: str, ndim: int | None = None) -> No
         raise ValueError(f"{name} must have at least one dim, got a scalar")
 
 
-def scale_shape(shape: tuple[int, int] | torch.Size, block: tuple[int, int]) -> tuple[int, int]:
-    """Shape of the scale tensor of a ``shape`` matrix quantized in ``block`` tiles."""
-    return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+def scale_shape(shape: tuple[int, ...] | torch.Size, block: tuple[int, int]) -> tuple[int, ...]:
+    """Shape of the scale tensor of a ``shape`` matrix quantized in ``block`` tiles; for a stack
+    of matrices ``[*stack, m, n]`` (experts) each matrix has its own blocks: ``[*stack,
+    ceil(m / block[0]), ceil(n / block[1])]``."""
+    *stack, m, n = shape
+    return (*stack, math.ceil(m / block[0]), math.ceil(n / block[1]))
 
 
 def check_finite_scales(s: torch.Tensor, name: str) -> None:

@@ -10,6 +10,10 @@ one all-gather per unit moves
 
 * 1 byte per element of every quantized weight (e4m3),
 * one fp32 scale per ``block`` (each block is owned by exactly one rank),
+
+(a quantized weight is a 2-D matrix or a stack ``[*stack, m, n]`` of matrices, e.g. the experts
+of an MoE layer, each matrix quantized in its own blocks: a block never holds rows of two
+matrices, and a cut may fall between matrices or on a ``block[0]``-row boundary of one),
 * the non-quantized parameters (norms, biases, ...) in ``raw_dtype``,
 * and, in an equal all-gather, padding up to the largest rank's send size. Where that padding
   exceeds 1% of the payload (:func:`~ragged_placement.planner.gather_starts`) the gather is
@@ -96,17 +100,47 @@ def quantize_run(
 
 
 def _check_run_aligned(
-    row_start: int, row_end: int, rows: int, block: tuple[int, int], what: str
+    row_start: int, row_end: int, rows: int, block: tuple[int, int], what: str,
+    matrix_rows: int | None = None,
 ) -> None:
+    """``ValueError`` unless rows ``[row_start, row_end)`` of ``rows`` hold whole blocks: both
+    ends on a ``block[0]``-row boundary of one matrix (of ``matrix_rows`` rows, stacked; the
+    whole ``rows`` by default) or at the end of one."""
     bm = block[0]
+    m = max(matrix_rows or rows, 1)
     if not 0 <= row_start <= row_end <= rows:
         raise ValueError(f"row range [{row_start}, {row_end}) is outside [0, {rows}) for {what}")
-    if row_start % bm or (row_end % bm and row_end != rows):
+    if (row_start % m) % bm or (row_end % m) % bm:
+        per = f" of each {m}-row matrix" if m != rows else ""
         raise ValueError(
             f"{what} holds rows [{row_start}, {row_end}), which cuts a {block} quantization block "
-            f"(runs must start on a multiple of {bm} rows and end on one or at row {rows}); shard "
-            f"this weight at {bm}-row granularity"
+            f"(runs must start on a multiple of {bm} rows{per} and end on one or at the end of "
+            f"a matrix); shard this weight at {bm}-row granularity"
         )
+
+
+def _block_row(row: int, m: int, bm: int) -> int:
+    """The index of the first block row at or after flat row ``row`` of a stack of ``m``-row
+    matrices, each with ``ceil(m / bm)`` block rows (``row``: a block boundary)."""
+    return (row // m) * -(-m // bm) + -(-(row % m) // bm)
+
+
+def _matrix_runs(
+    shape: Sequence[int], row_start: int, row_end: int, bm: int
+) -> list[tuple[int, int, int, int]]:
+    """Rows ``[row_start, row_end)`` of the flat ``[prod(shape[:-1]), n]`` view of a stack of
+    matrices, as runs that each quantize as one 2-D weight: ``(first, last, row, rows)``, rows
+    ``[first, last)`` of the range being rows ``[row, row + last - first)`` of a ``rows``-row
+    matrix. Where ``bm`` divides the matrices' rows no block can straddle two of them and the
+    whole range is one run; otherwise one run per matrix."""
+    m = shape[-2]
+    group = math.prod(shape[:-1]) if m % bm == 0 else m
+    runs, row = [], row_start
+    while row < row_end:
+        end = min(row_end, (row // group + 1) * group)
+        runs.append((row - row_start, end - row_start, row % group, group))
+        row = end
+    return runs
 
 
 @dataclass(frozen=True)
@@ -117,7 +151,8 @@ class FlatParam:
         name: for error messages.
         shape: the parameter's shape.
         offset: element offset in the unit's (global, unsharded) flat buffer.
-        quantize: quantize to block FP8 (2-D weights); otherwise gathered in ``raw_dtype``.
+        quantize: quantize to block FP8 (a 2-D weight, or a stack ``[*stack, m, n]`` of
+            matrices, each in its own blocks); otherwise gathered in ``raw_dtype``.
     """
 
     name: str
@@ -127,9 +162,10 @@ class FlatParam:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        if self.quantize and len(self.shape) != 2:
+        if self.quantize and len(self.shape) < 2:
             raise ValueError(
-                f"{self.name}: only 2-D weights are block-quantized, got shape {self.shape}"
+                f"{self.name}: only matrices (or stacks of them) are block-quantized, got shape "
+                f"{self.shape}"
             )
         if self.offset < 0:
             raise ValueError(f"{self.name}: offset must be >= 0, got {self.offset}")
@@ -268,14 +304,15 @@ class FP8GatherLayout:
             if start >= end:
                 continue
             if p.quantize:
-                m, n = p.shape
+                n = p.shape[-1]
                 if start % n or end % n:
                     raise ValueError(
                         f"{p.name!r} {p.shape}: rank {rank}'s chunk cuts it inside a row (elements "
                         f"[{start}, {end})); shard it at {self.block[0]}-row granularity"
                     )
                 _check_run_aligned(
-                    start // n, end // n, m, self.block, f"rank {rank}'s part of {p.name!r}"
+                    start // n, end // n, p.numel // n, self.block,
+                    f"rank {rank}'s part of {p.name!r}", matrix_rows=p.shape[-2],
                 )
             held.append((i, start, end))
         # regions: scales, then raw, then fp8; each 16-byte aligned
@@ -284,10 +321,9 @@ class FP8GatherLayout:
         for i, start, end in held:
             p = self.params[i]
             if p.quantize:
-                n = p.shape[1]
-                k = scale_shape(((end - start) // n, n), self.block)
-                pieces_scale[i] = (scale_off, k[0] * k[1])
-                scale_off += 4 * k[0] * k[1]
+                numel = self._scale_rows(p, start, end) * scale_shape(p.shape, self.block)[-1]
+                pieces_scale[i] = (scale_off, numel)
+                scale_off += 4 * numel
         raw_off = _align(scale_off)
         data_offsets = {}
         for i, start, end in held:
@@ -311,6 +347,11 @@ class FP8GatherLayout:
             )
             for i, start, end in held
         ]
+
+    def _scale_rows(self, p: FlatParam, start: int, end: int) -> int:
+        """Block rows of a quantized ``p``'s elements ``[start, end)`` (whole blocks)."""
+        n, m, bm = p.shape[-1], p.shape[-2], self.block[0]
+        return _block_row(end // n, m, bm) - _block_row(start // n, m, bm)
 
     def _rank_nbytes(self, pieces: list[FP8Piece]) -> int:
         ends = [0]
@@ -385,29 +426,39 @@ class FP8GatherLayout:
             p = self.params[pc.param]
             src = local_chunk[pc.chunk_offset : pc.chunk_offset + pc.end - pc.start]
             if p.quantize:
-                n = p.shape[1]
-                rows = (pc.end - pc.start) // n
-                q_out = (
-                    send[pc.data_offset : pc.data_offset + rows * n].view(FP8_DTYPE).view(rows, n)
-                )
-                s_out = send[pc.scale_offset : pc.scale_offset + 4 * pc.scale_numel].view(
-                    torch.float32
-                )
-                quantize_run(
-                    src.view(rows, n),
-                    pc.start // n,
-                    p.shape,
-                    self.block,
-                    q_out=q_out,
-                    s_out=s_out.view(-1, scale_shape((rows, n), self.block)[1]),
-                    kernel=kernel,
-                    check_finite=False,
-                )
+                self._pack_quantized(p, pc, src, send, kernel)
             else:
                 nbytes = (pc.end - pc.start) * self.raw_dtype.itemsize
                 send[pc.data_offset : pc.data_offset + nbytes].view(self.raw_dtype).copy_(src)
         self._zero_gaps(rank, send)
         return send
+
+    def _pack_quantized(
+        self, p: FlatParam, pc: FP8Piece, src: torch.Tensor, send: torch.Tensor, kernel: Kernel
+    ) -> None:
+        """Quantize the rows ``src`` of piece ``pc`` into its FP8 bytes and scales in ``send``,
+        each matrix of a stack in its own blocks (:func:`_matrix_runs`)."""
+        n = p.shape[-1]
+        rows = (pc.end - pc.start) // n
+        q_out = send[pc.data_offset : pc.data_offset + rows * n].view(FP8_DTYPE).view(rows, n)
+        s_out = send[pc.scale_offset : pc.scale_offset + 4 * pc.scale_numel].view(torch.float32)
+        s_out = s_out.view(-1, scale_shape(p.shape, self.block)[-1])
+        x = src.view(rows, n)
+        for first, last, row, full_rows in _matrix_runs(
+            p.shape, pc.start // n, pc.end // n, self.block[0]
+        ):
+            s_first = self._scale_rows(p, pc.start, pc.start + first * n)
+            s_last = self._scale_rows(p, pc.start, pc.start + last * n)
+            quantize_run(
+                x[first:last],
+                row,
+                (full_rows, n),
+                self.block,
+                q_out=q_out[first:last],
+                s_out=s_out[s_first:s_last],
+                kernel=kernel,
+                check_finite=False,
+            )
 
     def _zero_gaps(self, rank: int, send: torch.Tensor) -> None:
         used = []
@@ -430,8 +481,8 @@ class FP8GatherLayout:
         """View the gathered buffer as every parameter, in ``params`` order.
 
         Quantized weights come back as ``(q, s)`` (``float8_e4m3fn`` of the weight's shape and
-        fp32 ``[ceil(m / bm), ceil(n / bn)]``), equal bitwise to ``quantize_blockwise`` of the
-        full weight; other parameters as ``raw_dtype`` tensors of their shape. A parameter held
+        fp32 ``[*stack, ceil(m / bm), ceil(n / bn)]``), equal bitwise to ``quantize_blockwise``
+        of the full weight (of each matrix of a stack); other parameters as ``raw_dtype`` tensors of their shape. A parameter held
         by one rank aliases ``gathered``'s storage (with its own version counter, so refilling
         the buffer does not trip autograd's saved-tensor check); one split over ranks is
         concatenated (a copy).
@@ -464,7 +515,8 @@ class FP8GatherLayout:
                 out.append(empty)
             elif p.quantize:
                 qs, ss = zip(*(self._view_quantized(gathered, r, pc, p) for r, pc in parts))
-                out.append((_cat(qs), _cat(ss)))
+                sshape = scale_shape(p.shape, self.block)
+                out.append((_cat(qs).view(p.shape), _cat(ss).view(sshape)))
             else:
                 raws = [self._view_raw(gathered, r, pc) for r, pc in parts]
                 out.append(_cat(raws).view(p.shape))
@@ -494,9 +546,9 @@ class FP8GatherLayout:
 
     def _view_quantized(self, gathered: torch.Tensor, rank: int, pc: FP8Piece, p: FlatParam):
         base = self.send_starts[rank]
-        n = p.shape[1]
+        n = p.shape[-1]
         rows = (pc.end - pc.start) // n
-        nb = scale_shape(p.shape, self.block)[1]
+        nb = scale_shape(p.shape, self.block)[-1]
         q = _alias(gathered, base + pc.data_offset, FP8_DTYPE, (rows, n))
         s = _alias(gathered, base + pc.scale_offset, torch.float32, (pc.scale_numel // nb, nb))
         return q, s

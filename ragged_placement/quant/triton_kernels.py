@@ -71,6 +71,25 @@ def _round_to_bf16(y):
 
 
 @triton.jit
+def _tile(rows, cols, stride_sm, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          GROUPS: tl.constexpr):
+    """This program's tile, ``GROUPS`` scale rows of ``BLOCK_M`` rows by ``BLOCK_N`` columns:
+    the element rows (``[G, BM, 1]``, int64: a stacked expert weight's row * stride can exceed
+    2**31) and columns (``[1, 1, BN]``), their mask, and the offsets and mask of the tile's
+    scales (``[G]``)."""
+    pid_n = tl.program_id(1)
+    offs_g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # scale-row index of each group
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = offs_g[:, None, None].to(tl.int64) * BLOCK_M + offs_r[None, :, None]
+    col = offs_n[None, None, :]
+    mask = (row < rows) & (col < cols)
+    s_off = offs_g * stride_sm + pid_n * stride_sn
+    s_mask = offs_g < (rows + BLOCK_M - 1) // BLOCK_M
+    return row, col, mask, s_off, s_mask
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,
     q_ptr,
@@ -87,15 +106,9 @@ def _quantize_kernel(
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_g = pid_m * GROUPS + tl.arange(0, GROUPS)  # scale-row index of each group
-    offs_r = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # int64 rows: a stacked expert weight's row * stride can exceed 2**31
-    row = offs_g[:, None, None].to(tl.int64) * BLOCK_M + offs_r[None, :, None]  # [G, BM, 1]
-    col = offs_n[None, None, :]  # [1, 1, BN]
-    mask = (row < rows) & (col < cols)
+    row, col, mask, s_off, s_mask = _tile(
+        rows, cols, stride_sm, stride_sn, BLOCK_M, BLOCK_N, GROUPS
+    )
     x = tl.load(x_ptr + row * stride_xm + col * stride_xn, mask=mask, other=0.0).to(tl.float32)
     # NaN -> inf before the max (Triton's max need not propagate NaN): any non-finite input
     # gives a non-finite scale, which the host checks once.
@@ -106,8 +119,7 @@ def _quantize_kernel(
     y = tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX)
     q = _round_to_e4m3(y).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + row * stride_qm + col * stride_qn, q, mask=mask)
-    s_rows = (rows + BLOCK_M - 1) // BLOCK_M
-    tl.store(s_ptr + offs_g * stride_sm + pid_n * stride_sn, s, mask=offs_g < s_rows)
+    tl.store(s_ptr + s_off, s, mask=s_mask)
 
 
 @triton.jit
@@ -127,17 +139,11 @@ def _dequantize_kernel(
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_g = pid_m * GROUPS + tl.arange(0, GROUPS)
-    offs_r = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = offs_g[:, None, None].to(tl.int64) * BLOCK_M + offs_r[None, :, None]
-    col = offs_n[None, None, :]
-    mask = (row < rows) & (col < cols)
+    row, col, mask, s_off, s_mask = _tile(
+        rows, cols, stride_sm, stride_sn, BLOCK_M, BLOCK_N, GROUPS
+    )
     q = tl.load(q_ptr + row * stride_qm + col * stride_qn, mask=mask, other=0.0).to(tl.float32)
-    s_rows = (rows + BLOCK_M - 1) // BLOCK_M
-    s = tl.load(s_ptr + offs_g * stride_sm + pid_n * stride_sn, mask=offs_g < s_rows, other=1.0)
+    s = tl.load(s_ptr + s_off, mask=s_mask, other=1.0)
     out = q * s[:, None, None]
     if out_ptr.dtype.element_ty == tl.bfloat16:
         out = _round_to_bf16(out)

@@ -29,14 +29,11 @@ from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement.models.llama import Llama, LlamaConfig
 from ragged_placement.models.moe import MoEConfig, MoETransformer, parallelize_moe
 from ragged_placement.planner import StateShardingPlan, plan_state_sharding
-from ragged_placement.trainer.config import VOCAB, TrainConfig, bandwidths, dim_names
+from ragged_placement.trainer.config import MOE_DIMS, VOCAB, TrainConfig, bandwidths, dim_names
 from ragged_placement.trainer.hf import hf_model
 
 __all__ = ["TokenData", "build_mesh", "build_model", "build_optimizer", "build_scheduler",
            "loss_fn", "moe_config", "new_model"]
-
-# The mesh of --model moe: the data-parallel ranks outside each ep group, and the ep group.
-MOE_DIMS = ("dp_mod_ep", "ep")
 
 
 def moe_config(cfg: TrainConfig) -> MoEConfig:
@@ -131,9 +128,19 @@ def state_sharding(cfg: TrainConfig, mesh: DeviceMesh, model: nn.Module, device:
         return {}, None
     plan = plan_state_sharding(
         model, mesh, memory_budget=_memory_budget(cfg, device), bandwidth=bandwidths(cfg),
-        optimizer=cfg.optimizer, param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
+        optimizer=cfg.optimizer, param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
+        **_routing(cfg))
     return {"state_sharding": plan.sharding,
             "reshard_after_forward": plan.reshard_after_forward}, plan
+
+
+def _routing(cfg: TrainConfig) -> dict[str, int]:
+    """The partitioner's expert-parallel inputs for ``--model moe``: the mesh's ``ep`` dim (of
+    size ``--ep``, which the EP group fills: the innermost dim), the tokens each rank routes
+    per step and ``--top-k``; nothing for a dense model."""
+    if cfg.model != "moe":
+        return {}
+    return {"ep": cfg.ep, "tokens_per_rank": cfg.batch * cfg.seq, "top_k": cfg.top_k}
 
 
 def build_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device

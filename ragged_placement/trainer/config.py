@@ -28,6 +28,8 @@ PER_STATE = ("zero1", "zero2", "amsp", "auto")
 # The partitioner's inputs: only --state-sharding auto uses them.
 _AUTO_ONLY = ("memory_budget", "bandwidth")
 # The mixture of experts' options: only --model moe uses them.
+# The mesh of --model moe: the data-parallel ranks outside each ep group, and the ep group.
+MOE_DIMS = ("dp_mod_ep", "ep")
 _MOE_ONLY = ("experts", "top_k", "moe_layers", "ep")
 OPTIMIZERS = ("adamw", "muon", "shampoo")
 PRECISIONS = ("fp32", "bf16")
@@ -353,10 +355,6 @@ def _check_moe(cfg: TrainConfig) -> None:
                          "the experts are sharded by expert over ep; replicate with --state-"
                          "sharding zero1 or zero2, or shard the parameters inside ep groups "
                          "with amsp")
-    if cfg.state_sharding == "auto":
-        raise ValueError("--state-sharding auto with --model moe is not supported yet (the "
-                         "partitioner's EP search is not wired into the trainer): pass zero3, "
-                         "zero1, zero2 or amsp")
 
 
 def _check_mesh(cfg: TrainConfig) -> None:
@@ -379,7 +377,10 @@ def _check_mesh(cfg: TrainConfig) -> None:
 
 
 def dim_names(cfg: TrainConfig) -> tuple[str, ...]:
-    """The mesh's dim names: ``--mesh-dim-names``, else ``replicate,shard`` (2-D) or ``dp``."""
+    """The mesh's dim names: ``--mesh-dim-names``, else ``replicate,shard`` (2-D) or ``dp``;
+    ``--model moe``: :data:`MOE_DIMS`."""
+    if cfg.model == "moe":
+        return MOE_DIMS
     if cfg.mesh_dim_names is not None:
         return cfg.mesh_dim_names
     return ("replicate", "shard") if cfg.mesh is not None and len(cfg.mesh) == 2 else ("dp",)

@@ -126,3 +126,19 @@ def test_all_to_all_width_is_the_input_projections_input_dim():
     c = _plan(unit).find(StateSharding.zero3(MESH), True, ep=2)
     a2a = [x for x in c.collectives if x.op == "all_to_all"]
     assert a2a[0].bytes == 4 * 10 * 2 * 8 * 4 / 2
+
+
+def test_no_candidate_leaves_the_experts_replicated():
+    # EP 2 takes `intra` whole: P(intra) G(intra) OS(intra) would leave the experts' states
+    # replicated over `inter` (DDP), which parallelize_moe refuses; without EP it is a candidate
+    only_intra = StateSharding(params=("intra",), grads=("intra",), optim=("intra",))
+    plan = _plan(ep=(1, 2))
+    assert plan.find(only_intra, True, ep=1)
+    with pytest.raises(ValueError, match="no candidate"):
+        plan.find(only_intra, True, ep=2)
+    for c in plan.candidates:
+        assert c.ep == 1 or "inter" in c.sharding.optim, c.sharding
+    # a size-1 dim of the mesh itself is kept (the runtime's dp_mod_ep of size 1 at EP = world)
+    one = plan_state_sharding(MOE, {"dp_mod_ep": 1, "ep": 4}, 1e12, bandwidth=1e9,
+                              param_dtype=None, ep=4, tokens_per_rank=10, top_k=2)
+    assert {c.sharding.optim for c in one.candidates} == {("dp_mod_ep",), ("dp_mod_ep", "ep")}

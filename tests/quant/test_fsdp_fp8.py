@@ -585,10 +585,13 @@ def test_granularity_that_would_cut_blocks_raises_naming_the_weight():
     n=st.integers(1, 40),
     kind=st.sampled_from(["element", "row", "rows", "block", "matrix"]),
     band=st.integers(1, 300),
+    stack=st.integers(1, 3),
 )
-def test_block_check_agrees_with_every_cut_the_granularity_allows(m, n, kind, band):
+def test_block_check_agrees_with_every_cut_the_granularity_allows(m, n, kind, band, stack):
     """``fp8_granularity`` accepts a granularity exactly when none of the cuts it allows (checked
-    one element offset at a time with the planner's ``cut_allowed``) is inside a 128-row band."""
+    one element offset at a time with the planner's ``cut_allowed``) is inside a 128-row band
+    of one ``[m, n]`` matrix (``stack`` > 1: of one matrix of a ``[stack, m, n]`` expert
+    stack, whose matrices each have their own bands)."""
     gran = {
         "element": Granularity.element(),
         "row": Granularity.row(),
@@ -596,10 +599,12 @@ def test_block_check_agrees_with_every_cut_the_granularity_allows(m, n, kind, ba
         "block": Granularity.block(band, 128),
         "matrix": Granularity.matrix(),
     }[kind]
-    spec = resolve("w", (m, n), gran)
-    safe = all(o % (128 * n) == 0 for o in range(1, m * n) if spec.cut_allowed(o))
+    shape = (m, n) if stack == 1 else (stack, m, n)
+    spec = resolve("w", shape, gran)
+    safe = all(o % n == 0 and (o // n) % m % 128 == 0
+               for o in range(1, stack * m * n) if spec.cut_allowed(o))
     try:
-        fp8_granularity({"w": gran}, {"w": (m, n)}, (128, 128))
+        fp8_granularity({"w": gran}, {"w": shape}, (128, 128))
         accepted = True
     except ValueError as exc:
         assert "FP8 weight w " in str(exc)

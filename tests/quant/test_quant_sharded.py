@@ -163,6 +163,7 @@ def test_unpack_single_rank_weights_are_views_of_the_gathered_buffer():
         st.one_of(
             st.tuples(st.integers(1, 400), st.integers(1, 48)),  # Linear weights (FP8)
             st.tuples(st.integers(1, 300)),  # norms / biases (bf16)
+            st.tuples(st.integers(1, 4), st.integers(1, 300), st.integers(1, 48)),  # experts
         ),
         min_size=1,
         max_size=5,
@@ -172,18 +173,19 @@ def test_unpack_single_rank_weights_are_views_of_the_gathered_buffer():
 )
 def test_planner_layouts_round_trip_bitwise(shapes, world, seed):
     """Any unit the planner lays out at 128-row granularity: pack on every rank, concatenate
-    (what the all-gather does), unpack == single-device quantize_blockwise of each weight."""
+    (what the all-gather does), unpack == single-device quantize_blockwise of each weight and of
+    each matrix of an expert stack (cut between experts or on 128-row bands of one)."""
     named = [(f"p{i}", s) for i, s in enumerate(shapes)]
     p = plan(
         named,
         world,
         granularity=lambda n, s: (
-            Granularity.block(128, 128) if len(s) == 2 else Granularity.element()
+            Granularity.block(128, 128) if len(s) >= 2 else Granularity.element()
         ),
         dtype=torch.float32,
     )
     layout = FP8GatherLayout(
-        [FlatParam(n, s, p.offsets[n], len(s) == 2) for n, s in named], p.chunk_numel, world
+        [FlatParam(n, s, p.offsets[n], len(s) >= 2) for n, s in named], p.chunk_numel, world
     )
     g = torch.Generator().manual_seed(seed)
     full = [
@@ -197,11 +199,12 @@ def test_planner_layouts_round_trip_bitwise(shapes, world, seed):
     gathered = torch.cat([layout.pack(r, flat[r * S : (r + 1) * S].clone()) for r in range(world)])
     assert gathered.numel() == layout.gathered_nbytes == world * layout.send_nbytes
     for t, got in zip(full, layout.unpack(gathered)):
-        if t.dim() == 2:
-            q_ref, s_ref = quantize_blockwise(t)
-            assert torch.equal(got[0].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(
-                got[1], s_ref
-            )
+        if t.dim() >= 2:
+            for matrix, q, s in zip(t.view(-1, *t.shape[-2:]), got[0].view(-1, *t.shape[-2:]),
+                                    got[1].view(-1, *got[1].shape[-2:])):
+                q_ref, s_ref = quantize_blockwise(matrix)
+                assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+                assert torch.equal(s, s_ref)
         else:
             assert torch.equal(got, t.bfloat16())
 

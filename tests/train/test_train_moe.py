@@ -105,17 +105,28 @@ def _assert_close_to(trained: dict[str, torch.Tensor], expected: dict[str, torch
         torch.testing.assert_close(trained[name], value, atol=ATOL, rtol=ATOL, msg=name)
 
 
+# --state-sharding auto's inputs: dp_mod_ep across nodes (1 Gbit/s), ep inside one
+AUTO = ["--bandwidth", "dp_mod_ep=1.25e8,ep=1e10", "--memory-budget", "1e9"]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("runtime, ep, sharding", [("ours", 4, "zero3"), ("fsdp2", 2, "zero3"),
-                                                    ("ours", 2, "amsp")])
+@pytest.mark.parametrize("runtime, ep, sharding", [("ours", 4, "amsp"), ("fsdp2", 2, "zero3"),
+                                                    ("ours", 2, "auto")])
 def test_moe_with_expert_parallelism_matches_one_process(runtime, ep, sharding, tmp_path):
-    """4 gloo ranks, EP 4 (ours), EP 2 x FSDP 2 (torch FSDP2 + the same EP; ours: the
-    checkpoint test below), and AMSP with EP 2 (the dense units' parameters sharded over ep,
-    their gradients and optimizer state over all ranks; the experts' ZeRO-2 over dp_mod_ep):
-    8 AdamW steps end within 1e-5 of one process (weights and losses)."""
+    """4 gloo ranks: AMSP with EP 4 (the dense units' parameters sharded over ep, their
+    gradients and optimizer state over all ranks; the experts on a 1-rank dp_mod_ep, whole on
+    their ep rank: plain FSDP there, which the nested runtime does not take), EP 2 x FSDP 2
+    (torch FSDP2 + the same EP; ours: the checkpoint test below; EP 4 under zero3:
+    tests/moe/test_moe.py), and the partitioner's choice with EP 2 (``auto``, dp_mod_ep the
+    slow dim): AMSP's point with ``reshard_after_forward=False`` (the experts' ZeRO-2 over
+    dp_mod_ep): 8 AdamW steps end within 1e-5 of one process (weights and losses)."""
     losses, expected = _reference()
     out = _run(WORLD, "--runtime", runtime, "--ep", str(ep), "--state-sharding", sharding,
-               "--output", str(tmp_path / "w.pt"))
+               *(AUTO if sharding == "auto" else ()), "--output", str(tmp_path / "w.pt"))
+    if sharding == "auto":
+        plan = out["state_sharding"]
+        assert (plan["choice"], plan["reshard_after_forward"], plan["ep"], plan["experts"]) == (
+            "P(ep) G(dp_mod_ep,ep) OS(dp_mod_ep,ep)", False, 2, "P() G(dp_mod_ep) OS(dp_mod_ep)")
     torch.testing.assert_close(out["losses"], list(losses), atol=ATOL, rtol=ATOL)
     _assert_close_to(torch.load(tmp_path / "w.pt"), expected)
 
@@ -217,8 +228,9 @@ def test_muon_takes_the_expert_stacks_as_matrices():
         (["--model", "moe", "--mesh", "2x2"], "--mesh 2x2 with --model moe: .* set by --ep"),
         (["--model", "moe", "--state-sharding", "hsdp"],
          "--state-sharding hsdp with --model moe: the mesh is \\(ranks / ep, ep\\)"),
-        (["--model", "moe", "--state-sharding", "auto"],
-         "--state-sharding auto with --model moe is not supported yet"),
+        (["--model", "moe", "--state-sharding", "auto", "--bandwidth", "inter=1,intra=1"],
+         "--bandwidth must be 'profile' or one positive bytes/s per mesh dim "
+         "\\(dp_mod_ep=...,ep=...\\)"),
         (["--model", "moe", "--state-sharding", "amsp", "--runtime", "fsdp2"],
          "--state-sharding amsp needs --runtime ours"),
     ],
