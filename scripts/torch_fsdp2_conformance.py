@@ -109,6 +109,115 @@ KNOWN_DIFFERENCES: dict[str, str] = {
         f"{_STATE}: `_get_fsdp_state()._lazy_init()`, `_comm_ctx`, FSDP2's foreach_all_gather "
         "and foreach_reduce"
     ),
+    # comm
+    **dict.fromkeys(
+        (
+            "TestFullyShardPrefetch.test_fully_shard_backward_prefetch",
+            "TestFullyShardPrefetch.test_fully_shard_multi_module_backward_prefetch",
+            "TestFullyShardPrefetch.test_fully_shard_multi_module_unused_module",
+            "TestFullyShardPrefetch.test_set_modules_to_backward_prefetch",
+            "TestFullyShardPrefetch.test_set_modules_to_backward_prefetch_inside_ac",
+            "TestFullyShardPrefetch.test_set_modules_to_forward_prefetch",
+        ),
+        f"{_STATE}: patches FSDPParamGroup.unshard/reshard/post_backward and records their "
+        "calls (ours has no FSDPParamGroup: no event is recorded)",
+    ),
+    **dict.fromkeys(
+        (
+            "TestFullyShardCommunication.test_reduce_scatter_max_input_buffers_resolves_to_max",
+            "TestFullyShardReduceOpWorldSize1.test_size1_reduceop",
+        ),
+        f"{_STATE}: `_get_fsdp_state()`, `_comm_ctx`, `_fsdp_param_group(s)`",
+    ),
+    **dict.fromkeys(
+        (
+            "TestFullyShardCommunication.test_fully_shard_communication_count",
+            "TestFullyShardCommunication.test_set_reshard_after_forward",
+            "TestFullyShardCommunication.test_manual_reshard_with_reshard_after_forward_false",
+        ),
+        "counts FSDP2's c10d ops (`_allgather_base_`, `_reduce_scatter_base_`): on gloo ours "
+        "reduce-scatters a unit with one all-to-all (gloo's reduce_scatter_tensor is an "
+        "all-reduce of the whole input) and all-gathers an uneven plan with broadcasts; one "
+        "collective per unit and pass as FSDP2 (tests/fsdp: CommDebugMode counts)",
+    ),
+    "TestFullyShardReduceOpWorldSize1.test_singleton_copy_division_divide_factor_2_0": (
+        "counts FSDP2's out-of-place `aten.div.Tensor` at world size 1 with a divide factor; "
+        "ours divides in place (`aten.div_.Tensor`), the gradient is the same (3 / 2)"
+    ),
+    "TestFullyShardUnshardMultiProcess.test_unshard_async": (
+        "open: torch's composable `replicate()` over a model holding our fully_shard modules "
+        "skips only the parameters FSDP2's own registry marks as sharded; DDP then sees our "
+        "local shards, whose shapes differ across ranks, and raises at its shape check (a "
+        "RuntimeError, not a silent difference)"
+    ),
+    "TestFullyShardAllocFromPG.test_exception_when_used_together_with_comm_hooks": (
+        "refused on purpose: set_allocate_memory_from_process_group_for_comm(True) raises "
+        "NotImplementedError (ours all-gathers straight into the unsharded parameters' storage)"
+    ),
+    # init
+    **dict.fromkeys(
+        (
+            "TestFullyShardLazyInit.test_fully_shard_is_root",
+            "TestFullyShardLazyInit.test_fully_shard_module_and_param_fqns",
+            "TestFullyShardLazyInit.test_fully_shard_double_lazy_init",
+            "TestFullyShardLazyInit.test_fully_shard_multi_module_root",
+        ),
+        f"{_STATE}: `fully_shard.state(module)`, its `_lazy_init()`, `_is_root`, `_state_ctx`, "
+        "`_fsdp_param_group`",
+    ),
+    **dict.fromkeys(
+        (
+            "TestFullyShardManagedModulesAndStates.test_managed_modules_nested",
+            "TestFullyShardManagedModulesAndStates.test_managed_modules_nested_fully_shard_and_"
+            "replicate",
+            "TestFullyShardManagedModulesAndStates.test_managed_states_nested_fully_shard",
+        ),
+        f"{_STATE}: calls FSDP2's private `_get_managed_modules`/`_get_managed_states`, which "
+        "skip the modules FSDP2's own state registry marks as sharded (ours are not in it)",
+    ),
+    **dict.fromkeys(
+        (
+            "TestFullyShardShardedParameterTensor.test_shard_tensor_parameters",
+            "TestFullyShardShardPlacementFn.test_init_1d_transformer_shard_largest_dim",
+            "TestFullyShardHSDPBroadcast.test_hsdp_broadcast_across_replicas",
+            "TestHSDPWithCustomHook.test_custom_hsdp_all_reduce_hook",
+        ),
+        f"{_LAYOUT}: the test checks `Shard` placements, `torch.chunk` local shards or local "
+        "gradient shapes, or that replicas' local shards differ after filling one (two empty "
+        "local shards are equal)",
+    ),
+    "TestFullyShardShardedParameterDTensor.test_shard_dtensor_parameters": (
+        "refused on purpose: a tensor-parallel parameter sharded unevenly over the TP mesh "
+        "(27 rows over 2 ranks) raises ValueError (the planner needs even TP-local shapes); the "
+        f"test also checks `_StridedShard`/`Shard` placements ({_LAYOUT})"
+    ),
+    "TestFullyShardShardPlacementFn.test_init_2d_transformer_shard_diff_dim": (
+        "refused on purpose: `shard_placement_fn` returning Shard(1) for a tensor-parallel "
+        "DTensor raises ValueError (its local tensor is cut between whole dim-0 rows)"
+    ),
+    "TestFullyShardShardPlacementFn.test_invalid_shard_dim": (
+        "refused as FSDP2 does, with a ValueError naming the parameter and the dim (FSDP2: an "
+        "AssertionError 'Shard dim 1 is invalid for 1D tensor')"
+    ),
+    "TestFullyShardShardPlacementFn.test_init_1d_uneven_shard_largest_dim": (
+        "accepted on purpose: Shard(1) of a dim the world size does not divide (FSDP2: "
+        "NotImplementedError 'uneven sharding on dim 1'); ours cuts between whole slices "
+        "x[i, j], losses equal FSDP2's where both run"
+    ),
+    "TestFullyShardShardedParameterTensor.test_raise_noncontiguous_parameter": (
+        "accepted on purpose: a non-contiguous (channels_last) parameter (FSDP2: "
+        "NotImplementedError); ours packs its values into the flat buffer, the unsharded "
+        "parameter is a contiguous view of it (same values, default memory format)"
+    ),
+    "TestFullyShardMeshArg.test_2d_mesh_without_mesh_dim_names": (
+        "accepted on purpose: a 2-D mesh without mesh_dim_names (FSDP2: AssertionError); ours "
+        "takes dim 0 as replicate and dim 1 as shard, as FSDP2 does with names"
+    ),
+    "TestFullyShardMetaDeviceInit.test_rank0_broadcast_meta_device_init": (
+        "refused on purpose: `load_state_dict(assign=True)` raises ValueError (ours loads in "
+        "place, into the flat buffer the parameters view); the test also rebuilds each shard "
+        f"with `distribute_tensor(full, mesh, placements)` ({_LAYOUT})"
+    ),
     # extensions
     **dict.fromkeys(
         (
@@ -134,15 +243,19 @@ def install_cpu_stand_ins() -> None:
     - ``torch.accelerator.device_count()`` and ``torch.cpu.device_count()`` report
       ``CPU_DEVICE_COUNT``: ``FSDPTest`` skips, and the tests size their world, from them.
     - ``skip_if_lt_x_gpu`` runs the test: the ranks are CPU processes.
-    - ``MultiProcessTestCase`` forks its ranks instead of spawning them: a spawned rank imports
-      torch again (seconds per rank on a 2-core machine), and forking keeps the rebinding below.
+    - ``MultiProcessTestCase`` and ``MultiProcContinuousTest`` (``FSDPTestContinuous``) fork
+      their ranks instead of spawning them: a spawned rank imports torch again (seconds per
+      rank on a 2-core machine) and would not see the stand-ins or the rebinding below; a
+      test of a continuous class that fails does not skip the rest of its class (each test is
+      counted on its own; the class's ranks and process group stay in use).
     - ``DistributedDataParallel`` (the tests' reference, through ``replicate``) drops
       ``device_ids``/``output_device``, which DDP refuses for CPU modules.
     - ``.cuda()`` on tensors and modules, ``device="cuda"`` in the common factories and
       ``init_device_mesh("cuda", ...)`` stay on CPU, and ``torch.cuda.device_count()`` reports
       ``CPU_DEVICE_COUNT``, for the older test files that name CUDA directly (they still see
       ``torch.cuda.is_available()`` false); their ``common_fsdp.test_compiled_fsdp`` is today's
-      ``compiled_fsdp_test``.
+      ``compiled_fsdp_test``; ``torch.cuda.can_device_access_peer`` reports ``False`` (what
+      ``requires_cuda_p2p_access`` asks at import, for each pair of those devices).
     """
     import torch
     import torch.distributed.device_mesh as device_mesh
@@ -160,6 +273,15 @@ def install_cpu_stand_ins() -> None:
         self._start_processes(torch.multiprocessing.get_context("fork").Process)
 
     common_distributed.MultiProcessTestCase._spawn_processes = fork_processes
+    continuous = common_distributed.MultiProcContinuousTest
+    continuous._spawn_processes = classmethod(_forking(continuous._spawn_processes.__func__))
+    continuous_set_up = continuous.setUp
+
+    def set_up_each(self) -> None:
+        type(self).poison_pill = False  # one failure would skip the rest of its class
+        continuous_set_up(self)
+
+    continuous.setUp = set_up_each
 
     ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
 
@@ -180,11 +302,35 @@ def install_cpu_stand_ins() -> None:
     device_mesh.init_device_mesh = init_cpu_device_mesh
     torch.distributed.device_mesh.init_device_mesh = init_cpu_device_mesh
     torch.cuda.device_count = lambda: CPU_DEVICE_COUNT
+    torch.cuda.can_device_access_peer = lambda *args, **kwargs: False
+    # ``with torch.device("meta")`` matches the factories it redirects against a set it builds
+    # (and caches) on first use: built after the wrapping below, it would hold the wrappers,
+    # and the meta-device tests would build their models on CPU
+    torch.utils._device._device_constructors()
     for name in _FACTORIES:
         setattr(torch, name, _on_cpu(getattr(torch, name)))
     common_fsdp = importlib.import_module("torch.testing._internal.common_fsdp")
     if not hasattr(common_fsdp, "test_compiled_fsdp"):  # its name before torch 2.7
         common_fsdp.test_compiled_fsdp = common_fsdp.compiled_fsdp_test
+
+
+def _forking(spawn_processes):
+    """``MultiProcContinuousTest._spawn_processes`` with fork in place of its spawn: its
+    ``set_start_method("spawn")`` is skipped and ``torch.multiprocessing.Process``/``Queue``
+    are the fork context's while it runs."""
+    import torch.multiprocessing as mp
+
+    def fork_processes(cls, world_size) -> None:
+        fork = mp.get_context("fork")
+        saved = mp.set_start_method, mp.Process, mp.Queue
+        mp.set_start_method = lambda *args, **kwargs: None
+        mp.Process, mp.Queue = fork.Process, fork.Queue
+        try:
+            spawn_processes(cls, world_size)
+        finally:
+            mp.set_start_method, mp.Process, mp.Queue = saved
+
+    return fork_processes
 
 
 #: Factories whose ``device="cuda"`` the older test files pass: created on CPU instead.
@@ -240,11 +386,13 @@ _EXCEPTION = re.compile(r"\b((?:[\w.]*(?:Error|Exception|Failure)|AssertionError
 
 def _reason(err) -> str:
     """The exception a failure ends in: for a multi-rank test, the first rank's own (the line
-    after a rank's traceback, not the runner's 'exited with' summary)."""
+    after a rank's traceback, not the runner's 'exited with' summary, nor a continuous test
+    class's 'Exception in worker process:' header)."""
     text = "".join(traceback.format_exception(*err))
     for line in text.splitlines():
         match = _EXCEPTION.search(line)
-        if match and "exited with" not in line and "terminated or timed out" not in line:
+        skip = ("exited with", "terminated or timed out", "Exception in worker process:")
+        if match and not any(x in line for x in skip):
             return match.group(1).strip()[:300]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return (lines[-1] if lines else "")[:300]

@@ -55,6 +55,17 @@ def check_not_managed(names: Sequence[str], params: Sequence[nn.Parameter], wher
             )
 
 
+def check_no_scalar_params(names: Sequence[str], params: Sequence[nn.Parameter], where: str) -> None:
+    """Raise ``ValueError`` (FSDP2's message) if one of ``params`` (named ``names`` in ``where``)
+    is 0-d: a RaggedShard needs a dim to cut."""
+    for name, p in zip(names, params):
+        if p.ndim == 0:
+            raise ValueError(
+                f"fully_shard({where}) doesn't support scalar parameters. Change {name} to a "
+                f"1D tensor with numel equal to 1."
+            )
+
+
 _EXTENSION_HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 
 

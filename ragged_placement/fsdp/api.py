@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
@@ -18,6 +20,7 @@ from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement.fsdp._validation import (
     check_granularity,
     check_no_all_gather_extension,
+    check_no_scalar_params,
     check_not_managed,
     record_managed,
     unmatched_patterns,
@@ -342,6 +345,14 @@ def _check_spmd_options(reshard_after_forward: object, quant: object) -> None:
         raise ValueError(f"quant={quant!r} with dp_mesh_dims is not supported: drop one of them")
 
 
+def _register_fully_shard(module: nn.Module) -> None:
+    """Record ``fully_shard`` in ``module``'s composable-API registry, as FSDP2's ``@contract``
+    does: torch's ``replicate()`` reads it to leave a sharded module's parameters to it (and to
+    refuse replicating the module itself)."""
+    registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
+    registry["fully_shard"] = RegistryItem()
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -503,6 +514,7 @@ def fully_shard(
     slots, params, owned_modules = _collect_params(modules, ignored)
     where = type(modules[0]).__name__
     check_not_managed([s.fqn for s in slots], params, where)
+    check_no_scalar_params([s.fqn for s in slots], params, where)
     check_no_all_gather_extension([s.fqn for s in slots], params, where)
     shard_placement_fn, other_meshes = split_by_mesh(
         shard_placement_fn, slots, params, mesh, modules
@@ -546,6 +558,7 @@ def fully_shard(
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
+        _register_fully_shard(m)
     for m in owned_modules:
         _SHARDED_BY[m] = type(modules[0]).__name__
     return module

@@ -122,10 +122,14 @@ def _set_fp8_weight(module: nn.Module, attr: str, weight) -> None:
     (``None``: none, the module is sharded)."""
     if isinstance(module, FP8Linear):
         module.weight_fp8 = weight
-    elif weight is None:
-        module.fp8_weights.pop(attr, None)
+        return
+    weights = getattr(module, "fp8_weights", None)
+    if weights is None:
+        module.fp8_weights = weights = {}
+    if weight is None:
+        weights.pop(attr, None)
     else:
-        module.fp8_weights[attr] = weight
+        weights[attr] = weight
 
 
 def convert_unit_linears(

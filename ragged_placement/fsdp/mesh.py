@@ -227,7 +227,8 @@ class DataParallelMesh(UnitMesh):
         """Validate ``mesh`` (the ``mesh`` argument of ``fully_shard``)."""
         if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
             raise ValueError(
-                f"mesh must be a 1-D (shard) or 2-D (replicate, shard) DeviceMesh, got {mesh!r}"
+                "mesh must be a 1-D (shard) or 2-D (replicate, shard) DeviceMesh: fully_shard "
+                f"expects a 1D or 2D DeviceMesh but got {mesh!r}"
             )
         return DataParallelMesh(mesh)
 

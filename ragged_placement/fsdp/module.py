@@ -262,20 +262,31 @@ class FSDPModule(TorchFSDPModule):
         self._fsdp_state.backward_prefetch = _prefetch_states(modules)
 
     def set_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], *, stream: object = None
+        self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
     ) -> None:
         """As FSDP2's: ``hook(reduce_output)`` runs on the unit's reduce-scatter output (after
         HSDP's all-reduce), the summed flat gradient shard of each of its buffers (one per
-        dtype), in place, before the division and the landing in ``.grad``. It runs on the
-        current stream, where that output is ready: ``stream`` must be ``None``."""
+        dtype), in place, before the division and the landing in ``.grad``. It runs on
+        ``stream`` when given (which first waits for the current stream, and the current
+        stream then for it), else on the current stream.
+
+        Raises:
+            ValueError: ``hook`` is not callable, ``stream`` is not a stream (an object with
+                ``wait_stream``, e.g. ``torch.cuda.Stream``), or it is given on a 2-D (HSDP)
+                mesh (FSDP2's message: there the hook runs after the all-reduce, on its stream).
+        """
         if not callable(hook):
             raise ValueError(f"hook must be callable, got {hook!r}")
-        if stream is not None:
+        if stream is not None and not callable(getattr(stream, "wait_stream", None)):
             raise ValueError(
-                f"stream must be None, got {stream!r}: the hook runs on the current stream, "
-                "after the reduce-scatter it reads"
+                f"stream must be None or a stream of the mesh's device type (e.g. "
+                f"torch.cuda.Stream()), got {stream!r}"
             )
-        self._fsdp_state.unit.all_reduce_hook = hook
+        unit = self._fsdp_state.unit
+        if stream is not None and unit.dp.hsdp:
+            raise ValueError("stream cannot be set when using native HSDP")
+        unit.all_reduce_hook = hook
+        unit.all_reduce_hook_stream = stream
 
     def set_custom_all_gather(self, comm: Callable) -> None:
         """As FSDP2's: ``comm(output_tensor, input_tensor, group=, async_op=)`` (FSDP2's

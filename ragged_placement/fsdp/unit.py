@@ -128,6 +128,7 @@ class FSDPUnit:
     gradient_divide_factor: float | None
     # FSDPModule.set_all_reduce_hook: called on each buffer's reduced (summed) gradient shard
     all_reduce_hook: Callable[[torch.Tensor], None] | None
+    all_reduce_hook_stream: torch.Stream | None  # the stream it runs on (None: the current one)
     # FSDPModule.set_custom_all_gather / set_custom_reduce_scatter: run in place of c10d's
     custom_all_gather: Callable | None
     custom_reduce_scatter: Callable | None
@@ -164,6 +165,7 @@ class FSDPUnit:
         self.state = UnitState.SHARDED
         self.gradient_divide_factor = None
         self.all_reduce_hook = None
+        self.all_reduce_hook_stream = None
         self.custom_all_gather = self.custom_reduce_scatter = None
         self.requires_all_reduce = True
         self._empty_device = torch.device(self.mesh.device_type)
@@ -469,8 +471,22 @@ class FSDPUnit:
             if out is None:
                 continue
             if self.all_reduce_hook is not None:
-                self.all_reduce_hook(out)
+                self._run_all_reduce_hook(out)
             self.buffers[k].grads.land(out, scale, divisor)
+
+    def _run_all_reduce_hook(self, out: torch.Tensor) -> None:
+        """:meth:`FSDPModule.set_all_reduce_hook`'s hook on ``out``, on its stream if one was
+        set (ordered after the current stream's work on ``out``, and before what follows)."""
+        stream = self.all_reduce_hook_stream
+        if stream is None:
+            self.all_reduce_hook(out)
+            return
+        device_module = torch.get_device_module(out.device.type)
+        current = device_module.current_stream()
+        stream.wait_stream(current)
+        with device_module.stream(stream):
+            self.all_reduce_hook(out)
+        current.wait_stream(stream)
 
     def _sum_replicas(self, k: int, out: torch.Tensor) -> torch.Tensor | None:
         """HSDP: buffer ``k``'s reduce-scatter output summed over the replicas (``None``: kept

@@ -732,6 +732,106 @@ def test_gradient_divide_factor_on_gloo_and_ranks_disagreeing_on_the_plan():
         assert seconds < 2.0
 
 
+def _fsdp2_errors(rank: int, ws: int, runtime: str) -> None:
+    """A 0-d parameter and a 3-D mesh raise FSDP2's ``ValueError`` messages (the ones torch's
+    test_fully_shard_init.py matches)."""
+    m = nn.Sequential(nn.Linear(3, 3))
+    m.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
+    with pytest.raises(ValueError, match=r"Change scalar_p to a 1D tensor with numel equal to 1\."):
+        _fs(runtime)(m, mesh=_mesh(ws))
+    cube = DeviceMesh("cpu", torch.arange(ws).view(ws, 1, 1))
+    with pytest.raises(ValueError, match=r"fully_shard expects a 1D or 2D DeviceMesh but got Dev"):
+        _fs(runtime)(nn.Linear(3, 3), mesh=cube)
+
+
+def test_scalar_parameter_and_3d_mesh_raise_fsdp2s_errors():
+    for runtime in ("ours", "fsdp2"):
+        run_threaded(_fsdp2_errors, WORLD, runtime)
+
+
+def _replicated(rank: int, ws: int) -> dict:
+    """torch's composable ``replicate()`` over a model one block of which is ``fully_shard``-ed
+    (torch's test_unshard_async shape), for ours and FSDP2: the block's parameters are left to
+    ``fully_shard`` (its local shards differ in shape across ranks with ours, which DDP's
+    shape check refused), the rest are DDP's; the parameters after ``STEPS`` Adam steps."""
+    from torch.distributed._composable import replicate
+
+    torch.set_num_threads(1)
+    sl = slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
+    out = {}
+    for runtime in ("ours", "fsdp2"):
+        m = Chain()
+        m.load_state_dict(CHAIN)
+        _fs(runtime)(m.blocks[1], mesh=_mesh(ws))
+        replicate(m)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2, foreach=False)
+        for step in range(STEPS):
+            F.mse_loss(m(X[step, sl]), Y[step, sl]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[runtime] = {k: _full(p) for k, p in m.named_parameters()}
+    return out
+
+
+@pytest.mark.multiprocess
+def test_replicate_over_a_fully_shard_block_trains_as_one_process_and_fsdp2():
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2, foreach=False)
+    for step in range(STEPS):
+        F.mse_loss(m(X[step]), Y[step]).backward()
+        opt.step()
+        opt.zero_grad()
+    for per_runtime in run_gloo(_replicated, WORLD):
+        for runtime, params in per_runtime.items():
+            for k, p in m.named_parameters():
+                torch.testing.assert_close(params[k], p.detach(), atol=TOL, rtol=0, msg=runtime + k)
+
+
+_CONV = nn.Conv2d(4, 4, 3)
+X_CONV = torch.randn(8, 4, 6, 6, generator=_GEN)
+
+
+def _conv() -> nn.Conv2d:
+    """A ``channels_last`` convolution: its weight is not contiguous (FSDP2 refuses it)."""
+    m = nn.Conv2d(4, 4, 3)
+    m.load_state_dict(_CONV.state_dict())
+    return m.to(memory_format=torch.channels_last)
+
+
+def _sgd(m: nn.Module, xs: list[torch.Tensor]) -> None:
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for x in xs:
+        m(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _accepted(rank: int, ws: int) -> tuple[dict, dict]:
+    """What FSDP2 refuses and ours accepts: a 2-D mesh without ``mesh_dim_names`` (HSDP, dim 0
+    replicates) and a non-contiguous parameter; the parameters after two SGD steps."""
+    unnamed = _square()
+    fully_shard(unnamed, mesh=init_device_mesh("cpu", (2, ws // 2)))
+    per = BATCH // ws
+    _sgd(unnamed, [X[s, rank * per : (rank + 1) * per] for s in range(2)])
+    conv = _conv()
+    assert not conv.weight.is_contiguous()
+    fully_shard(conv, mesh=_mesh(ws))
+    _sgd(conv, [X_CONV[rank : rank + 1], X_CONV[ws + rank : ws + rank + 1]])
+    return ({k: _full(p) for k, p in unnamed.named_parameters()},
+            {k: _full(p) for k, p in conv.named_parameters()})
+
+
+def test_2d_mesh_without_names_and_a_noncontiguous_parameter_train_as_one_process():
+    ref_square, ref_conv = _square(), _conv()
+    _sgd(ref_square, [X[0], X[1]])
+    _sgd(ref_conv, [X_CONV[0:4], X_CONV[4:8]])
+    for square, conv in run_threaded(_accepted, 4):
+        for got, ref in ((square, ref_square), (conv, ref_conv)):
+            for k, p in ref.named_parameters():
+                torch.testing.assert_close(got[k], p.detach(), atol=TOL, rtol=0, msg=k)
+
+
 # -- bad input: named, before any collective -------------------------------------------------------
 
 
@@ -961,36 +1061,53 @@ def test_unshard_in_backward_false_gathers_once_per_step_as_in_fsdp2():
 # -- set_all_reduce_hook --------------------------------------------------------------------------
 
 
-def _hooked(rank: int, ws: int, runtime: str):
-    """A hook that doubles the reduced gradients: the result is used (gradients twice one
-    process's); ours also returns the sizes it saw (the unit's flat shard)."""
-    m = Chain()
-    m.load_state_dict(CHAIN)
-    for block in m.blocks:
-        _fs(runtime)(block, mesh=_mesh(ws))
-    _fs(runtime)(m, mesh=_mesh(ws))
-    seen = []
-
-    def hook(reduced: torch.Tensor) -> None:
-        seen.append(reduced.numel())
-        reduced.mul_(2)
-
-    for module in (m, *m.blocks):
-        module.set_all_reduce_hook(hook)
+def _hook_on_stream(rank: int, ws: int) -> dict:
+    """``set_all_reduce_hook(hook, stream=s)`` (in processes: the CPU current stream is a
+    process global), for ours and FSDP2: the hook runs with ``s`` current on each unit's
+    reduced shard (ours: the unit's flat shard per buffer) and its doubling of the reduced
+    gradients lands; the current stream is restored; on a 2-D (HSDP) mesh both refuse the
+    stream with FSDP2's message."""
+    torch.set_num_threads(1)
     sl = slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
-    F.mse_loss(m(X[0, sl]), Y[0, sl]).backward()
-    if runtime == "ours":
-        chunks = [b.chunk_numel for _, unit in m.fsdp_units() for b in unit.buffers]
-        assert sorted(seen) == sorted(chunks)
-    return {k: _full(p.grad) for k, p in m.named_parameters()}
+    out = {}
+    for runtime in ("ours", "fsdp2"):
+        m = Chain()
+        m.load_state_dict(CHAIN)
+        for block in m.blocks:
+            _fs(runtime)(block, mesh=_mesh(ws))
+        _fs(runtime)(m, mesh=_mesh(ws))
+        stream, seen = torch.cpu.Stream(), []
+
+        def hook(reduced: torch.Tensor) -> None:
+            seen.append((torch.cpu.current_stream(), reduced.numel()))
+            reduced.mul_(2)
+
+        for module in (m, *m.blocks):
+            module.set_all_reduce_hook(hook, stream=stream)
+        F.mse_loss(m(X[0, sl]), Y[0, sl]).backward()
+        on_stream = bool(seen) and all(s is stream for s, _ in seen)
+        if runtime == "ours":
+            chunks = [b.chunk_numel for _, unit in m.fsdp_units() for b in unit.buffers]
+            assert sorted(n for _, n in seen) == sorted(chunks)
+        restored = torch.cpu.current_stream() is not stream
+        hsdp = Chain()
+        hsdp_mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("replicate", "shard"))
+        _fs(runtime)(hsdp, mesh=hsdp_mesh)
+        with pytest.raises(ValueError, match="^stream cannot be set when using native HSDP$"):
+            hsdp.set_all_reduce_hook(hook, stream=stream)
+        grads = {k: _full(p.grad) for k, p in m.named_parameters()}
+        out[runtime] = (grads, on_stream, restored)
+    return out
 
 
-def test_all_reduce_hook_receives_the_reduced_shard_and_its_result_is_used_as_in_fsdp2():
+@pytest.mark.multiprocess
+def test_all_reduce_hook_on_a_stream_receives_the_reduced_shard_as_in_fsdp2():
     m = Chain()
     m.load_state_dict(CHAIN)
     F.mse_loss(m(X[0]), Y[0]).backward()
-    for runtime in ("ours", "fsdp2"):
-        for grads in run_threaded(_hooked, WORLD, runtime):
+    for per_runtime in run_gloo(_hook_on_stream, WORLD):
+        for runtime, (grads, on_stream, restored) in per_runtime.items():
+            assert on_stream and restored, runtime
             for k, p in m.named_parameters():
                 torch.testing.assert_close(grads[k], 2 * p.grad, atol=TOL, rtol=0, msg=k)
 
