@@ -126,6 +126,9 @@ def hf_config(cfg: TrainConfig, vocab: int) -> Any:
         raise ValueError(f"--seq {cfg.seq} > max_position_embeddings {positions} of --model "
                          f"{cfg.model!r}")
     _check_router(cfg, config)
+    # Training: no KV cache. With one, a forward recomputed by activation checkpointing appends
+    # to the cache the first pass filled (DeepSeek-V3's MLA: keys of 2 x --seq positions).
+    config.use_cache = False
     if kind in MOE_TYPES:
         _check_moe_config(cfg, config)
     elif cfg.ep > 1:

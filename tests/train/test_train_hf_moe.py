@@ -95,29 +95,52 @@ def _gathered(out: dict) -> float:
     return sum(v for k, v in out["collective_bytes_by_call"].items() if "all_gather" in k)
 
 
-def _check_family(kind: str, runs: list[tuple[str, int]], tmp_path) -> None:
-    """``runs`` ((runtime, ep) each) on 4 gloo ranks end within 1e-5 of one process (losses
-    and every weight), so within 2e-5 of each other; with ``--ep`` > 1 the runtime gathers less
-    (the experts are sharded by expert over ep, gathered only over the ranks beside it)."""
+def _check_family(kind: str, runs: list[tuple[str, int, str]], tmp_path) -> None:
+    """``runs`` ((runtime, ep, extra flags) each) on 4 gloo ranks end within 1e-5 of one process
+    (losses and every weight), so within 2e-5 of each other; with ``--ep`` > 1 the runtime
+    gathers less (the experts are sharded by expert over ep, gathered only over the ranks beside
+    it)."""
     losses, expected = _reference(kind)
     per_rank = ["--batch", str(GLOBAL_BATCH // WORLD)]
-    argvs = [[*_argv(kind), *per_rank, "--runtime", runtime, "--ep", str(ep),
-              "--output", str(tmp_path / f"{runtime}_ep{ep}.pt")] for runtime, ep in runs]
+    argvs = [[*_argv(kind), *per_rank, "--runtime", runtime, "--ep", str(ep), *extra.split(),
+              "--output", str(tmp_path / f"{i}.pt")] for i, (runtime, ep, extra) in enumerate(runs)]
     results = run_gloo(_train_runs, WORLD, argvs)[0]
     by_run = dict(zip(runs, results))
-    for (runtime, ep), out in by_run.items():
-        if ep > 1 and (runtime, 1) in by_run:
-            assert _gathered(out) < _gathered(by_run[runtime, 1]), (runtime, ep)
-        torch.testing.assert_close(out["losses"], list(losses), atol=ATOL, rtol=ATOL,
-                                   msg=f"{runtime} --ep {ep}")
-        trained = torch.load(tmp_path / f"{runtime}_ep{ep}.pt")
+    for i, ((runtime, ep, extra), out) in enumerate(by_run.items()):
+        run = f"{runtime} --ep {ep} {extra}".strip()
+        if ep > 1 and (runtime, 1, extra) in by_run:
+            assert _gathered(out) < _gathered(by_run[runtime, 1, extra]), run
+        torch.testing.assert_close(out["losses"], list(losses), atol=ATOL, rtol=ATOL, msg=run)
+        trained = torch.load(tmp_path / f"{i}.pt")
         assert trained.keys() == expected.keys()
-        print(f"{kind} {runtime} --ep {ep}: loss "
+        print(f"{kind} {run}: loss "
               f"{max(abs(a - b) for a, b in zip(out['losses'], losses)):.1e}, weights "
               f"{max((trained[k] - v).abs().max().item() for k, v in expected.items()):.1e}")
         for name, value in expected.items():
             torch.testing.assert_close(trained[name], value, atol=ATOL, rtol=ATOL,
-                                       msg=f"{runtime} --ep {ep}: {name}")
+                                       msg=f"{run}: {name}")
+
+
+def test_hf_moe_recomputed_by_activation_checkpointing_matches_one_pass():
+    """DeepSeek-V3 with every layer under the trainer's ``checkpoint_wrapper``: the same loss
+    and gradients as without (``use_cache`` is off: with a KV cache, the recomputed attention
+    appended to the cache of the first pass and saw 32 keys instead of 16)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from ragged_placement.trainer.build import TokenData, loss_fn
+
+    cfg = parse_config(_argv("deepseek_v3"))
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(cfg.seed)
+        model = new_model(cfg)
+        if checkpointed:
+            for i, layer in enumerate(model.model.layers):
+                model.model.layers[i] = checkpoint_wrapper(layer)
+        loss_fn(model, *TokenData(cfg).batch(0, 0, 1)).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, atol=0, rtol=0)
 
 
 def _config_json(tmp_path, **changes) -> str:
@@ -183,7 +206,7 @@ def test_hf_moe_config_json_refusals(tmp_path):
 def test_hf_qwen3_moe_expert_parallel_matches_one_process(tmp_path):
     """Qwen3-MoE (the last layer MoE), EP 2 x FSDP 2 (ours): 6 AdamW steps within 1e-5 of one
     process. (FSDP without EP, EP 4 and torch FSDP2: the opt-in test below.)"""
-    _check_family("qwen3_moe", [("ours", 2)], tmp_path)
+    _check_family("qwen3_moe", [("ours", 2, "")], tmp_path)
 
 
 @pytest.mark.multiprocess
@@ -192,7 +215,9 @@ def test_hf_qwen3_moe_expert_parallel_matches_one_process(tmp_path):
 def test_hf_moe_fsdp_and_expert_parallel_match_one_process(kind, tmp_path):
     """Mixtral (every layer MoE), Qwen3-MoE and DeepSeek-V3 (a shared expert, sigmoid router
     with its correction bias, MLA; the last layer MoE): FSDP over 4 ranks (ours and torch
-    FSDP2), EP 2 x FSDP 2 and EP 4 (ours), EP 2 x FSDP 2 and EP 4 (torch FSDP2 + the same EP):
-    6 AdamW steps within 1e-5 of one process. Opt-in (``-m slow``, ``make test-slow``)."""
-    runs = [(runtime, ep) for runtime in ("ours", "fsdp2") for ep in (1, 2, 4)]
+    FSDP2), EP 2 x FSDP 2 and EP 4 (ours), EP 2 x FSDP 2 and EP 4 (torch FSDP2 + the same EP),
+    and EP 2 x FSDP 2 with activation checkpointing (both runtimes): 6 AdamW steps within 1e-5
+    of one process. Opt-in (``-m slow``, ``make test-slow``)."""
+    runs = [(runtime, ep, "") for runtime in ("ours", "fsdp2") for ep in (1, 2, 4)]
+    runs += [(runtime, 2, "--activation-checkpointing") for runtime in ("ours", "fsdp2")]
     _check_family(kind, runs, tmp_path)
