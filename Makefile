@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench titan conformance clean
+.PHONY: demo test test-slow install bench titan conformance clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -24,7 +24,11 @@ demo: $(STAMP)
 # once): on 2 cores one worker's gloo ranks fill the other's waits. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow" tests
+
+# The long training comparisons `make test` leaves out (marker `slow`).
+test-slow: $(STAMP)
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m slow tests
 
 # torchtitan's own trainer with FSDP2 and with ours, every configuration (docs/torchtitan.md);
 # `make test` runs its FSDP case only.

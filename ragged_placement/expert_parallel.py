@@ -33,7 +33,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ragged_placement.planner.sharding import StateSharding
 
-__all__ = ["ExpertParallel", "check_expert_parallel", "drop_dim", "split_state_sharding"]
+__all__ = ["ExpertParallel", "ExpertRouting", "check_expert_parallel", "drop_dim",
+           "shard_experts", "split_state_sharding"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -148,25 +149,38 @@ class ExpertParallel(ParallelStyle):
     module docstring). Apply with ``parallelize_module(module, ep_mesh, ExpertParallel())``."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:
-            raise ValueError(f"ExpertParallel needs a 1-D ep mesh, got {device_mesh!r}")
-        num_experts = check_expert_parallel(module, device_mesh.size())
-        rank, size = device_mesh.get_local_rank(), device_mesh.size()
-        per = num_experts // size
-        for name, p in list(module.named_parameters(recurse=False)):
-            if isinstance(p, DTensor):
-                raise ValueError(f"ExpertParallel: parameter {name} is already a DTensor")
-            local = p.detach().narrow(0, rank * per, per).clone()
-            shard = DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False)
-            module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
-        module._ep = _Routing(device_mesh, num_experts)
+        module._ep = shard_experts(module, device_mesh)
         module.register_forward_pre_hook(_dispatch_hook)
         module.register_forward_hook(_combine_hook)
         return module
 
 
-class _Routing:
-    """One experts module's ep group and the exchanges of its forwards in flight."""
+def shard_experts(module: nn.Module, device_mesh: DeviceMesh) -> ExpertRouting:
+    """Make each parameter of ``module`` (``E`` experts stacked on dim 0) a ``Shard(0)`` DTensor
+    on the 1-D ``device_mesh`` from the full tensor this rank holds (no communication), and
+    return the :class:`ExpertRouting` that sends tokens to the ranks owning their experts.
+
+    Raises:
+        ValueError: ``device_mesh`` is not 1-D, its size does not divide ``E`` or a parameter
+            is already a DTensor (:func:`check_expert_parallel`).
+    """
+    if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:
+        raise ValueError(f"ExpertParallel needs a 1-D ep mesh, got {device_mesh!r}")
+    num_experts = check_expert_parallel(module, device_mesh.size())
+    rank, size = device_mesh.get_local_rank(), device_mesh.size()
+    per = num_experts // size
+    for name, p in list(module.named_parameters(recurse=False)):
+        if isinstance(p, DTensor):
+            raise ValueError(f"ExpertParallel: parameter {name} is already a DTensor")
+        local = p.detach().narrow(0, rank * per, per).clone()
+        shard = DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False)
+        module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+    return ExpertRouting(device_mesh, num_experts)
+
+
+class ExpertRouting:
+    """One experts module's ep group and the exchanges of its forwards in flight: :meth:`dispatch`
+    before its experts, :meth:`combine` after (in the same order as the forwards)."""
 
     def __init__(self, mesh: DeviceMesh, num_experts: int) -> None:
         self.group = mesh.get_group()

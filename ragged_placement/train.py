@@ -311,8 +311,9 @@ def _header(cfg: TrainConfig, env: DistributedEnv) -> None:
     if env.rank == 0:
         mesh = "x".join(map(str, cfg.mesh or (env.world_size,)))
         model = cfg.model
-        if cfg.model == "moe":
+        if cfg.model == "moe" or cfg.ep > 1:
             mesh = f"{env.world_size // cfg.ep}x{cfg.ep} (dp_mod_ep, ep: --ep {cfg.ep})"
+        if cfg.model == "moe":
             model = (f"moe ({cfg.moe_layers} MoE layers of {cfg.experts} experts, top "
                      f"{cfg.top_k})")
         print(f"{model}: {cfg.layers} layers x {cfg.width}, seq {cfg.seq}; {env.world_size} "

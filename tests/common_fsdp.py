@@ -16,6 +16,8 @@ data. The pieces of that check live here, once:
   process would hold, to compare after training.
 * :func:`fully_shard_of`: ``"ours"`` or torch FSDP2's ``fully_shard``, so one test body runs
   both runtimes.
+* :func:`trainer_reference`: the trainer's (``ragged_placement.train``) step in one process on
+  the whole global batch: its loss, AdamW, clipping and schedule.
 
 A test keeps its own model, data, optimizer and tolerances; what it compares stays in the test.
 """
@@ -33,7 +35,8 @@ from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp import fully_shard
 
-__all__ = ["full", "full_params", "fully_shard_of", "global_loss", "rows", "train_steps"]
+__all__ = ["full", "full_params", "fully_shard_of", "global_loss", "rows", "train_steps",
+           "trainer_reference"]
 
 
 def fully_shard_of(runtime: str) -> Callable[..., nn.Module]:
@@ -108,3 +111,23 @@ def full_params(model: nn.Module, drop: str = "") -> dict[str, torch.Tensor]:
     return {
         (name.replace(drop, "") if drop else name): full(p) for name, p in model.named_parameters()
     }
+
+
+def trainer_reference(cfg, model: nn.Module, steps: int) -> list[float]:
+    """``steps`` steps of the trainer's options ``cfg`` (a ``TrainConfig`` whose ``batch`` is the
+    whole global batch) on ``model`` in one process: the trainer's loss, ``torch.optim.AdamW``,
+    gradient clipping and schedule; the loss of each step."""
+    from ragged_placement.trainer.build import TokenData, build_scheduler, loss_fn
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = build_scheduler(cfg, opt)
+    data, losses = TokenData(cfg), []
+    for step in range(steps):
+        loss = loss_fn(model, *data.batch(step, 0, 1))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses

@@ -17,7 +17,7 @@ combine without touching the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from ragged_placement.models.llama import Attention, FeedForward
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GroupedExperts", "MoE", "MoEBlock", "MoEConfig", "MoETransformer", "RouterGate", "TopKRouter",
-    "parallelize_moe", "run_experts", "update_expert_bias",
+    "parallelize_experts", "parallelize_moe", "run_experts", "update_expert_bias",
 ]
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
@@ -443,12 +443,38 @@ def parallelize_moe(
             ``StateSharding`` the runtime cannot honour (:func:`~ragged_placement.expert_parallel.
             split_state_sharding`, :func:`~ragged_placement.fsdp.nested.check_state_sharding`).
     """
-    from ragged_placement.expert_parallel import (
-        ExpertParallel,
-        check_expert_parallel,
-        split_state_sharding,
-    )
+    from ragged_placement.expert_parallel import ExpertParallel
     from ragged_placement.fsdp.fp8 import check_quant
+
+    quant = check_quant(fsdp_kwargs.pop("quant", None))
+    _check_fp8_configs(model, quant)
+    experts = {block: block.moe.experts for block in model.layers.values() if block.moe_enabled}
+    return parallelize_experts(
+        model, mesh, model.layers.values(), experts, ExpertParallel(), ep_dim=ep_dim,
+        shard_fn=shard_fn, state_sharding=state_sharding,
+        expert_state_sharding=expert_state_sharding, quant=quant, **fsdp_kwargs)
+
+
+def parallelize_experts(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    blocks: Iterable[nn.Module],
+    experts: dict[nn.Module, nn.Module],
+    style: ParallelStyle,
+    *,
+    ep_dim: str = "ep",
+    shard_fn: Callable[..., nn.Module] | None = None,
+    state_sharding: Any = None,
+    expert_state_sharding: Any = None,
+    quant: BlockFP8Config | None = None,
+    **fsdp_kwargs: Any,
+) -> nn.Module:
+    """:func:`parallelize_moe`'s recipe on any model: ``style`` (an expert-parallel
+    ``ParallelStyle``) on each experts module of ``experts`` (keyed by the block holding it) over
+    ``mesh[ep_dim]``, ``shard_fn`` on it over the dim beside ``ep_dim``, then on every block of
+    ``blocks`` and on ``model`` over all data-parallel ranks. Every check runs before any unit is
+    built; ``quant`` (checked by the caller) goes to ``shard_fn`` for every unit."""
+    from ragged_placement.expert_parallel import check_expert_parallel, split_state_sharding
 
     names = mesh.mesh_dim_names if isinstance(mesh, DeviceMesh) else None
     if names is None or mesh.ndim != 2 or ep_dim not in names:
@@ -456,8 +482,6 @@ def parallelize_moe(
             f"mesh must be a 2-D DeviceMesh (dp_mod_ep, {ep_dim!r}) with named dims, got {mesh!r}"
         )
     dp_mod_ep = names[1 - names.index(ep_dim)]
-    quant = check_quant(fsdp_kwargs.pop("quant", None))
-    _check_fp8_configs(model, quant)
     shard_fn = _check_shard_fn(shard_fn, state_sharding=state_sharding,
                                expert_state_sharding=expert_state_sharding, quant=quant)
     state_sharding, expert_state_sharding = split_state_sharding(
@@ -466,21 +490,22 @@ def parallelize_moe(
     _check_nested(mesh, state_sharding, fsdp_kwargs)
     _check_nested(mesh[dp_mod_ep], expert_state_sharding, fsdp_kwargs)
     ep_size = mesh[ep_dim].size()
-    moe_blocks = [b for b in model.layers.values() if b.moe_enabled]
-    for block in moe_blocks:
-        check_expert_parallel(block.moe.experts, ep_size)
-    dense, experts = _unit_arguments(mesh, ep_dim, state_sharding, expert_state_sharding, quant)
+    for module in experts.values():
+        check_expert_parallel(module, ep_size)
+    dense, expert_unit = _unit_arguments(mesh, ep_dim, state_sharding, expert_state_sharding,
+                                         quant)
     gloo = dist.get_backend(mesh.get_group(ep_dim)) == "gloo"
-    for block in moe_blocks:
-        parallelize_module(block.moe.experts, mesh[ep_dim], ExpertParallel())
-    for block in model.layers.values():
-        if block.moe_enabled:
-            shard_fn(block.moe.experts, **experts, **fsdp_kwargs)
-            block.moe.experts.set_gradient_divide_factor(mesh.size())
+    for module in experts.values():
+        parallelize_module(module, mesh[ep_dim], style)
+    for block in blocks:
+        if block in experts:
+            module = experts[block]
+            shard_fn(module, **expert_unit, **fsdp_kwargs)
+            module.set_gradient_divide_factor(mesh.size())
             if gloo and mesh[dp_mod_ep].size() > 1:
                 # FSDP2 divides by a factor with PREMUL_SUM, which gloo lacks. (Not on one
                 # rank: there FSDP2 2.13 would divide twice, in its copy and after it.)
-                block.moe.experts.set_force_sum_reduction_for_comms(True)
+                module.set_force_sum_reduction_for_comms(True)
         shard_fn(block, **dense, **fsdp_kwargs)
     shard_fn(model, **dense, **fsdp_kwargs)
     return model

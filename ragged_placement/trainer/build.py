@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ragged_placement.fsdp import StateSharding
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
+from ragged_placement.models.hf_moe import parallelize_hf_moe
 from ragged_placement.models.llama import Llama, LlamaConfig
 from ragged_placement.models.moe import MoEConfig, MoETransformer, parallelize_moe
 from ragged_placement.planner import StateShardingPlan, plan_state_sharding
@@ -74,9 +75,10 @@ def _blocks(model: nn.Module) -> nn.Module:
 
 def build_mesh(cfg: TrainConfig, device: torch.device, world_size: int) -> DeviceMesh:
     """The data-parallel mesh: ``--mesh`` (default: all ranks in one dim); ``zero3`` shards over
-    every rank (a 2-D mesh is flattened), ``hsdp`` replicates over the first dim. ``--model moe``:
-    ``(ranks / ep, ep)``, dims ``dp_mod_ep`` and ``ep`` (each ep group consecutive ranks)."""
-    if cfg.model == "moe":
+    every rank (a 2-D mesh is flattened), ``hsdp`` replicates over the first dim. ``--model moe``
+    and ``--ep`` > 1: ``(ranks / ep, ep)``, dims ``dp_mod_ep`` and ``ep`` (each ep group
+    consecutive ranks)."""
+    if cfg.model == "moe" or cfg.ep > 1:  # --ep > 1: also a Hugging Face mixture of experts
         return init_device_mesh(device.type, (world_size // cfg.ep, cfg.ep),
                                 mesh_dim_names=MOE_DIMS)
     shape, names = cfg.mesh or (world_size,), dim_names(cfg)
@@ -157,10 +159,14 @@ def build_model(cfg: TrainConfig, mesh: DeviceMesh, device: torch.device
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
             blocks.register_module(name, block)
-        if cfg.model != "moe":
+        if cfg.model != "moe" and cfg.ep == 1:
             shard(block, mesh=mesh, **kwargs)
-    if cfg.model == "moe":  # experts by expert over ep, FSDP beside it; the rest over all ranks
+    # experts by expert over ep, FSDP beside it; the rest over all ranks
+    if cfg.model == "moe":
         parallelize_moe(model, mesh, ep_dim=MOE_DIMS[1], shard_fn=shard, **kwargs)
+    elif cfg.ep > 1:  # a Hugging Face mixture of experts
+        parallelize_hf_moe(model, mesh, blocks.children(), ep_dim=MOE_DIMS[1], shard_fn=shard,
+                           **kwargs)
     else:
         shard(model, mesh=mesh, **kwargs)
     for block in blocks.values() if cfg.compile else ():

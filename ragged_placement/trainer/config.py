@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ragged_placement.trainer.hf import SIZE_FLAGS, hf_config, is_hf
+from ragged_placement.trainer.hf import SIZE_FLAGS, hf_config, hf_moe_type, is_hf
 
 __all__ = ["RUNTIMES", "STATE_SHARDINGS", "TrainConfig", "bandwidths", "check_world",
            "dim_names", "parse_config"]
@@ -95,8 +95,8 @@ class TrainConfig:
         keys = ("seed", "model", "layers", "width", "heads", "seq", "data", "data_bytes", "batch",
                 "optimizer", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip",
                 "precision", "steps")
-        if self.model == "moe":  # the experts' shape; --ep is the layout (DCP reshards it)
-            keys += ("experts", "top_k", "moe_layers")
+        if self.model == "moe" or self.model.startswith("hf:") and hf_moe_type(self.model):
+            keys += ("experts", "top_k", "moe_layers")  # the experts' shape; --ep is the layout
         return {k: getattr(self, k) for k in keys}
 
 
@@ -245,16 +245,33 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     if auto_only and cfg.state_sharding != "auto":
         raise ValueError(f"{_flag(auto_only[0])} is the partitioner's input: it needs "
                          f"--state-sharding auto, got {cfg.state_sharding!r}")
-    moe_only = [n for n in _MOE_ONLY if n in kwargs]
-    if moe_only and cfg.model != "moe":
-        raise ValueError(f"{_flag(moe_only[0])} is an option of --model moe, got --model "
-                         f"{cfg.model!r}: pass --model moe or drop {_flag(moe_only[0])}")
+    _check_moe_flags_given(cfg, [n for n in _MOE_ONLY if n in kwargs])
     sizes = [n for n in SIZE_FLAGS if n in kwargs]
     if cfg.model.endswith(".json") and sizes:
         raise ValueError(f"{_flag(sizes[0])}: --model {cfg.model!r} takes its sizes from the file;"
                          f" drop {_flag(sizes[0])} or use --model hf:TYPE")
     check_config(cfg)
     return cfg
+
+
+def _check_moe_flags_given(cfg: TrainConfig, given: list[str]) -> None:
+    """The MoE flags go with --model moe or a Hugging Face mixture of experts (hf:TYPE takes
+    them all but --moe-layers for Mixtral, whose layers are all MoE; a config.json takes --ep
+    only: its experts are in the file)."""
+    kind = hf_moe_type(cfg.model) if is_hf(cfg.model) else None
+    if kind is None:
+        allowed: tuple[str, ...] = _MOE_ONLY if cfg.model == "moe" else ()
+    elif cfg.model.endswith(".json"):
+        allowed = ("ep",)
+    else:
+        allowed = tuple(n for n in _MOE_ONLY if not (kind == "mixtral" and n == "moe_layers"))
+    refused = [n for n in given if n not in allowed]
+    if refused:
+        flag = _flag(refused[0])
+        raise ValueError(f"{flag} is an option of --model moe, got --model {cfg.model!r}: pass "
+                         f"--model moe or a Hugging Face mixture of experts (hf:mixtral, "
+                         f"hf:qwen3_moe, hf:deepseek_v3; a config.json takes --ep only, Mixtral no "
+                         f"--moe-layers: its layers are all MoE), or drop {flag}")
 
 
 def _choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None:
@@ -309,6 +326,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir")
     if cfg.model == "moe":  # first: its mesh is not --mesh
         _check_moe(cfg)
+    elif cfg.model.startswith("hf:") and hf_moe_type(cfg.model):
+        _check_moe_sizes(cfg)
+    if cfg.model != "moe" and cfg.ep > 1:  # a Hugging Face mixture of experts (hf_config checks)
+        _check_hf_expert_parallel(cfg)
+        _check_ep_mesh(cfg)
     _check_mesh(cfg)
     _check_state_sharding(cfg)
     if is_hf(cfg.model):
@@ -337,19 +359,38 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
 def _check_moe(cfg: TrainConfig) -> None:
     """What ``--model moe`` needs: whole experts per ep rank, top-k within the experts, MoE
     blocks within the layers; and what does not compose with it yet (named, not ignored)."""
+    _check_moe_sizes(cfg)
+    if cfg.experts % cfg.ep:
+        raise ValueError(f"--ep {cfg.ep} does not divide --experts {cfg.experts}: each ep rank "
+                         f"owns whole experts, an equal number each; pick --ep among the divisors "
+                         f"of {cfg.experts}")
+    _check_ep_mesh(cfg)
+
+
+def _check_moe_sizes(cfg: TrainConfig) -> None:
+    """Top-k within the experts, MoE blocks within the layers (``--model moe``, and the
+    Hugging Face mixtures of experts built from the flags)."""
     if cfg.top_k > cfg.experts:
         raise ValueError(f"--top-k {cfg.top_k} exceeds --experts {cfg.experts}: a token cannot be "
                          f"routed to more experts than exist; pass --top-k <= {cfg.experts}")
     if cfg.moe_layers > cfg.layers:
         raise ValueError(f"--moe-layers {cfg.moe_layers} exceeds --layers {cfg.layers}: pass "
                          f"--moe-layers <= {cfg.layers} (the first --layers minus it are dense)")
-    if cfg.experts % cfg.ep:
-        raise ValueError(f"--ep {cfg.ep} does not divide --experts {cfg.experts}: each ep rank "
-                         f"owns whole experts, an equal number each; pick --ep among the divisors "
-                         f"of {cfg.experts}")
+
+
+def _check_hf_expert_parallel(cfg: TrainConfig) -> None:
+    """What ``--ep`` does not compose with on a Hugging Face mixture of experts yet."""
+    if cfg.state_sharding != "zero3":
+        raise ValueError(f"--state-sharding {cfg.state_sharding} with --ep {cfg.ep} and --model "
+                         f"{cfg.model!r} is not supported yet (only zero3 is tested there): "
+                         f"drop --state-sharding, or use --ep 1")
+
+
+def _check_ep_mesh(cfg: TrainConfig) -> None:
+    """The mesh of expert parallelism is (ranks / ep, ep): what does not fit it."""
     if cfg.mesh is not None:
-        raise ValueError(f"--mesh {'x'.join(map(str, cfg.mesh))} with --model moe: the mesh is "
-                         "(ranks / ep, ep), set by --ep; drop --mesh")
+        raise ValueError(f"--mesh {'x'.join(map(str, cfg.mesh))} with --model {cfg.model}: the mesh "
+                         f"is (ranks / ep, ep), set by --ep; drop --mesh")
     if cfg.state_sharding == "hsdp":
         raise ValueError("--state-sharding hsdp with --model moe: the mesh is (ranks / ep, ep) and "
                          "the experts are sharded by expert over ep; replicate with --state-"

@@ -54,7 +54,7 @@ def layout(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     """How a run is distributed: saved in each manifest, compared on resume."""
     out = {"world_size": world_size, "runtime": cfg.runtime, "state_sharding": cfg.state_sharding,
            "mesh": "x".join(map(str, cfg.mesh or (world_size,)))}
-    if cfg.model == "moe":
+    if cfg.model == "moe" or cfg.ep > 1:
         out["ep"] = cfg.ep
     return out
 

@@ -58,6 +58,9 @@ before = snapshot()
 import stand_ins
 
 stand_ins.install(None)
+stand_ins.reduce_scatter_in_rank_order()
+stand_ins.dump_gradients("unused", set())
+stand_ins.record_exact_grad_norm("unused")
 after = snapshot()
 print("CHANGED", sorted(k for k in before if before[k] != after.get(k)), len(before))
 """
@@ -65,7 +68,8 @@ print("CHANGED", sorted(k for k in before if before[k] != after.get(k)), len(bef
 
 def test_stand_ins_change_nothing_in_ours():
     """The Done-when check "nothing else patched in ours": installing every CPU stand-in of the
-    harness (both runtimes' jobs) leaves every attribute of every loaded ``ragged_placement``
+    harness (both runtimes' jobs, with the optional ones of ``compare.py``'s ``*_rank_order``
+    cases and ``--dump-grads``) leaves every attribute of every loaded ``ragged_placement``
     module and class as it was; ``launch.py``'s one switch is torchtitan's ``fully_shard``."""
     import subprocess
 

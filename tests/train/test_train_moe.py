@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from common_fsdp import trainer_reference
 from dist_utils import run_gloo
 
 from ragged_placement import train
 from ragged_placement.models.moe import TopKRouter
-from ragged_placement.trainer.build import TokenData, build_scheduler, new_model
+from ragged_placement.trainer.build import new_model
 from ragged_placement.trainer.config import check_world, parse_config
 from ragged_placement.trainer.distributed import DistributedEnv
 from ragged_placement.trainer.resume import find_resume
@@ -66,19 +66,7 @@ def _reference(steps: int = STEPS) -> tuple[tuple[float, ...], dict[str, torch.T
     torch.manual_seed(cfg.seed)
     model = new_model(cfg)
     margins = _router_margins(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = build_scheduler(cfg, opt)
-    data, losses = TokenData(cfg), []
-    for step in range(steps):
-        x, y = data.batch(step, 0, 1)
-        logits = model(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+    losses = trainer_reference(cfg, model, steps)
     assert min(margins) >= MARGIN, f"a top-k decision is a near tie: margin {min(margins)}"
     return tuple(losses), {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -7,7 +7,12 @@ Each case runs ``torchtitan.train`` under ``torchrun`` (CPU, gloo) twice, with
 (made once per model, by torchtitan's own ``--checkpoint.create_seed_checkpoint`` on one rank),
 and prints per case the largest per-step |loss difference| and |gradient-norm difference| over
 the steps (relative to the norm for the MoE cases, whose norm reaches 41 where 1e-5 is two fp32
-ulps). ``moe_ep_fsdp`` runs only when named in ``--cases``.
+ulps; those also record and compare the norm of the full gradients summed in fp64, which does not
+depend on the shard cuts). The 4-rank MoE cases run only when named in ``--cases``: ``moe_ep_fsdp``
+(EP 2 x expert FSDP 2) and ``moe_fsdp4`` (no EP), each also as ``*_rank_order``, where FSDP2's
+gloo reduce-scatter adds in rank order as ours does (``stand_ins.reduce_scatter_in_rank_order``);
+with both orders run, a second table gives FSDP2 in gloo's order against FSDP2 in rank order.
+``--dump-grads 1,11`` saves each job's full gradients after those steps (``grad_diff.py``).
 The resume case trains 12 steps saving a DCP checkpoint at step 6, then resumes each runtime from
 its own checkpoint in a fresh process and compares steps 7-12 with FSDP2's uninterrupted run.
 """
@@ -45,6 +50,7 @@ LLAMA3, DEEPSEEK_V3 = "llama3_debugmodel_cpu", "deepseek_v3_debugmodel_cpu"
 # experts' bf16 matmuls and top-k routing amplify it (docs/torchtitan.md); without it both
 # runtimes train bit for bit alike and the norms differ by that rounding alone.
 _MOE = ("--parallelism.expert_parallel_degree", "2", "--training.max_norm", "1e9")
+_MOE_NO_EP = ("--parallelism.expert_parallel_degree", "1", "--training.max_norm", "1e9")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +66,18 @@ class Case:
     seed_config: str = LLAMA3
     relative_grad_norm: bool = False
     in_default: bool = True  # run without --cases
+    # "rank_order": both runtimes' jobs install stand_ins.reduce_scatter_in_rank_order (FSDP2's
+    # gloo reduce-scatter then adds in rank order, as ours does): isolates the summation order.
+    reduce_scatter: str = "gloo"
+    # Each job also records the norm of its full gradients summed in fp64 per step
+    # (stand_ins.record_exact_grad_norm), compared beside torchtitan's logged fp32 norm.
+    exact_grad_norm: bool = False
+
+
+def _moe(nproc: int, options: tuple[str, ...], **kwargs) -> Case:
+    """A DeepSeek-V3 case: its own seed, the gradient norm relative and also summed in fp64."""
+    return Case(nproc, DEEPSEEK_V3, options, seed_config=DEEPSEEK_V3, relative_grad_norm=True,
+                exact_grad_norm=True, **kwargs)
 
 
 CASES = {
@@ -73,11 +91,16 @@ CASES = {
     "full_ac": Case(2, config="llama3_debugmodel_cpu_full_ac"),
     "selective_ac": Case(2, config="llama3_debugmodel_cpu_selective_ac"),
     "resume": Case(2, resume=True),
-    "moe_ep": Case(2, DEEPSEEK_V3, _MOE, seed_config=DEEPSEEK_V3, relative_grad_norm=True),
-    # Over 1e-5 (docs/torchtitan.md): 4-rank reduce-scatters sum in another order than gloo's
-    # (last-bit gradient differences), which the experts' bf16 matmuls and routing amplify.
-    "moe_ep_fsdp": Case(4, DEEPSEEK_V3, _MOE, seed_config=DEEPSEEK_V3, relative_grad_norm=True,
-                        in_default=False),
+    "moe_ep": _moe(2, _MOE),
+    # FSDP2's 4-rank reduce-scatter (gloo's all-reduce) adds in another order than ours (an
+    # all-to-all, then a sum in rank order): last-bit gradient differences, which the experts'
+    # bf16 matmuls and top-k routing amplify, over 1e-5 at a loss spike (docs/torchtitan.md).
+    "moe_ep_fsdp": _moe(4, _MOE, in_default=False),
+    # The same with FSDP2's reduce-scatter adding in ours' order: the same sums, the same losses.
+    "moe_ep_fsdp_rank_order": _moe(4, _MOE, in_default=False, reduce_scatter="rank_order"),
+    # The same model on 4 ranks without expert parallelism (plain FSDP over 4), both orders.
+    "moe_fsdp4": _moe(4, _MOE_NO_EP, in_default=False),
+    "moe_fsdp4_rank_order": _moe(4, _MOE_NO_EP, in_default=False, reduce_scatter="rank_order"),
 }
 
 
@@ -89,15 +112,23 @@ class Workdir:
     tokenizer: str
     dataset: str
     seeds: dict[str, str]
+    grad_steps: str = ""  # --dump-grads: steps whose full gradients each job saves (dump/grads)
 
 
 def _torchrun(nproc: int, config: str, dump: str, work: Workdir, runtime: str,
-              options: tuple[str, ...] = ()) -> list[dict]:
-    """One ``torchtitan.train`` job; returns rank 0's recorded steps (none for a seed job)."""
+              options: tuple[str, ...] = (), reduce_scatter: str = "gloo",
+              exact_grad_norm: bool = False) -> list[dict]:
+    """One ``torchtitan.train`` job; returns rank 0's recorded steps (none for a seed job), with
+    ``grad_norm_fp64`` in each when ``exact_grad_norm``."""
     os.makedirs(dump, exist_ok=True)
     metrics = os.path.join(dump, "metrics.jsonl")
     env = dict(os.environ, TITAN_FSDP=runtime, TITAN_METRICS=metrics, HF_DATASETS_OFFLINE="1",
-               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TITAN_REDUCE_SCATTER=reduce_scatter)
+    exact_norms = os.path.join(dump, "grad_norm_fp64.jsonl")
+    if exact_grad_norm:
+        env["TITAN_EXACT_NORMS"] = exact_norms
+    if work.grad_steps:
+        env.update(TITAN_GRADS=os.path.join(dump, "grads"), TITAN_GRAD_STEPS=work.grad_steps)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.join(HERE, "launch.py"),
            "--module", "titan_config", "--config", config, "--hf_assets_path", work.tokenizer,
@@ -114,7 +145,13 @@ def _torchrun(nproc: int, config: str, dump: str, work: Workdir, runtime: str,
     if not os.path.exists(metrics):
         return []
     with open(metrics) as f:
-        return [json.loads(line) for line in f]
+        steps = [json.loads(line) for line in f]
+    if exact_grad_norm:
+        with open(exact_norms) as f:
+            exact = {r["step"]: r["grad_norm_fp64"] for r in map(json.loads, f)}
+        for step in steps:
+            step["grad_norm_fp64"] = exact[step["step"]]
+    return steps
 
 
 def _run_group(cmd: list[str], env: dict[str, str], out) -> int:
@@ -158,13 +195,15 @@ def run_case(name: str, case: Case, work: Workdir) -> dict[str, list[dict]]:
     for runtime in RUNTIMES:
         dump = os.path.join(work.root, name, runtime)
         out[runtime] = _torchrun(case.nproc, case.config, dump, work, runtime,
-                                 case.options + _from_seed(work, case, save=case.resume))
+                                 case.options + _from_seed(work, case, save=case.resume),
+                                 case.reduce_scatter, case.exact_grad_norm)
         if case.resume:
             resumed = os.path.join(work.root, name, f"{runtime}_resumed")
             shutil.copytree(os.path.join(dump, "checkpoint", f"step-{RESUME_STEP}"),
                             os.path.join(resumed, "checkpoint", f"step-{RESUME_STEP}"))
             out[f"{runtime}_resumed"] = _torchrun(case.nproc, case.config, resumed, work,
-                                                  runtime, case.options + _from_seed(work, case, save=True))
+                                                  runtime, case.options + _from_seed(work, case, save=True),
+                                                  case.reduce_scatter, case.exact_grad_norm)
     return out
 
 
@@ -182,10 +221,39 @@ def max_differences(reference: list[dict], other: list[dict],
     return loss, grad, len(other)
 
 
+def max_exact_norm_difference(reference: list[dict], other: list[dict]) -> float | None:
+    """Largest relative difference of the fp64 full-gradient norms (``None`` if not recorded)."""
+    by_step = {r["step"]: r for r in reference}
+    if "grad_norm_fp64" not in other[0]:
+        return None
+    return max(abs(o["grad_norm_fp64"] - by_step[o["step"]]["grad_norm_fp64"])
+               / by_step[o["step"]]["grad_norm_fp64"] for o in other)
+
+
 def compared(name: str, runs: dict[str, list[dict]]) -> tuple[float, float, int]:
     """The case's row: ours (resumed, for the resume case) against FSDP2's uninterrupted run."""
     return max_differences(runs["torch"], runs["ours_resumed" if name == "resume" else "ours"],
                            CASES[name].relative_grad_norm)
+
+
+def _or_dash(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def _print_fsdp2_against_itself(runs: dict[str, dict[str, list[dict]]]) -> None:
+    """For each case run in both orders, FSDP2 in gloo's order against FSDP2 in rank order (a
+    reference, not a check): how far the summation order alone moves FSDP2's own numbers."""
+    pairs = [(n, f"{n}_rank_order") for n in runs if f"{n}_rank_order" in runs]
+    if not pairs:
+        return
+    print("\n| FSDP2 against itself | steps compared | max abs loss diff | max grad-norm diff "
+          "| fp64 full-gradient norm diff (relative) |\n| --- | --- | --- | --- | --- |")
+    for name, ranked in pairs:
+        reference, other = runs[name]["torch"], runs[ranked]["torch"]
+        loss, grad, n = max_differences(reference, other, CASES[name].relative_grad_norm)
+        kind = "relative" if CASES[name].relative_grad_norm else "abs"
+        print(f"| {name}: gloo's order vs rank order | {n} | {loss:.1e} | {grad:.1e} ({kind}) "
+              f"| {_or_dash(max_exact_norm_difference(reference, other))} |")
 
 
 def main() -> None:
@@ -193,6 +261,9 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(n for n, c in CASES.items() if c.in_default),
                         help="comma-separated, of " + ", ".join(CASES))
     parser.add_argument("--workdir", default=None, help="kept when given (logs, checkpoints)")
+    parser.add_argument("--dump-grads", default="", metavar="STEPS",
+                        help="e.g. 1,11: each job saves its full gradients after these steps "
+                             "(<workdir>/<case>/<runtime>/grads/stepN.pt; grad_diff.py compares)")
     args = parser.parse_args()
     names = args.cases.split(",")
     unknown = [n for n in names if n not in CASES]
@@ -201,18 +272,24 @@ def main() -> None:
     root = args.workdir or tempfile.mkdtemp(prefix="titan-")
     start = time.perf_counter()
     work = make_workdir(root, tuple(dict.fromkeys(CASES[n].seed_config for n in names)))
-    rows, failed = [], []
+    work.grad_steps = args.dump_grads
+    rows, failed, runs = [], [], {}
     for name in names:
         t0 = time.perf_counter()
-        loss, grad, n = compared(name, run_case(name, CASES[name], work))
-        rows.append((name, CASES[name].nproc, n, loss, grad, time.perf_counter() - t0))
+        runs[name] = run_case(name, CASES[name], work)
+        loss, grad, n = compared(name, runs[name])
+        exact = max_exact_norm_difference(runs[name]["torch"], runs[name]["ours"])
+        rows.append((name, CASES[name].nproc, n, loss, grad, exact, time.perf_counter() - t0))
         if max(loss, grad) > TOLERANCE:
             failed.append(name)
     print(f"\n| configuration | ranks | steps compared | max abs loss diff | max grad-norm diff "
-          f"| seconds |\n| --- | --- | --- | --- | --- | --- |")
-    for name, nproc, n, loss, grad, seconds in rows:
+          f"| fp64 full-gradient norm diff (relative) | seconds |"
+          f"\n| --- | --- | --- | --- | --- | --- | --- |")
+    for name, nproc, n, loss, grad, exact, seconds in rows:
         kind = "relative" if CASES[name].relative_grad_norm else "abs"
-        print(f"| {name} | {nproc} | {n} | {loss:.1e} | {grad:.1e} ({kind}) | {seconds:.0f} |")
+        print(f"| {name} | {nproc} | {n} | {loss:.1e} | {grad:.1e} ({kind}) | {_or_dash(exact)} "
+              f"| {seconds:.0f} |")
+    _print_fsdp2_against_itself(runs)
     print(f"\ntotal {time.perf_counter() - start:.0f} s; runs under {root}")
     if not args.workdir:
         shutil.rmtree(root, ignore_errors=True)

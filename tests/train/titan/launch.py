@@ -26,6 +26,16 @@ def main() -> None:
 
         torchtitan.distributed.fsdp.fully_shard = fully_shard
     stand_ins.install(os.environ.get("TITAN_METRICS"))
+    order = os.environ.get("TITAN_REDUCE_SCATTER", "gloo")
+    if order not in ("gloo", "rank_order"):
+        raise ValueError(f"TITAN_REDUCE_SCATTER must be 'gloo' or 'rank_order', got {order!r}")
+    if order == "rank_order":
+        stand_ins.reduce_scatter_in_rank_order()
+    if os.environ.get("TITAN_GRADS"):
+        steps = {int(s) for s in os.environ.get("TITAN_GRAD_STEPS", "1").split(",")}
+        stand_ins.dump_gradients(os.environ["TITAN_GRADS"], steps)
+    if os.environ.get("TITAN_EXACT_NORMS"):
+        stand_ins.record_exact_grad_norm(os.environ["TITAN_EXACT_NORMS"])
     torchtitan.train.main()
 
 

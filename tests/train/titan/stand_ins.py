@@ -3,6 +3,8 @@
 torchtitan targets accelerators; each stand-in below replaces one piece that cannot run on a
 CPU-only machine with torch 2.13, and says why. None of them touches the FSDP runtime: the
 comparison in ``tests/train/titan/compare.py`` runs torchtitan's FSDP2 and ours with the same set.
+The optional ones after :func:`install` serve the measurements of docs/torchtitan.md ("MoE with
+expert parallelism"): a reduce-scatter adding in rank order, gradient dumps, an fp64 norm.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
@@ -70,6 +73,94 @@ def install(metrics_path: str | None) -> None:
     fsdp.disable_fsdp_gradient_division = _with_sum_reductions(fsdp.disable_fsdp_gradient_division)
     if metrics_path is not None:
         _record_metrics(metrics.MetricsProcessor, metrics_path)
+
+
+def reduce_scatter_in_rank_order() -> None:
+    """Optional, for isolating summation order (``compare.py``'s ``*_rank_order`` cases): torch's
+    gloo reduce-scatter, the one FSDP2 calls, adds in rank order as ours does.
+
+    gloo runs ``reduce_scatter_single`` as an all-reduce of the whole input, which adds each
+    element's rank contributions in an order that depends on its place in the buffer; ours on
+    gloo is an all-to-all and a sum of the received chunks in rank order
+    (``ragged_placement._gloo.reduce_scatter_by_all_to_all``). This replaces torch's
+    ``reduce_scatter_single``/``reduce_scatter_tensor`` for gloo sums with that same function, so
+    that both runtimes' gradients are the same sums in the same order; no division moves (with
+    torchtitan's divide factor 1.0 neither runtime divides). Ours does not call these two (its
+    ``_compat`` bound torch's own at import, and a gloo sum never reaches it), so ours' jobs run
+    unchanged with it installed.
+    """
+    from ragged_placement._gloo import reduce_scatter_by_all_to_all, sums_by_all_to_all
+
+    def in_rank_order(original):
+        def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            if not sums_by_all_to_all(op, group):
+                return original(output, input, op=op, group=group, async_op=async_op)
+            return reduce_scatter_by_all_to_all(output, input, group=group, async_op=async_op)
+
+        return reduce_scatter
+
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(dist, name):
+            setattr(dist, name, in_rank_order(getattr(dist, name)))
+
+
+def _full_gradients(trainer):
+    """``(name, full gradient)`` of every parameter of ``trainer``'s model (collective: every
+    rank calls it; a DTensor gradient is gathered whole)."""
+    for part in trainer.model_parts:
+        for name, p in part.named_parameters():
+            g = p.grad
+            if g is not None and hasattr(g, "full_tensor"):
+                g = g.full_tensor()
+            yield name, g
+
+
+def _after_train_step(action) -> None:
+    """Wrap torchtitan's ``Trainer.train_step`` to call ``action(trainer)`` after each step (the
+    gradients are still there: the next step zeroes them)."""
+    from torchtitan.trainer import Trainer
+
+    train_step = Trainer.train_step
+
+    def train_step_then_act(self, *args, **kwargs):
+        out = train_step(self, *args, **kwargs)
+        action(self)
+        return out
+
+    Trainer.train_step = train_step_then_act
+
+
+def dump_gradients(folder: str, steps: set[int]) -> None:
+    """After each train step in ``steps``, rank 0 saves every parameter's full gradient (fp32, by
+    name) to ``folder/step{N}.pt``: the per-parameter comparison of docs/torchtitan.md."""
+
+    def dump(trainer) -> None:
+        if trainer.step not in steps:
+            return
+        grads = {n: None if g is None else g.detach().clone() for n, g in _full_gradients(trainer)}
+        if dist.get_rank() == 0:
+            os.makedirs(folder, exist_ok=True)
+            torch.save(grads, os.path.join(folder, f"step{trainer.step}.pt"))
+
+    _after_train_step(dump)
+
+
+def record_exact_grad_norm(path: str) -> None:
+    """After each train step, rank 0 appends the norm of the full gradients summed in fp64 to
+    ``path``: a norm that does not depend on how the gradients are sharded (torchtitan's logged
+    norm is an fp32 sum of squares over each rank's shard, whose rounding depends on the cuts)."""
+
+    def record(trainer) -> None:
+        total = torch.zeros((), dtype=torch.float64)
+        for _, g in _full_gradients(trainer):
+            if g is not None:
+                total += g.double().pow(2).sum()
+        if dist.get_rank() == 0:
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": trainer.step,
+                                    "grad_norm_fp64": total.sqrt().item()}) + "\n")
+
+    _after_train_step(record)
 
 
 def _with_sum_reductions(disable_division):
