@@ -758,12 +758,9 @@ def _replicated(rank: int, ws: int) -> dict:
     from torch.distributed._composable import replicate
     from torch.distributed.tensor.experimental import implicit_replication
 
-    torch.set_num_threads(1)
-    sl = slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
     out = {}
     for runtime in ("ours", "fsdp2"):
-        m = Chain()
-        m.load_state_dict(CHAIN)
+        m, sl = _chain_and_rows(rank, ws)
         _fs(runtime)(m.blocks[1], mesh=_mesh(ws))
         replicate(m)
         opt = torch.optim.Adam(m.parameters(), lr=1e-2, foreach=True)
@@ -904,6 +901,14 @@ class Chain(nn.Module):
 with torch.random.fork_rng():
     torch.manual_seed(4)
     CHAIN = Chain().state_dict()
+
+
+def _chain_and_rows(rank: int, ws: int) -> tuple[Chain, slice]:
+    """A ``Chain`` with ``CHAIN``'s weights, and ``rank``'s rows of the batch."""
+    torch.set_num_threads(1)
+    m = Chain()
+    m.load_state_dict(CHAIN)
+    return m, slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
 
 
 def _gathered(m: Chain, runtime: str) -> list[bool]:
@@ -1090,12 +1095,9 @@ def _hook_on_stream(rank: int, ws: int) -> dict:
     reduced shard (ours: the unit's flat shard per buffer) and its doubling of the reduced
     gradients lands; the current stream is restored; on a 2-D (HSDP) mesh both refuse the
     stream with FSDP2's message."""
-    torch.set_num_threads(1)
-    sl = slice(rank * BATCH // ws, (rank + 1) * BATCH // ws)
     out = {}
     for runtime in ("ours", "fsdp2"):
-        m = Chain()
-        m.load_state_dict(CHAIN)
+        m, sl = _chain_and_rows(rank, ws)
         for block in m.blocks:
             _fs(runtime)(block, mesh=_mesh(ws))
         _fs(runtime)(m, mesh=_mesh(ws))
