@@ -771,17 +771,23 @@ def _mixed_with_torch(rank: int, ws: int):
     already = "torch.distributed.fsdp.fully_shard was already applied to this FSDPBlock"
     with pytest.raises(ValueError, match=already):
         fully_shard(m.blocks[1], mesh=mesh)
-    # torch's fully_shard over modules ours sharded: on the module itself, and over a root
-    # (each on a fresh model: torch leaves a failed call's state on the module)
+    # torch's fully_shard over modules ours sharded (each on a fresh model: torch leaves a failed
+    # call's state on the module). On the module itself, torch's own composable-API check
+    # refuses first: ours records "fully_shard" in the module's registry, as FSDP2 does, so that
+    # torch's replicate() leaves our units' parameters alone.
+    ours = _net()
+    fully_shard(ours.blocks[0], mesh=mesh)
+    with pytest.raises(AssertionError, match="fully_shard has already been applied"):
+        torch_fully_shard(ours.blocks[0], mesh=mesh)
+    # over a root: the first parameter it reaches is ours
     reached = (
         r"torch.distributed.fsdp.fully_shard reached parameter 'weight' of LayerNorm, which "
         r"ragged_placement.fsdp.fully_shard sharded already \(as part of FSDPBlock\)"
     )
-    for torch_target in (lambda m: m.blocks[0], lambda m: m):
-        ours = _net()
-        fully_shard(ours.blocks[0], mesh=mesh)
-        with pytest.raises(ValueError, match=reached):
-            torch_fully_shard(torch_target(ours), mesh=mesh)
+    ours = _net()
+    fully_shard(ours.blocks[0], mesh=mesh)
+    with pytest.raises(ValueError, match=reached):
+        torch_fully_shard(ours, mesh=mesh)
     return True
 
 
