@@ -60,6 +60,13 @@ def _sharded_dims(p: DTensor) -> list[int]:
             raise ValueError(  # noqa: TRY004 - a bad placement value, not a bad type
                 f"parameter placements must not be Partial, got {p.placements}"
             )
+        if type(pl).__name__ == "_StridedShard":
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} has placements {p.placements}: "
+                f"_StridedShard (torch FSDP2's layout of a tensor dim cut over two mesh dims, e.g. "
+                f"its expert-parallel stacks under fully_shard) is not supported by "
+                f"ragged_placement.optim; shard the model with ragged_placement.fsdp.fully_shard"
+            )
         if not isinstance(pl, Replicate):
             dims.append(m)
     return dims

@@ -375,3 +375,25 @@ def test_parameters_on_a_mesh_and_its_submesh_threaded():
         want, _ = _reference(optimizer, 2)
         for got in run_threaded(_train_mesh_and_submesh, 8, optimizer, 2):
             _assert_matches_reference(optimizer, got, want)
+
+
+def _strided_shard_is_refused(rank: int, world_size: int):
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    placements = (_StridedShard(0, split_factor=2), Shard(0))
+    local = torch.randn(2, 6, 4)  # an [8, 6, 4] stack, as FSDP2 + EP shards experts
+    p = torch.nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False))
+    p.grad = DTensor.from_local(torch.randn(2, 6, 4), mesh, placements, run_check=False)
+    for opt in (Muon([p], lr=0.02), Shampoo([p], lr=0.02)):
+        with CommDebugMode() as comm, pytest.raises(ValueError, match=r"_StridedShard.*fully_shard"):
+            opt.step()
+        assert comm.get_total_counts() == 0
+    return True
+
+
+def test_fsdp2_strided_shard_is_refused_naming_it_before_any_collective():
+    """torch FSDP2's ``(_StridedShard, Shard(0))`` expert stacks: a ValueError naming the
+    placement and the fix, not an error about combining with RaggedShard from inside a
+    redistribution."""
+    assert all(run_threaded(_strided_shard_is_refused, 4))
