@@ -131,3 +131,15 @@ def trainer_reference(cfg, model: nn.Module, steps: int) -> list[float]:
         sched.step()
         losses.append(loss.item())
     return losses
+
+
+def routed_reference(
+    cfg, model: nn.Module, steps: int, margins: list[float], minimum: float,
+) -> tuple[tuple[float, ...], dict[str, torch.Tensor]]:
+    """:func:`trainer_reference` of a mixture of experts whose router hooks append to
+    ``margins`` the smallest gap between the k-th and (k+1)-th score of each call; asserts no
+    top-k decision was within ``minimum`` of a tie (so a distributed run must route the same
+    tokens). The losses and the final weights."""
+    losses = trainer_reference(cfg, model, steps)
+    assert min(margins) >= minimum, f"a top-k decision is a near tie: margin {min(margins)}"
+    return tuple(losses), {k: v.detach().clone() for k, v in model.state_dict().items()}
