@@ -1,6 +1,10 @@
 # Two entry points for users: `make demo` and `make test`. Both create .venv if missing and install.
+# TORCH picks the torch release (default 2.14.1); another one gets a venv of its own:
+#   make test TORCH=2.13.0        # .venv-torch2.13.0 (2.13.0's CPU wheel is local on these machines)
 PY ?= python3
-VENV := .venv
+DEFAULT_TORCH := 2.14.1
+TORCH ?= $(DEFAULT_TORCH)
+VENV ?= $(if $(filter $(DEFAULT_TORCH),$(TORCH)),.venv,.venv-torch$(TORCH))
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -11,8 +15,9 @@ $(VPY):
 
 $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q torch==$(TORCH)
 	$(VPY) -m pip install -q -e '.[dev,titan]'
+	$(VPY) -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '$(TORCH)' else f'installed torch {v}, not $(TORCH)')"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,8 +28,9 @@ demo: $(STAMP)
 # Two pytest workers (pytest-xdist), each test module on one worker (its module fixtures built
 # once): on 2 cores one worker's gloo ranks fill the other's waits. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
+TESTS ?= tests
 test: $(STAMP)
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow" tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow" $(TESTS)
 
 # The long training comparisons `make test` leaves out (marker `slow`).
 test-slow: $(STAMP)
@@ -48,4 +54,4 @@ conformance: $(STAMP)
 	$(VPY) scripts/torch_fsdp2_conformance.py --tests "$(TORCH_TESTS)" $(CONFORMANCE_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf .venv .venv-torch* build *.egg-info

@@ -1,14 +1,12 @@
-"""The block matrices of a GPT-style model in ``shared/models.json`` (optim.py, shampoo.py)."""
+"""The block matrices of a GPT-style model of ``ragged_placement/planner/models.json`` (optim.py,
+shampoo.py)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
-MODELS_JSON = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "models.json"
-)
+from ragged_placement.planner.models import MODELS_JSON  # noqa: F401 - the scripts' default
 
 
 def block_matrices(config: Mapping[str, Any], layers: int) -> list[tuple[int, int]]:

@@ -1,7 +1,7 @@
 """Bytes all-gathered and bytes of amax traffic per step for block-wise FP8 training.
 
 For one FSDP unit of ``--layers-per-unit`` transformer layers (default 1) of every model in
-shared/models.json (MoE experts as separate ``nn.Linear`` matrices, as in Hugging Face's
+ragged_placement/planner/models.json (MoE experts as separate ``nn.Linear`` matrices, as in Hugging Face's
 Mixtral and DeepSeek-V3) and of the small GPT of ``ragged_placement.models`` (width 128, the
 tests' model), at the world sizes given, three ways of all-gathering a unit whose Linear weights
 train in 128x128-block FP8:
@@ -69,7 +69,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 from ragged_placement.planner import plan_segmented
-from ragged_placement.planner.models import fsdp_units, load_configs
+from ragged_placement.planner.models import MODELS_JSON, fsdp_units, load_configs
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
@@ -82,7 +82,6 @@ from ragged_placement.testing.profiling import CollectiveMeter
 from ragged_placement.models import Block, GPTConfig
 from ragged_placement.quant import BlockFP8Config
 
-MODELS_JSON = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models.json")
 BLOCK = 128
 QUANT = BlockFP8Config(block=(BLOCK, BLOCK))
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -34,7 +34,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ragged_placement import _compat
+from ragged_placement import _compat, one_worker_gloo
 from ragged_placement.testing.launch import run_gloo
 
 WORLD = 4
@@ -107,11 +107,12 @@ def main() -> None:
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # one machine: spawn the ranks here
         _table(run_gloo(_worker, WORLD, args.mib, args.reps)[0], args.reps, "one machine")
         return
-    dist.init_process_group("gloo")  # under torchrun (scripts/two_nodes.sh --script)
-    if dist.get_world_size() != WORLD:
-        raise ValueError(f"this benchmark runs on {WORLD} ranks, got {dist.get_world_size()}")
-    before = _tcp_timeouts()
-    res = _worker(dist.get_rank(), WORLD, args.mib, args.reps)
+    with one_worker_gloo():  # as run_gloo's ranks: one gloo worker thread per group
+        dist.init_process_group("gloo")  # under torchrun (scripts/two_nodes.sh --script)
+        if dist.get_world_size() != WORLD:
+            raise ValueError(f"this benchmark runs on {WORLD} ranks, got {dist.get_world_size()}")
+        before = _tcp_timeouts()
+        res = _worker(dist.get_rank(), WORLD, args.mib, args.reps)
     if dist.get_rank() == 0:
         _table(res, args.reps, "two nodes: ranks 0-1 and 2-3")
         print(f"\nTCP retransmission timeouts on node 0 meanwhile: {_tcp_timeouts() - before}")

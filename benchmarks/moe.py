@@ -64,6 +64,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from ragged_placement import one_worker_gloo
 from ragged_placement.expert_parallel import drop_dim
 from ragged_placement.fsdp import StateSharding
 from ragged_placement.models.moe import MoEConfig, MoETransformer, parallelize_moe
@@ -392,10 +393,11 @@ def report(per_rank: list[dict], args: argparse.Namespace, world: int) -> dict:
 
 def _under_torchrun(args: argparse.Namespace) -> None:
     """One rank of the ``--two-nodes`` job (started by torchrun in scripts/two_nodes.sh)."""
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank: list = [None] * world
-    dist.all_gather_object(per_rank, _rank(rank, world, args))
+    with one_worker_gloo():  # as run_gloo's ranks: one gloo worker thread per group
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        per_rank: list = [None] * world
+        dist.all_gather_object(per_rank, _rank(rank, world, args))
     if rank == 0:
         report(per_rank, args, world)
     dist.barrier()

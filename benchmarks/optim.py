@@ -2,7 +2,7 @@
 
 GPT-shaped parameter set: the four block matrices of ``gpt2-124m`` (qkv ``[3h, h]``, attention
 proj ``[h, h]``, MLP fc ``[4h, h]``, MLP proj ``[h, 4h]``; ``h = 768``) for ``--layers`` blocks,
-read from ``shared/models.json``. Spawns ``--world`` gloo ranks (one torch thread each) and runs
+read from ``ragged_placement/planner/models.json``. Spawns ``--world`` gloo ranks (one torch thread each) and runs
 the same momentum + bf16 Newton-Schulz step four ways:
 
 * ``ours``: :class:`ragged_placement.optim.Muon`, parameters ``Shard(0)``: owners by NS FLOPs,

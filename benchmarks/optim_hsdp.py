@@ -1,7 +1,7 @@
 """Muon and Shampoo on an HSDP mesh: one owner per matrix in the world vs one per replica row.
 
 Spawns 4 gloo ranks as a ``(replicate, shard) = (2, 2)`` mesh; the parameters are the block
-matrices of ``gpt2-124m`` (``--layers`` blocks, from ``shared/models.json``), ``Shard(0)`` over
+matrices of ``gpt2-124m`` (``--layers`` blocks, from ``ragged_placement/planner/models.json``), ``Shard(0)`` over
 ``shard`` and ``Replicate()`` over ``replicate`` (``--whole``: each matrix whole on one rank of
 ``shard``, alternating, as the planner's ``matrix`` granularity places them). Two paths step the
 same parameters and gradients:

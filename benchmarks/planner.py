@@ -1,6 +1,6 @@
 """Padding, balance and planning time of ragged_placement.planner on real model shapes.
 
-For every model in shared/models.json, world sizes 8 ... 65536, and two granularity policies
+For every model in ragged_placement/planner/models.json, world sizes 8 ... 65536, and two granularity policies
 (128x128 quantization blocks; whole matrices, one Muon owner each), every FSDP unit (embedding,
 each transformer layer, head) is planned and compared with:
 
@@ -61,12 +61,11 @@ from ragged_placement.planner import (  # noqa: E402
     plan_units,
     shard0_padding,
 )
+from ragged_placement.planner.models import MODELS_JSON as PACKAGE_MODELS_JSON  # noqa: E402
 from ragged_placement.planner.models import fsdp_units, load_configs  # noqa: E402
 from ragged_placement.planner.plan import _planned, _rotated  # noqa: E402
 
-MODELS_JSON = os.environ.get(
-    "MODELS_JSON", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models.json")
-)
+MODELS_JSON = os.environ.get("MODELS_JSON", PACKAGE_MODELS_JSON)
 # Public MoE configs not in models.json (issue 16): two band widths (hidden 4096, expert FFN 1536,
 # attention out 8192), stacked experts whose rows are not a multiple of 128 (H = F = 2880, fused
 # [E, 2F, H] gate/up), MLA attention with 384 experts (the 1-trillion-parameter model).

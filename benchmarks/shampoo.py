@@ -2,7 +2,7 @@
 
 Parameter set: the four block matrices of ``gpt2-124m`` (qkv ``[3h, h]``, attention proj
 ``[h, h]``, MLP fc ``[4h, h]``, MLP proj ``[h, 4h]``) for ``--layers`` blocks, from
-``shared/models.json``. Both methods run the same blocked Shampoo (``B = --block``, Adam
+``ragged_placement/planner/models.json``. Both methods run the same blocked Shampoo (``B = --block``, Adam
 grafting, roots every ``--frequency`` steps) on the same global gradients:
 
 * ``ours``: :class:`ragged_placement.optim.Shampoo` on ``RaggedShard`` DTensors whose runs are

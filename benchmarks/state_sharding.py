@@ -29,7 +29,7 @@ optimizer state (within one band: AdamW's state for one dim-0 row of every param
 HSDP's parameter memory (shard + chunk + unsharded peak).
 
 ``--planner``: :func:`ragged_placement.planner.plan_state_sharding` for Llama-3.1-70B and
-DeepSeek-V3 (shared/models.json) on 1,024 and 16,384 GPUs of 80 GB, 8 per node (mesh
+DeepSeek-V3 (ragged_placement/planner/models.json) on 1,024 and 16,384 GPUs of 80 GB, 8 per node (mesh
 ``{"inter": W / 8, "intra": 8}``, 450 GB/s per direction inside a node, 50 GB/s per GPU across),
 AdamW, parameters stored in fp32, gathered in bf16, gradients reduced in fp32 (torchtitan's
 recipe), at ``fully_shard``'s default granularity (rows). For each: its choice, memory per GPU by
@@ -44,7 +44,7 @@ buffers alone exceed 80 GB).
 ``plan ms``: the partitioner's wall time with its per-unit plan caches cleared (one run).
 
 ``--planner --moe``: the partitioner searching the expert-parallel degree with the sharding
-(``plan_state_sharding(..., ep="auto")``) for DeepSeek-V3 (shared/models.json) and Kimi K2
+(``plan_state_sharding(..., ep="auto")``) for DeepSeek-V3 (ragged_placement/planner/models.json) and Kimi K2
 (benchmarks/planner.py's config), experts as stacked ``[E, out, in]`` tensors, one unit per layer
 (plus the embedding and the head), on the same meshes and bandwidths; 4 x 4,096 = 16,384 tokens
 per rank per step (torchtitan's deepseek_v3_671b config: local batch 4, sequence 4,096), top-8,

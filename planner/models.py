@@ -14,10 +14,15 @@ with a shared expert and a router bias; names starting ``deepseek`` or ``kimi``)
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["fsdp_units", "load_configs"]
+__all__ = ["MODELS_JSON", "fsdp_units", "load_configs"]
+
+#: The package's own file of public model configurations (GPT-2, Llama 3.1, Qwen2.5, Mixtral,
+#: DeepSeek-V3), shipped with it.
+MODELS_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models.json")
 
 Shape = tuple[int, ...]
 Unit = tuple[str, list[tuple[str, Shape]]]
@@ -26,8 +31,9 @@ Unit = tuple[str, list[tuple[str, Shape]]]
 GPT2_POSITIONS = 1024
 
 
-def load_configs(path: str) -> dict[str, dict[str, Any]]:
-    """The model configs of a models.json file (keys starting with ``_`` are skipped)."""
+def load_configs(path: str = MODELS_JSON) -> dict[str, dict[str, Any]]:
+    """The model configs of a models.json file, by default :data:`MODELS_JSON` (keys starting
+    with ``_`` are skipped)."""
     with open(path) as fh:
         data = json.load(fh)
     return {k: v for k, v in data.items() if not k.startswith("_")}

@@ -1,4 +1,4 @@
-"""Differences between the torch versions we support (2.11 and 2.13), in one place.
+"""Differences between the torch versions we support (2.11 through 2.14), in one place.
 
 torch 2.13 renames ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
 ``all_gather_single`` / ``reduce_scatter_single`` and deprecates the old names; 2.11 has only
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from ragged_placement._gloo import coalescing, reduce_scatter_by_all_to_all, sums_by_all_to_all
+from ragged_placement._gloo import coalescing, one_worker_gloo, reduce_scatter_by_all_to_all, sums_by_all_to_all
 
 __all__ = [
     "all_gather_single", "reduce_scatter_single",
@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
-SUPPORTED_TORCH = ((2, 11), (2, 13))
+SUPPORTED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14))
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -58,8 +58,13 @@ def new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:
     (``use_local_synchronization``). ``new_group`` sorts the ranks; torch 2.13 keeps the given
     order with ``sort_ranks=False`` (pytorch/pytorch#176580). Before that, ``new_group``'s one
     ``sorted(ranks)`` is shadowed for the call (what ``sort_ranks=False`` skips), and the result
-    is checked: ``RuntimeError`` if the group does not list ``ranks`` in their order."""
-    ranks = list(ranks)
+    is checked: ``RuntimeError`` if the group does not list ``ranks`` in their order. A gloo
+    group runs one worker thread (:func:`ragged_placement._gloo.one_worker_gloo`)."""
+    with one_worker_gloo():
+        return _new_group_in_order(list(ranks))
+
+
+def _new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:
     if ranks == sorted(ranks):
         return dist.new_group(ranks, use_local_synchronization=True)
     if "sort_ranks" in inspect.signature(dist.new_group).parameters:

@@ -1,4 +1,4 @@
-"""The gloo backend's patches: what torch's ``ProcessGroupGloo`` (2.11, 2.13) does that this
+"""The gloo backend's patches: what torch's ``ProcessGroupGloo`` (2.11-2.14) does that this
 package works around, in one place.
 
 * Its reduce-scatter is a whole all-reduce (twice the bytes of a ring reduce-scatter): a sum
@@ -6,15 +6,20 @@ package works around, in one place.
   :func:`ragged_placement._compat.reduce_scatter_single` calls on gloo).
 * Its coalesced all-gather has no CUDA path (its plain one stages CUDA tensors through host
   memory): all-gathers of CUDA tensors are never coalesced on gloo (:func:`coalesces_all_gathers`).
-* Its two worker threads per group race on a string and corrupt the heap: every gloo group
-  created after ``import ragged_placement`` runs one (:func:`one_worker_gloo`, patched in by
-  :mod:`ragged_placement._install`).
+* Its two worker threads per group race on a string and corrupt the heap: the groups this
+  runtime creates run one, and so does every gloo group created inside
+  :func:`one_worker_gloo` (the explicit opt-in for the groups a program creates itself).
+  torch's class is never replaced outside that ``with`` block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import threading
+import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -92,7 +97,7 @@ def _sum_chunks(received: torch.Tensor, output: torch.Tensor) -> None:
 
 
 # -- gloo: one worker thread per process group ----------------------------------------------------
-# torch's ProcessGroupGloo (2.11, 2.13) runs a group's collectives on two worker threads. After a
+# torch's ProcessGroupGloo (2.11-2.14) runs a group's collectives on two worker threads. After a
 # collective completes, its thread records the op's name (ProcessGroupGloo::runLoop:
 # ``pgStatus_->lastCompletedWorkName = opTypeToString(work->opType_)``) outside the work queue's
 # lock: when two collectives of one group complete together, both threads assign the one
@@ -105,10 +110,18 @@ def _sum_chunks(received: torch.Tensor, output: torch.Tensor) -> None:
 # With one worker thread per group the name has one writer; collectives of a group run one
 # after the other (gloo runs them over one set of connections either way), those of different
 # groups still overlap.
+#
+# torch builds every gloo backend in ``distributed_c10d`` as ``ProcessGroupGloo(store, rank,
+# size, timeout=..., [enable_reconfigure=...])`` (init_process_group, new_group and the dim groups
+# of init_device_mesh alike) and takes no options for gloo from its callers. Inside
+# :func:`one_worker_gloo` that name is a factory building torch's class with options of one
+# worker thread; the ``with`` block's exit puts torch's class back.
 _GLOO = getattr(dist.distributed_c10d, "ProcessGroupGloo", None)
+_SCOPE_LOCK = threading.Lock()
+_scope_depth = 0
 
 
-def _one_worker_options(timeout: datetime.timedelta):
+def _one_worker_options(timeout: datetime.timedelta, enable_reconfigure: bool):
     """The options torch's ``ProcessGroupGloo(store, rank, size, timeout)`` builds (its devices
     from ``GLOO_SOCKET_IFNAME``, else the default device), with one worker thread."""
     options = _GLOO._Options()
@@ -119,19 +132,31 @@ def _one_worker_options(timeout: datetime.timedelta):
     else:
         options._devices = [_GLOO.create_default_device()]
     options._threads = 1
+    if enable_reconfigure:  # torch 2.14's keyword; its options carry the same flag
+        options.enable_reconfigure = True
     return options
 
 
 class _OneWorkerGlooType(type):
-    """The metaclass of :func:`one_worker_gloo`'s stand-in: calling the class builds a
-    ``ProcessGroupGloo`` with one worker thread; ``isinstance``, ``issubclass`` and class
-    attributes are ``ProcessGroupGloo``'s."""
+    """The metaclass of the factory :func:`one_worker_gloo` puts in ``distributed_c10d``:
+    calling it builds torch's ``ProcessGroupGloo`` with one worker thread; ``isinstance``,
+    ``issubclass`` and class attributes are torch's class's."""
 
-    def __call__(cls, store, rank: int, size: int,
-                 timeout: object = datetime.timedelta(minutes=30)):
-        if not isinstance(timeout, datetime.timedelta):  # the options overload, as given
-            return _GLOO(store, rank, size, timeout)
-        return _GLOO(store, rank, size, _one_worker_options(timeout))
+    def __call__(cls, store, rank: int, size: int, *args, **kwargs):
+        if args and not isinstance(args[0], datetime.timedelta) or "options" in kwargs:
+            return _GLOO(store, rank, size, *args, **kwargs)  # the options overload, as given
+        known = dict(kwargs)
+        timeout = args[0] if args else known.pop("timeout", datetime.timedelta(minutes=30))
+        enable_reconfigure = known.pop("enable_reconfigure", False)
+        if args[1:] or known:  # a torch newer than this code: build torch's group, say so
+            warnings.warn(
+                f"ragged_placement.one_worker_gloo: torch {torch.__version__} builds gloo groups "
+                f"with arguments it does not know ({sorted(known)}, {len(args[1:])} more "
+                f"positional); this group runs torch's default worker threads",
+                stacklevel=2,
+            )
+            return _GLOO(store, rank, size, *args, **kwargs)
+        return _GLOO(store, rank, size, _one_worker_options(timeout, enable_reconfigure))
 
     def __instancecheck__(cls, obj: object) -> bool:
         return isinstance(obj, _GLOO)
@@ -143,14 +168,51 @@ class _OneWorkerGlooType(type):
         return getattr(_GLOO, name)
 
 
-def one_worker_gloo(original: type) -> type:
-    """What ``torch.distributed.distributed_c10d`` constructs gloo backends with (the
-    ``ProcessGroupGloo`` it names), so that every gloo process group created afterwards
-    (``init_process_group``, ``new_group``, ``init_device_mesh``) runs one worker thread: the
-    workaround for torch's race described above. ``original``: torch's class."""
-    if original is not _GLOO:
-        raise ImportError(f"expected torch's ProcessGroupGloo, found {original!r}")
-    return _OneWorkerGlooType("ProcessGroupGloo", (), {"__doc__": one_worker_gloo.__doc__})
+_ONE_WORKER = (
+    _OneWorkerGlooType("ProcessGroupGloo", (), {"__doc__": "torch's ProcessGroupGloo, one worker thread"})
+    if _GLOO is not None else None
+)
+
+
+@contextlib.contextmanager
+def one_worker_gloo() -> Iterator[None]:
+    """Every gloo process group created inside the ``with`` block runs one worker thread.
+
+    torch's ``ProcessGroupGloo`` runs two worker threads per group, which free one string twice
+    when two collectives of the group complete together (see above): the heap is corrupted and
+    the process dies later, anywhere. ``fully_shard`` and the optimizers overlap collectives on
+    their groups, so wrap the creation of the process groups they will use in this::
+
+        with ragged_placement.one_worker_gloo():
+            dist.init_process_group("gloo")
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    The groups this package creates itself (per-state sharding's, ``reshard_after_forward=N``'s)
+    are always created this way. Other backends are untouched; outside the block torch's class
+    is back in ``torch.distributed.distributed_c10d``. Re-entrant; a no-op on a torch without
+    gloo or without the worker-thread option."""
+    global _scope_depth
+    if not gloo_supports_one_worker():
+        yield
+        return
+    c10d = dist.distributed_c10d
+    with _SCOPE_LOCK:
+        if _scope_depth == 0:
+            if c10d.ProcessGroupGloo is not _GLOO:
+                raise RuntimeError(
+                    f"torch.distributed.distributed_c10d.ProcessGroupGloo is "
+                    f"{c10d.ProcessGroupGloo!r}, not torch's class: another library replaced it; "
+                    f"ragged_placement.one_worker_gloo leaves it alone"
+                )
+            c10d.ProcessGroupGloo = _ONE_WORKER
+        _scope_depth += 1
+    try:
+        yield
+    finally:
+        with _SCOPE_LOCK:
+            _scope_depth -= 1
+            if _scope_depth == 0:
+                c10d.ProcessGroupGloo = _GLOO
 
 
 def gloo_supports_one_worker() -> bool:

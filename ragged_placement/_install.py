@@ -1,6 +1,6 @@
 """Teach torch's DTensor about RaggedShard: every hook into torch, in one table.
 
-torch (2.11, 2.13) has no public extension point for a new placement: ``distribute_tensor``,
+torch (2.11-2.14) has no public extension point for a new placement: ``distribute_tensor``,
 ``redistribute_local_tensor``, the sharding propagator, the local-shape helpers, the random-op
 dispatch and the checkpoint helpers only know ``Shard``, ``_StridedShard``, ``Replicate`` and
 ``Partial``. Each hook is a thin wrapper that handles specs containing a RaggedShard and passes
@@ -8,16 +8,19 @@ every other call to torch's own function unchanged, so DTensors without a Ragged
 exactly as before.
 
 :data:`PATCHES` is the whole list for DTensor: one :class:`Patch` per torch attribute we replace
-(owner, name, the torch original we expect there, the replacement), and one row outside
-DTensor: the gloo backend class ``torch.distributed`` builds process groups with, so that they
-run one worker thread (a workaround for a memory-safety race in torch's ``ProcessGroupGloo``,
-:func:`ragged_placement._gloo.one_worker_gloo`). :data:`FSDP2_PATCHES` holds
+(owner, name, the torch original we expect there, the replacement). :data:`FSDP2_PATCHES` holds
 the rows for torch's FSDP2 (its ``register_fsdp_forward_method`` reaches ours for our modules,
 its ``fully_shard.state`` returns our units' view for pipelining; a clear error when its
-``fully_shard`` meets a RaggedShard parameter), applied when :mod:`ragged_placement.fsdp` is imported. :func:`install` checks every row's
-current value against its expected original before patching anything (``ImportError`` naming the
-row if torch changed, so a torch upgrade fails loudly at import instead of misbehaving), and
-:func:`uninstall` puts every original back, so torch is exactly as before the import.
+``fully_shard`` meets a RaggedShard parameter).
+
+Nothing is patched when the package is imported. :func:`install` runs the first time a
+:class:`~ragged_placement.RaggedShard` is made (nothing reaches a patched path without one), and
+:func:`install_fsdp2` the first time our ``fully_shard`` runs. Each checks every row's current
+value against its expected original before patching anything (``RuntimeError`` naming the row
+and what torch has there instead), so a torch that changed a target is left untouched rather
+than half patched; :func:`uninstall` puts every original back. On a torch outside
+:data:`ragged_placement._compat.SUPPORTED_TORCH` the import warns once, naming the version and
+the rows whose target changed (:func:`changed_rows`).
 
 Upstream, each row becomes a method on ``Placement`` consulted by the same call site
 (``docs/upstream.md``; pytorch/pytorch#169320). The RaggedShard methods those call sites would
@@ -32,7 +35,6 @@ import copy
 import functools
 import importlib
 import inspect
-import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -41,13 +43,17 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from ragged_placement import _compat, _gloo
+from ragged_placement import _compat
+from ragged_placement import placement as _placement
 from ragged_placement.placement import RaggedShard
 
-__all__ = ["FSDP2_PATCHES", "PATCHES", "Patch", "install", "install_fsdp2", "installed", "uninstall"]
+__all__ = [
+    "FSDP2Hooks", "FSDP2_PATCHES", "PATCHES", "Patch", "changed_rows", "install", "install_fsdp2", "installed",
+    "uninstall", "warn_if_untested",
+]
 
 _ABSENT = object()
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: building a row may make a RaggedShard
 
 
 @dataclass(frozen=True)
@@ -63,12 +69,16 @@ class Patch:
             the object); ``None`` when torch has nothing there (we add the name).
         build: ``build(original) -> replacement``; ``original`` is torch's value as attribute
             lookup finds it (a class's function, an instance's bound method).
+        params: the leading parameter names the replacement relies on (it calls torch's
+            function with them, or swaps in a code object with exactly these), checked with
+            ``expected``; ``None``: it passes every argument through as given.
     """
 
     owner: str
     name: str
     expected: str | None
     build: Callable[[object], object]
+    params: tuple[str, ...] | None = None
 
     def resolve_owner(self) -> object:
         module, _, attrs = self.owner.partition(":")
@@ -130,9 +140,6 @@ def _distribute_tensor_trampoline(tensor, device_mesh=None, placements=None, *, 
 
 def _distribute_tensor_dispatch(fn):
     """The function the trampoline calls: ours for RaggedShard, a copy of torch's otherwise."""
-    expected = ["tensor", "device_mesh", "placements", "src_data_rank"]
-    if list(inspect.signature(fn).parameters) != expected or fn.__code__.co_freevars:
-        raise ImportError(f"ragged_placement: unexpected distribute_tensor signature in torch {torch.__version__}")
     original = type(fn)(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     original.__kwdefaults__ = fn.__kwdefaults__
 
@@ -345,12 +352,6 @@ def _build_local_shape_global(_absent):
     from torch.distributed.tensor import _utils
 
     fn = _utils._compute_local_shape_and_global_offset
-    expected = ["global_shape", "mesh_shape", "my_coordinate", "placements", "skip_offset"]
-    if list(inspect.signature(fn).parameters) != expected or fn.__code__.co_freevars:
-        raise ImportError(
-            f"ragged_placement: unexpected _compute_local_shape_and_global_offset signature in "
-            f"torch {torch.__version__}"
-        )
     original = type(fn)(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     return _build_local_shape_and_offset(original)
 
@@ -411,22 +412,27 @@ def _build_rng_guard(original):
 _API = "torch.distributed.tensor._api"
 _PROPAGATOR = f"{_API}:DTensor._op_dispatcher.sharding_propagator"
 _REDISTRIBUTE = "torch.distributed.tensor._redistribute.redistribute_local_tensor"
+_REDISTRIBUTE_PARAMS = ("local_tensor", "current_spec", "target_spec")
 _UTILS = "torch.distributed.tensor._utils"
 
 #: Every torch attribute the package replaces, in install order (uninstall runs it backwards).
 PATCHES: tuple[Patch, ...] = (
     Patch(_API, "_ragged_placement_distribute_tensor", None, _build_dispatch_global),
-    Patch(f"{_API}:distribute_tensor", "__code__", "_api.py:distribute_tensor", _build_trampoline),
-    Patch("torch.distributed.tensor._redistribute", "redistribute_local_tensor", _REDISTRIBUTE, _build_redistribute),
-    Patch(_API, "redistribute_local_tensor", _REDISTRIBUTE, _build_redistribute),
-    Patch("torch.distributed.tensor._dispatch", "redistribute_local_tensor", _REDISTRIBUTE, _build_redistribute),
+    Patch(f"{_API}:distribute_tensor", "__code__", "_api.py:distribute_tensor", _build_trampoline,
+          ("tensor", "device_mesh", "placements", "src_data_rank")),
+    *(
+        Patch(owner, "redistribute_local_tensor", _REDISTRIBUTE, _build_redistribute, _REDISTRIBUTE_PARAMS)
+        for owner in ("torch.distributed.tensor._redistribute", _API, "torch.distributed.tensor._dispatch")
+    ),
     Patch(_PROPAGATOR, "propagate_op_sharding_non_cached",
           "torch.distributed.tensor._sharding_prop.ShardingPropagator.propagate_op_sharding_non_cached",
           _build_propagate_non_cached),
     Patch(_PROPAGATOR, "propagate_op_sharding", "torch.distributed.tensor._sharding_prop.LocalLRUCache",
           _build_propagate_cached),
-    Patch(_API, "compute_global_tensor_info", _compat.global_tensor_info_name(), _build_global_tensor_info),
-    Patch(f"{_API}:DTensor", "from_local", f"{_API}.DTensor.from_local", _build_from_local),
+    Patch(_API, "compute_global_tensor_info", _compat.global_tensor_info_name(), _build_global_tensor_info,
+          ("tensor", "mesh", "placements")),
+    Patch(f"{_API}:DTensor", "from_local", f"{_API}.DTensor.from_local", _build_from_local,
+          ("local_tensor", "device_mesh", "placements", "run_check", "shape", "stride", "grad_placements")),
     Patch(f"{_API}:DTensor", "__reduce_ex__", "torch._tensor.Tensor.__reduce_ex__", _build_reduce_ex),
     Patch(f"{_API}:DTensor", "__deepcopy__", "torch._tensor.Tensor.__deepcopy__", _build_deepcopy),
     *(
@@ -435,29 +441,48 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(_UTILS, "_ragged_placement_local_shape_and_offset", None, _build_local_shape_global),
     Patch(f"{_UTILS}:_compute_local_shape_and_global_offset", "__code__",
-          "_utils.py:_compute_local_shape_and_global_offset", _build_local_shape_trampoline),
+          "_utils.py:_compute_local_shape_and_global_offset", _build_local_shape_trampoline,
+          ("global_shape", "mesh_shape", "my_coordinate", "placements", "skip_offset")),
     Patch("torch.distributed._state_dict_utils", "_distribute_tensors",
-          "torch.distributed._state_dict_utils._distribute_tensors", _build_distribute_tensors),
-    Patch(_API, "_dtensor_init_helper", f"{_API}._dtensor_init_helper", _build_init_helper),
+          "torch.distributed._state_dict_utils._distribute_tensors", _build_distribute_tensors,
+          ("local_state_dict", "keys", "device", "pg")),
+    Patch(_API, "_dtensor_init_helper", f"{_API}._dtensor_init_helper", _build_init_helper,
+          ("init_op", "size", "device_mesh", "placements")),
     Patch(f"{_API}:DTensor._op_dispatcher", "_dispatch_get_local_results_slow_path",
           "torch.distributed.tensor._dispatch.OpDispatcher._dispatch_get_local_results_slow_path",
-          _build_local_results),
+          _build_local_results, ("op_call", "args", "op_info")),
     *(
         Patch("torch.distributed.tensor._random", name, f"torch.distributed.tensor._random.{name}",
               _build_rng_guard)
         for name in _compat.rng_offset_helpers()
     ),
-    # not DTensor's: gloo process groups created after the import run one worker thread (the
-    # workaround for torch's double free in ProcessGroupGloo::runLoop, see _compat)
-    *(
-        [Patch("torch.distributed.distributed_c10d", "ProcessGroupGloo",
-               "torch.distributed.distributed_c10d.ProcessGroupGloo", _gloo.one_worker_gloo)]
-        if _gloo.gloo_supports_one_worker() else []
-    ),
 )
 
 
 # -- torch FSDP2 ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FSDP2Hooks:
+    """What the FSDP2 rows call into our runtime with (``ragged_placement.fsdp`` passes them to
+    :func:`install_fsdp2`; this module imports nothing of the runtime).
+
+    Attributes:
+        module_type: our ``FSDPModule`` class.
+        register_forward_method: our ``register_fsdp_forward_method(module, name)``.
+        sharded_by: ``sharded_by(module)``: the class name of our unit owning ``module``'s
+            parameters, or ``None``.
+        state_view: ``state_view(module)``: what torch's ``fully_shard.state`` returns for our
+            module (pipelining's view), or ``None``.
+    """
+
+    module_type: type
+    register_forward_method: Callable[[object, str], None]
+    sharded_by: Callable[[object], str | None]
+    state_view: Callable[[object], object | None]
+
+
+_fsdp2_hooks: FSDP2Hooks | None = None
+
+
 def _build_fsdp2_param_guard(original):
     """torch FSDP2 takes any DTensor parameter for a tensor-parallel one and fails deep inside
     (torch 2.13: ``TypeError: Invariant encountered`` from ``DeviceMesh._concatenate``); a
@@ -475,10 +500,8 @@ def _build_fsdp2_param_guard(original):
 
 
 def _fsdp2_mix_message(module_info, param) -> str:
-    from ragged_placement.fsdp.api import sharded_by
-
     what = f"parameter {module_info.param_name!r} of {type(module_info.module).__name__}"
-    owner = sharded_by(module_info.module)
+    owner = _fsdp2_hooks.sharded_by(module_info.module)
     if owner is not None:
         return (
             f"torch.distributed.fsdp.fully_shard reached {what}, which "
@@ -510,10 +533,8 @@ def _build_forward_method_dispatch(_absent):
     original = type(fn)(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
     def dispatch(module, method_name):
-        from ragged_placement.fsdp import api
-
-        if isinstance(module, api.FSDPModule):
-            return api.register_fsdp_forward_method(module, method_name)
+        if isinstance(module, _fsdp2_hooks.module_type):
+            return _fsdp2_hooks.register_forward_method(module, method_name)
         return original(module, method_name)
 
     return dispatch
@@ -534,10 +555,8 @@ def _build_fsdp2_state_lookup(original):
 
     @functools.wraps(original)
     def state(module):
-        from ragged_placement.fsdp.fsdp2_state import state_view
-
         found = original(module)
-        return state_view(module) if found is None else found
+        return _fsdp2_hooks.state_view(module) if found is None else found
 
     return state
 
@@ -545,17 +564,18 @@ def _build_fsdp2_state_lookup(original):
 _FSDP_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam"
 _FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard"
 
-#: The rows for torch's FSDP2, applied when :mod:`ragged_placement.fsdp` is imported (importing
-#: torch's FSDP2 costs about 0.2 s, which the placement alone does not pay) and restored by
-#: :func:`uninstall` with the others.
+#: The rows for torch's FSDP2, applied the first time our ``fully_shard`` runs (only then can torch
+#: code meet our modules; importing torch's FSDP2 costs about 0.2 s, which the placement alone
+#: does not pay) and restored by :func:`uninstall` with the others.
 FSDP2_PATCHES: tuple[Patch, ...] = (
     Patch(_FSDP_PARAM, "_init_sharded_param",
           "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._init_sharded_param",
-          _build_fsdp2_param_guard),
+          _build_fsdp2_param_guard, ("self", "param")),
     Patch(_FULLY_SHARD, "_ragged_placement_register_fsdp_forward_method", None,
           _build_forward_method_dispatch),
     Patch(f"{_FULLY_SHARD}:register_fsdp_forward_method", "__code__",
-          "_fully_shard.py:register_fsdp_forward_method", _build_forward_method_trampoline),
+          "_fully_shard.py:register_fsdp_forward_method", _build_forward_method_trampoline,
+          ("module", "method_name")),
     Patch(f"{_FULLY_SHARD}:fully_shard", "state",
           "torch.distributed._composable.contract.contract.<locals>.inner.<locals>.get_state",
           _build_fsdp2_state_lookup),
@@ -564,6 +584,8 @@ FSDP2_PATCHES: tuple[Patch, ...] = (
 # (patch, owner, original raw value) of every applied row, in install order
 _applied: list[tuple[Patch, object, object]] = []
 _applied_fsdp2: list[tuple[Patch, object, object]] = []
+_installing = False  # inside install(): a RaggedShard made by a row's build must not recurse
+_warned_untested = False
 
 
 def installed() -> bool:
@@ -571,47 +593,109 @@ def installed() -> bool:
     return bool(_applied)
 
 
-def _check(patch: Patch, owner: object) -> None:
-    found = _describe(getattr(owner, patch.name, _ABSENT))
+def _signature(value: object) -> list[str] | None:
+    fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a C++ function: nothing to read
+        return None
+
+
+def _mismatch(patch: Patch) -> str | None:
+    """What torch has at ``patch``'s target if it is not what the row expects, else ``None``."""
+    try:
+        owner = patch.resolve_owner()
+    except (ImportError, AttributeError) as exc:
+        return f"its owner {patch.owner} is missing ({type(exc).__name__}: {exc})"
+    value = getattr(owner, patch.name, _ABSENT)
+    found = _describe(value)
     if found != patch.expected:
-        raise ImportError(
-            f"ragged_placement: {patch.owner}.{patch.name} is {found}, expected torch's "
-            f"{patch.expected} (torch {torch.__version__}); not patching anything"
-        )
+        return f"it is {found}, expected torch's {patch.expected}"
+    if patch.name == "__code__" and owner.__code__.co_freevars:
+        return f"it is a closure over {owner.__code__.co_freevars}; its code cannot be swapped"
+    if patch.params is not None:
+        params = _signature(owner if patch.name == "__code__" else value)
+        if params is not None:
+            leading = params if patch.name == "__code__" else params[:len(patch.params)]
+            if tuple(leading) != patch.params:
+                return f"its parameters are {tuple(params)}, expected {patch.params}"
+    return None
+
+
+def changed_rows(rows: tuple[Patch, ...] | None = None) -> list[tuple[str, str]]:
+    """``(row, what changed)`` for every row of ``rows`` (default: :data:`PATCHES` and
+    :data:`FSDP2_PATCHES`) whose target in this torch is not what the row expects. Reads torch,
+    patches nothing."""
+    rows = (*PATCHES, *FSDP2_PATCHES) if rows is None else rows
+    return [(f"{p.owner}.{p.name}", why) for p in rows if (why := _mismatch(p)) is not None]
+
+
+def warn_if_untested() -> None:
+    """On a torch outside :data:`~ragged_placement._compat.SUPPORTED_TORCH`: one warning naming
+    the version and each row whose target changed (the package's import calls this)."""
+    global _warned_untested
+    if _compat.TORCH_VERSION in _compat.SUPPORTED_TORCH or _warned_untested:
+        return
+    _warned_untested = True
+    changed = changed_rows()
+    tested = ", ".join(".".join(map(str, v)) for v in _compat.SUPPORTED_TORCH)
+    rows = "".join(f"\n  {row}: {why}" for row, why in changed)
+    verdict = (f"{len(changed)} of its patch rows no longer match; the first RaggedShard or "
+               f"fully_shard will raise naming them, and torch stays unpatched:{rows}"
+               if changed else "every patch row still matches")
+    warnings.warn(
+        f"ragged_placement is tested on torch {tested}; this is torch {torch.__version__}: "
+        f"{verdict}",
+        stacklevel=3,
+    )
 
 
 def install() -> None:
-    """Install RaggedShard support into torch's DTensor (idempotent; runs on package import).
+    """Install RaggedShard support into torch's DTensor (idempotent).
 
-    Every row of :data:`PATCHES` is checked before any is applied; ``ImportError`` if one is not
-    torch's original (another library patched it, or torch changed).
+    Runs the first time a :class:`~ragged_placement.RaggedShard` is made. Every row of
+    :data:`PATCHES` is checked before any is applied; ``RuntimeError`` naming each row whose
+    target is not torch's original (another library patched it, or torch changed), with torch
+    left untouched.
     """
+    global _installing
+    if _applied:
+        return
     with _LOCK:
-        if _applied:
+        if _applied or _installing:
             return
-        if _compat.TORCH_VERSION not in _compat.SUPPORTED_TORCH:
-            warnings.warn(
-                f"ragged_placement is tested on torch {_compat.SUPPORTED_TORCH}, found {torch.__version__}",
-                stacklevel=2,
-            )
-        _apply(PATCHES, _applied)
-        if "ragged_placement.fsdp" in sys.modules:  # installed again after uninstall()
-            _apply(FSDP2_PATCHES, _applied_fsdp2)
+        _installing = True
+        try:
+            _apply(PATCHES, _applied)
+        finally:
+            _installing = False
+        _placement._installed = True
 
 
-def install_fsdp2() -> None:
-    """Apply :data:`FSDP2_PATCHES` (idempotent; :mod:`ragged_placement.fsdp` calls it on import).
-    ``ImportError`` naming the row if torch's FSDP2 is not what the rows expect."""
+def install_fsdp2(hooks: FSDP2Hooks) -> None:
+    """Apply :data:`FSDP2_PATCHES` after :data:`PATCHES`, calling into the runtime through
+    ``hooks`` (idempotent; our ``fully_shard`` calls it). ``RuntimeError`` naming the rows if
+    torch's FSDP2 is not what they expect."""
+    global _fsdp2_hooks
+    if _applied_fsdp2:
+        return
+    install()
     with _LOCK:
-        if _applied and not _applied_fsdp2:
+        if not _applied_fsdp2:
+            _fsdp2_hooks = hooks
             _apply(FSDP2_PATCHES, _applied_fsdp2)
 
 
 def _apply(patches: tuple[Patch, ...], applied: list[tuple[Patch, object, object]]) -> None:
     """Check every row of ``patches``, then apply them all (none on an error)."""
+    changed = changed_rows(patches)
+    if changed:
+        rows = "".join(f"\n  {row}: {why}" for row, why in changed)
+        raise RuntimeError(
+            f"ragged_placement cannot install into torch {torch.__version__}; not patching "
+            f"anything. Rows whose target changed:{rows}"
+        )
     owners = [patch.resolve_owner() for patch in patches]
-    for patch, owner in zip(patches, owners):
-        _check(patch, owner)
     try:
         for patch, owner in zip(patches, owners):
             original = _raw_get(owner, patch.name)
@@ -633,10 +717,15 @@ def _restore(applied: list[tuple[Patch, object, object]] | None = None) -> None:
 def uninstall() -> None:
     """Restore every patched torch attribute to torch's original object (no-op if not installed).
 
-    RaggedShard DTensors created before must not be used afterwards: torch does not know them.
-    DTensor's sharding caches are cleared, so no RaggedShard rule outlives the install.
+    RaggedShard DTensors created before must not be used afterwards: torch does not know them
+    (the next RaggedShard made installs again). DTensor's sharding caches are cleared, so no
+    RaggedShard rule outlives the install.
     """
     with _LOCK:
         if _applied:
             _restore()
+            _placement._installed = False
             _compat.clear_sharding_caches()
+
+
+_placement._install_hook = install

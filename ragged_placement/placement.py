@@ -21,12 +21,26 @@ package imports it).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import Placement
 
 __all__ = ["RaggedShard"]
+
+# The package patches nothing when imported: the first RaggedShard made installs RaggedShard
+# support into torch's DTensor, since no call reaches a patched path without one.
+# :mod:`ragged_placement._install` (imported with the package, before anything makes a
+# placement) sets the hook and keeps the flag.
+_install_hook: Callable[[], None] | None = None
+_installed = False
+
+
+def _install_once() -> None:
+    if not _installed:
+        if _install_hook is None:
+            raise RuntimeError("ragged_placement._install was not imported: import ragged_placement")
+        _install_hook()
 
 
 class RowRunPlacement(Placement):
@@ -91,6 +105,7 @@ class RaggedShard(RowRunPlacement):
     split_factor: int
 
     def __init__(self, dims: Sequence[int] | int, local_units: Sequence[int], *, split_factor: int = 1) -> None:
+        _install_once()
         super().__init__()
         dims_t = _as_int_tuple("dims", dims)
         units_t = _as_int_tuple("local_units", local_units)
@@ -121,6 +136,7 @@ class RaggedShard(RowRunPlacement):
         with one unit per rank (65,536 entries at the largest scale): the checks cost more
         than the layout itself there. User-facing code uses the constructor.
         """
+        _install_once()
         self = cls.__new__(cls)
         Placement.__init__(self)
         object.__setattr__(self, "dims", dims)

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.elastic.multiprocessing.errors import record
 from typing_extensions import Self  # a dependency of torch
 
+from ragged_placement._gloo import one_worker_gloo
 from ragged_placement.testing.profiling import (
     CollectiveMeter,
     HeapPeakMeter,
@@ -351,9 +352,12 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0)
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    env = init_distributed(cfg.device, cfg.collective_timeout)
-    _header(cfg, env)
-    out = _train(cfg, env, resume)
+    # The trainer's gloo groups (the default one, its mesh's) run one worker thread each: the
+    # runtime overlaps collectives on them (ragged_placement.one_worker_gloo).
+    with one_worker_gloo():
+        env = init_distributed(cfg.device, cfg.collective_timeout)
+        _header(cfg, env)
+        out = _train(cfg, env, resume)
     per_rank = [None] * env.world_size
     dist.all_gather_object(per_rank, {k: out[k] for k in ("peak", "state_bytes", "net_bytes",
                                                           "comm_seconds", "tokens_per_s")})

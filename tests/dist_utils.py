@@ -279,7 +279,8 @@ def run_threaded(
 
 
 def run_gloo(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = GLOO_TIMEOUT
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = GLOO_TIMEOUT,
+    one_worker: bool = True,
 ) -> list[Any]:
     """:func:`ragged_placement.testing.launch.run_gloo` with tests/ importable in the spawned ranks (``fn``
     is a module-level function of a test module). ``timeout`` is a hang guard: on expiry the
@@ -288,4 +289,4 @@ def run_gloo(
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     if tests_dir not in sys.path:
         sys.path.insert(0, tests_dir)
-    return launch.run_gloo(fn, world_size, *args, timeout=timeout)
+    return launch.run_gloo(fn, world_size, *args, timeout=timeout, one_worker=one_worker)

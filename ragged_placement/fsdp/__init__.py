@@ -8,7 +8,6 @@ work on them.
 """
 
 from ragged_placement._compat import DataParallelMeshDims
-from ragged_placement._install import install_fsdp2
 from ragged_placement.fsdp.api import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -22,8 +21,6 @@ from ragged_placement.fsdp.api import (
 from ragged_placement.fsdp.common import CommStats
 from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.fsdp.unit import FSDPUnit
-
-install_fsdp2()  # torch's fully_shard over these modules: a ValueError naming the module
 
 __all__ = [
     "CPUOffloadPolicy",

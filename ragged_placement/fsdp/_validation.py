@@ -14,10 +14,10 @@
   the all-gather moves (e.g. a bf16 copy of an fp32 weight); this runtime gathers a unit's flat
   buffer and would skip them without a word: the call (for the parameters) and the root's lazy
   init (for the local tensors) raise ``NotImplementedError`` naming the parameter.
-* A gloo process group created before ``import ragged_placement`` runs torch's two worker
-  threads, which corrupt the heap when two of its collectives complete together (see
-  :func:`ragged_placement._gloo.one_worker_gloo`); this runtime overlaps collectives on its
-  groups, so each call warns once per such group of its mesh.
+* A gloo process group created outside :func:`ragged_placement.one_worker_gloo` runs torch's
+  two worker threads, which corrupt the heap when two of its collectives complete together;
+  this runtime overlaps collectives on its groups, so each call warns once per such group of
+  its mesh.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ _WARNED_GROUPS: set[str] = set()
 
 def warn_on_racy_gloo_groups(mesh: DeviceMesh) -> None:
     """Warn once per process group of ``mesh`` that runs gloo on more than one worker thread
-    (created before ``import ragged_placement``; see the module docstring)."""
+    (created outside :func:`ragged_placement.one_worker_gloo`; see the module docstring)."""
     for group in mesh.get_all_groups():
         threads = gloo_worker_threads(group)
         name = getattr(group, "group_name", str(id(group)))
@@ -143,8 +143,8 @@ def warn_on_racy_gloo_groups(mesh: DeviceMesh) -> None:
             f"process group {name} runs gloo on {threads} worker threads: torch's "
             f"ProcessGroupGloo frees memory twice when two collectives of one group complete "
             f"together (a crash, 'malloc(): unaligned tcache chunk detected', or a corrupted "
-            f"heap), and fully_shard overlaps collectives. Import ragged_placement before "
-            f"creating process groups (init_process_group, init_device_mesh): gloo groups "
-            f"created afterwards run one worker thread (ragged_placement._gloo.one_worker_gloo)",
+            f"heap), and fully_shard overlaps collectives. Create the process groups "
+            f"(init_process_group, init_device_mesh) inside `with ragged_placement."
+            f"one_worker_gloo():`, whose gloo groups run one worker thread",
             stacklevel=3,
         )

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from ragged_placement._compat import DataParallelMeshDims
+from ragged_placement._install import FSDP2Hooks, install_fsdp2
 from ragged_placement.fsdp._validation import (
     check_granularity,
     check_no_all_gather_extension,
@@ -37,6 +38,7 @@ from ragged_placement.fsdp.module import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from ragged_placement.fsdp.fsdp2_state import state_view
 from ragged_placement.fsdp.nested import state_sharded_mesh
 from ragged_placement.fsdp.param import ParamSlot, check_tp_dims_disjoint, mesh_device
 from ragged_placement.fsdp.param_meshes import split_by_mesh
@@ -490,7 +492,10 @@ def fully_shard(
         ValueError: ``module`` is not a module (or list of them), was sharded already by this
             ``fully_shard`` or torch's, or holds a module torch's sharded; an argument has a
             wrong type or a value this runtime cannot honour exactly (named in the message).
+        RuntimeError: this torch changed a target of :mod:`ragged_placement._install`'s rows
+            (named in the message; torch is left unpatched).
     """
+    install_fsdp2(_FSDP2_HOOKS)  # the first call teaches torch's DTensor and FSDP2 about ours
     modules = _check_modules(module)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(
@@ -562,3 +567,8 @@ def fully_shard(
     for m in owned_modules:
         _SHARDED_BY[m] = type(modules[0]).__name__
     return module
+
+
+# What torch's FSDP2, once patched (ragged_placement._install.FSDP2_PATCHES), calls for our modules.
+_FSDP2_HOOKS = FSDP2Hooks(module_type=FSDPModule, register_forward_method=register_fsdp_forward_method,
+                          sharded_by=sharded_by, state_view=state_view)

@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
 from ragged_placement._compat import concatenate_meshes
+from ragged_placement._gloo import one_worker_gloo
 from ragged_placement.fsdp.collectives import Gather, Reduction
 from ragged_placement.fsdp.common import CommStats
 from ragged_placement.placement import RaggedShard
@@ -351,7 +352,8 @@ def _post_forward_group(mesh: DeviceMesh, size: int) -> dist.ProcessGroup:
     if size not in groups:
         me = dist.get_rank()
         row = next(r for r in mesh.mesh.reshape(-1, size).tolist() if me in r)
-        groups[size] = dist.new_group(row, use_local_synchronization=True)
+        with one_worker_gloo():  # this runtime's own group (_gloo)
+            groups[size] = dist.new_group(row, use_local_synchronization=True)
     return groups[size]
 
 

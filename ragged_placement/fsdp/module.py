@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from torch.distributed.tensor import DTensor
 
+from ragged_placement._gloo import one_worker_gloo
 from ragged_placement.fsdp.fsdp2_state import refuse_private_state
 from ragged_placement.fsdp.state import FSDPState, drop_unused_grads
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
@@ -211,7 +212,8 @@ class FSDPModule(TorchFSDPModule):
                     _check_supported(m, "set_separate_reduce_scatter_group(True)")
                     ranks = tuple(dist.get_process_group_ranks(unit.dp.shard_group))
                     if ranks not in groups:
-                        groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+                        with one_worker_gloo():  # this runtime's own group (_gloo)
+                            groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
                     group = groups[ranks]
                 for b in unit.buffers:
                     b.grads.reduce_group = group

@@ -20,6 +20,7 @@ frame, e.g. ``all_reduce``) or else the line it is at, and its stack.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import re
@@ -35,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ragged_placement._gloo import one_worker_gloo
 
 __all__ = ["exit_without_finalization", "free_port", "in_flight_call", "run_gloo"]
 
@@ -116,7 +119,8 @@ def _hang_report(ctx, out_dir: str, fn_name: str, timeout: float) -> str:
 
 
 def _rank_main(
-    rank: int, fn, world_size: int, port: int, args: tuple, out_dir: str, threads: int
+    rank: int, fn, world_size: int, port: int, args: tuple, out_dir: str, threads: int,
+    one_worker: bool,
 ) -> None:
     global _stack_file
     _stack_file = open(os.path.join(out_dir, f"{rank}.stack"), "w")  # noqa: SIM115 - kept open
@@ -126,13 +130,16 @@ def _rank_main(
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # The rank's gloo groups (the default one and whatever ``fn`` creates) run one worker thread:
+    # the runtime overlaps collectives on them (ragged_placement.one_worker_gloo).
+    with one_worker_gloo() if one_worker else contextlib.nullcontext():
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            result = fn(rank, world_size, *args)
+            torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
     exit_without_finalization()
 
 
@@ -160,17 +167,20 @@ def run_gloo(
     *args: Any,
     timeout: float | None = None,
     threads_per_rank: int = 1,
+    one_worker: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return the
     results in rank order. An exception on any rank is raised here (the other ranks are killed).
     ``timeout`` (seconds, a hang guard) kills the ranks and raises ``TimeoutError`` naming each
-    rank still running, the c10d call it is blocked in and its stack."""
+    rank still running, the c10d call it is blocked in and its stack. ``one_worker``: the rank
+    runs inside :func:`~ragged_placement.one_worker_gloo` (its gloo groups run one worker
+    thread); ``False`` gives torch's groups as a program that does not opt in has them."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _rank_main,
-            args=(fn, world_size, free_port(), args, out_dir, threads_per_rank),
+            args=(fn, world_size, free_port(), args, out_dir, threads_per_rank, one_worker),
             nprocs=world_size,
             join=False,
             start_method=_start_method(),

@@ -149,11 +149,12 @@ def test_packed_segments_match_coalesced_ones_with_one_op_and_counted_copies():
             assert ops == {"allgather_into_tensor_coalesced_": 1, "alltoall_base_": 2}, pair
             assert equal == [True] * 4, pair
         _check_gloo_reduce_scatter(out["gloo"])
-        # gloo groups run one worker thread once the package is imported (torch's two race on
-        # a string and free it twice); fully_shard warns on a group that runs two
+        # gloo groups created inside one_worker_gloo (run_gloo's ranks) run one worker thread
+        # (torch's two race on a string and free it twice); fully_shard warns on a group that
+        # runs two
         ours, theirs, warned = out["threads"]
         assert ours == [1, 1, 1] and theirs == 2
-        assert len(warned) == 1 and "Import ragged_placement before creating" in warned[0]
+        assert len(warned) == 1 and "inside `with ragged_placement.one_worker_gloo():`" in warned[0]
 
 
 def _gloo_reduce_scatter(rank: int, ws: int) -> dict:
@@ -189,9 +190,9 @@ def _gloo_reduce_scatter(rank: int, ws: int) -> dict:
 
 
 def _gloo_threads(ws: int) -> tuple[list[int | None], int | None, list[str]]:
-    """The worker threads of gloo groups created after the import (the default group, a
-    ``new_group``, a mesh's), of one built with torch's own class (as before the import), and
-    the warnings ``fully_shard`` gives on a mesh of each (see ``_gloo.one_worker_gloo``)."""
+    """The worker threads of gloo groups created inside ``one_worker_gloo`` (the default group,
+    a ``new_group``, a mesh's), of one built with torch's own class (as outside it), and the
+    warnings ``fully_shard`` gives on a mesh of each (see ``_gloo.one_worker_gloo``)."""
     import warnings
 
     from torch.distributed import distributed_c10d as c10d
@@ -246,3 +247,45 @@ def test_gloo_never_coalesces_all_gathers_of_cuda_tensors():
     tensors one by one: gloo's coalesced all-gather has no CUDA work staging them through host
     memory (CONTRIBUTING.md, "Several ranks on one GPU")."""
     assert run_gloo(_coalescing_decisions, 2) == [(True, False)] * 2
+
+
+def _groups_outside_the_opt_in(rank: int, ws: int) -> dict:
+    """A program that never enters ``one_worker_gloo``: its own groups keep torch's threads,
+    the groups this runtime creates run one, torch's class stays in place throughout."""
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_placement import _compat, _gloo, one_worker_gloo
+    from ragged_placement.fsdp import fully_shard
+
+    torch_class = c10d.ProcessGroupGloo
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    users = [_gloo.gloo_worker_threads(g) for g in (dist.group.WORLD, *mesh.get_all_groups())]
+    ordered = _compat.new_group_in_order([3, 2, 1, 0])  # per-state sharding's kind of group
+    with one_worker_gloo():
+        with one_worker_gloo():  # re-entrant
+            inner = dist.new_group(list(range(ws)))
+        still_inside = c10d.ProcessGroupGloo is not torch_class
+    flat = init_device_mesh("cpu", (ws,))
+    model = fully_shard(torch.nn.Linear(8, 8), mesh=flat, reshard_after_forward=2)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()  # the post-forward groups of reshard_after_forward=2 are ours
+    from ragged_placement.fsdp.mesh import _POST_FORWARD_GROUPS
+
+    post_forward = [_gloo.gloo_worker_threads(g)
+                    for _, groups in _POST_FORWARD_GROUPS.values() for g in groups.values()]
+    t = torch.ones(2) * rank
+    dist.all_reduce(t, group=ordered)
+    return {"users": users, "ordered": _gloo.gloo_worker_threads(ordered), "inner": _gloo.gloo_worker_threads(inner),
+            "post_forward": post_forward, "still_inside": still_inside, "sum": t.tolist(),
+            "class_restored": c10d.ProcessGroupGloo is torch_class,
+            "ordered_ranks": dist.get_process_group_ranks(ordered)}
+
+
+@pytest.mark.multiprocess
+def test_groups_this_runtime_creates_run_one_gloo_worker_and_the_users_keep_torchs():
+    for out in run_gloo(_groups_outside_the_opt_in, 4, one_worker=False):
+        assert out["users"] == [2, 2, 2], out  # torch's default, untouched
+        assert out["ordered"] == 1 and out["inner"] == 1 and out["post_forward"] == [1], out
+        assert out["ordered_ranks"] == [3, 2, 1, 0] and out["sum"] == [6.0, 6.0]
+        assert out["still_inside"] and out["class_restored"]

@@ -1,9 +1,13 @@
 """The install: one table of patched torch attributes, checked before patching, fully reversible.
 
+* Importing the package (every module of it) patches nothing; the first RaggedShard installs
+  :data:`~ragged_placement._install.PATCHES`, the first ``fully_shard`` the FSDP2 rows too.
 * After :func:`ragged_placement._install.uninstall` every patched attribute is torch's original
   object again (same identity, a class's staticmethod included), the names we added are gone,
-  stock DTensor works and RaggedShard is unknown to torch; :func:`install` brings it back.
-* :func:`install` refuses (``ImportError``, nothing patched) when an attribute is not torch's.
+  stock DTensor works and RaggedShard is unknown to torch; the next RaggedShard installs again.
+* :func:`install` refuses (``RuntimeError`` naming the row and what changed, nothing patched)
+  when an attribute is not torch's; an untested torch gets one warning at import naming its
+  version and the rows that changed.
 * torch's debug helpers for the sharding-propagation cache, what its ``op_strategy_context``
   test helper does, and its ``test_custom_recursive_decomp`` work with the package installed
   (the propagator keeps a ``LocalLRUCache``).
@@ -59,9 +63,71 @@ def _stock_and_ragged(rank: int, world: int) -> dict:
     return {"stock": stock, "ragged": ragged}
 
 
-def test_uninstall_restores_torch_exactly_and_install_again_works(one_torch_thread):
-    import ragged_placement.fsdp  # noqa: F401 - applies FSDP2_PATCHES
+_IMPORT_EVERYTHING = """
+import importlib, pkgutil
+import torch
+import torch.distributed.fsdp  # so that the FSDP2 rows' owners resolve before the import too
+from torch.distributed import distributed_c10d as c10d
 
+TARGETS = {targets!r}
+ABSENT = object()
+
+def raw_targets():
+    out = {{}}
+    for owner, name in TARGETS:
+        module, _, attrs = owner.partition(":")
+        obj = importlib.import_module(module)
+        for attr in filter(None, attrs.split(".")):
+            obj = getattr(obj, attr)
+        out[owner, name] = obj.__code__ if name == "__code__" else vars(obj).get(name, ABSENT)
+    return out
+
+before, gloo = raw_targets(), c10d.ProcessGroupGloo
+import ragged_placement
+for info in pkgutil.walk_packages(ragged_placement.__path__, "ragged_placement."):
+    importlib.import_module(info.name)
+import ragged_placement.train
+from ragged_placement import _install
+after = raw_targets()
+changed = [t for t in TARGETS if after[t] is not before[t]]
+assert not changed, changed
+assert c10d.ProcessGroupGloo is gloo and not _install.installed() and not _install._applied_fsdp2
+from ragged_placement import RaggedShard
+RaggedShard((0,), (1, 1))
+assert _install.installed() and not _install._applied_fsdp2
+from ragged_placement.fsdp import fully_shard
+try:
+    fully_shard(torch.nn.Linear(2, 2), mesh="not a mesh")
+except (TypeError, ValueError):
+    pass
+assert len(_install._applied_fsdp2) == len(_install.FSDP2_PATCHES)
+print("ok", len(TARGETS))
+"""
+
+
+def test_importing_every_module_patches_nothing_and_first_use_installs():
+    """In a fresh interpreter: every patched target and gloo's class are the same objects after
+    importing every module of the package; a RaggedShard installs the DTensor rows, fully_shard
+    the FSDP2 rows."""
+    import subprocess
+    import sys
+
+    targets = [(p.owner, p.name) for p in ALL_PATCHES]
+    out = subprocess.run([sys.executable, "-c", _IMPORT_EVERYTHING.format(targets=targets)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ok", str(len(ALL_PATCHES))]
+
+
+def _installed_everything() -> None:
+    from ragged_placement.fsdp.api import _FSDP2_HOOKS
+
+    RaggedShard((0,), (1,))
+    _install.install_fsdp2(_FSDP2_HOOKS)
+
+
+def test_uninstall_restores_torch_exactly_and_install_again_works(one_torch_thread):
+    _installed_everything()
     assert _install.installed()
     originals = [*_install._applied, *_install._applied_fsdp2]
     assert [p for p, _, _ in originals] == list(ALL_PATCHES)
@@ -72,17 +138,24 @@ def test_uninstall_restores_torch_exactly_and_install_again_works(one_torch_thre
             now = owner.__code__ if patch.name == "__code__" else vars(owner).get(patch.name, _install._ABSENT)
             assert now is original, f"{patch.owner}.{patch.name} was not restored"
         assert _torch_names() == {(p.owner, p.name): p.expected for p in ALL_PATCHES}
+        assert _install.changed_rows() == []
         propagator = DTensor._op_dispatcher.sharding_propagator
         assert "propagate_op_sharding_non_cached" not in vars(propagator)
-        results = run_threaded(_stock_and_ragged, 2)
-        assert all(r["stock"] for r in results)
-        assert all(r["ragged"] is not True for r in results), "torch must not know RaggedShard after uninstall"
+        results = run_threaded(_stock_only, 2)
+        assert all(results)
     finally:
-        _install.install()
+        _installed_everything()
     assert _install.installed()
     assert [p for p, _, _ in _install._applied_fsdp2] == list(_install.FSDP2_PATCHES)
     results = run_threaded(_stock_and_ragged, 2)
     assert all(r["stock"] is True and r["ragged"] is True for r in results)
+
+
+def _stock_only(rank: int, world: int) -> bool:
+    mesh = init_device_mesh("cpu", (world,))
+    t = torch.arange(24.0).reshape(6, 4)
+    d = distribute_tensor(t, mesh, [Shard(0)])
+    return torch.equal((d * 2).redistribute(mesh, [Replicate()]).to_local(), 2 * t)
 
 
 def test_install_refuses_a_changed_torch_and_patches_nothing(monkeypatch):
@@ -92,16 +165,67 @@ def test_install_refuses_a_changed_torch_and_patches_nothing(monkeypatch):
     try:
         before = {(p.owner, p.name): getattr(p.resolve_owner(), p.name, None) for p in _install.PATCHES}
         monkeypatch.setattr(_utils, "_compute_local_shape_and_global_offset", lambda *a: None)
-        with pytest.raises(ImportError, match="_compute_local_shape_and_global_offset"):
+        with pytest.raises(RuntimeError, match="_compute_local_shape_and_global_offset.* expected torch's"):
             _install.install()
         assert not _install.installed()
+        with pytest.raises(RuntimeError, match="not patching anything"):
+            RaggedShard((0,), (1,))  # the first use raises the same, every time
         for patch in _install.PATCHES:
             if "_compute_local_shape_and_global_offset" not in f"{patch.owner}.{patch.name}":
                 assert getattr(patch.resolve_owner(), patch.name, None) == before[(patch.owner, patch.name)]
     finally:
         monkeypatch.undo()
-        _install.install()
+        _installed_everything()
     assert _install.installed()
+
+
+def test_a_changed_signature_is_named_before_anything_is_patched(monkeypatch):
+    """A target with torch's name but other parameters (what a release that adds or reorders
+    them looks like) is refused naming both lists."""
+    from torch.distributed import _state_dict_utils
+
+    original = _state_dict_utils._distribute_tensors
+
+    def _distribute_tensors(state_dict, keys, device, pg=None):  # a renamed first parameter
+        return original(state_dict, keys, device, pg)
+
+    _distribute_tensors.__module__, _distribute_tensors.__qualname__ = original.__module__, original.__qualname__
+    _install.uninstall()
+    try:
+        monkeypatch.setattr(_state_dict_utils, "_distribute_tensors", _distribute_tensors)
+        rows = dict(_install.changed_rows())
+        assert list(rows) == ["torch.distributed._state_dict_utils._distribute_tensors"]
+        assert "('state_dict', 'keys', 'device', 'pg')" in rows[list(rows)[0]]
+        with pytest.raises(RuntimeError, match="_distribute_tensors: its parameters are"):
+            _install.install()
+        assert not _install.installed()
+    finally:
+        monkeypatch.undo()
+        _installed_everything()
+
+
+def test_an_untested_torch_warns_once_at_import_naming_the_version_and_changed_rows(monkeypatch):
+    from torch.distributed.tensor import _utils
+
+    from ragged_placement import _compat
+
+    monkeypatch.setattr(_compat, "TORCH_VERSION", (2, 99))
+    monkeypatch.setattr(_install, "_warned_untested", False)
+    _install.uninstall()
+    try:
+        monkeypatch.setattr(_utils, "_compute_local_shape_and_global_offset", lambda *a: None)
+        with pytest.warns(UserWarning) as caught:
+            _install.warn_if_untested()
+            _install.warn_if_untested()  # once
+        assert len(caught) == 1
+        message = str(caught[0].message)
+        assert f"this is torch {torch.__version__}" in message and "2.14" in message
+        assert "1 of its patch rows no longer match" in message
+        assert "torch.distributed.tensor._utils:_compute_local_shape_and_global_offset.__code__: it is " in message
+        assert not _install.installed()
+    finally:
+        monkeypatch.undo()
+        _installed_everything()
 
 
 def test_torch_debug_cache_helpers_and_strategy_registration_work_installed():

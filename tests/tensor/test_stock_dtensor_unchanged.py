@@ -1,13 +1,17 @@
-"""Importing ragged_placement leaves stock DTensor unchanged.
+"""Importing ragged_placement, or using it, leaves stock DTensor, FSDP2 and gloo unchanged.
 
 One script (:func:`_stock_script`) exercises DTensor without any RaggedShard: Shard / Replicate /
 Partial / ``_StridedShard`` redistributions on a 1-D mesh of 4 and a 2x2 mesh (even and uneven
-shapes), ops, factories, random ops, ``from_local``, distributed checkpoint save/load, and
-torch's debug helpers (sharding-cache info, ``CommDebugMode`` counts, ``visualize_sharding``'s boxes).
-It runs twice on 4 gloo processes, once with ``import ragged_placement`` first and once without
-(this module imports nothing from the package, so the second run never loads it), and every
-recorded value must be equal: tensors bit for bit, errors by type and message. The ranks are
-forked from multiprocessing's fork server (as ``run_gloo``'s are), which preloads torch alone.
+shapes), ops, factories, random ops, ``from_local``, distributed checkpoint save/load, torch's
+debug helpers (sharding-cache info, ``CommDebugMode`` counts, ``visualize_sharding``'s boxes),
+plain gloo groups (``new_group``, their worker threads) and torch FSDP2 training (FSDP and
+HSDP, AdamW, ``register_fsdp_forward_method``). It runs three times on 4 gloo processes: with
+every module of the package imported first (which must patch nothing), with the package also
+used first (a RaggedShard DTensor and our ``fully_shard`` trained a step, so every patch row is
+in place), and without it (this module imports nothing from the package, so that run never
+loads it). Every recorded value must be equal: tensors bit for bit, errors by type and
+message. The ranks are forked from multiprocessing's fork server (as ``run_gloo``'s are), which
+preloads torch alone.
 """
 
 from __future__ import annotations
@@ -157,15 +161,82 @@ def _stock_script(rank: int, results: dict, ckpt_dir: str) -> None:
             for r in range(WORLD)
         ])
 
+    # plain gloo groups: torch's worker threads, a collective
+    from torch.distributed import distributed_c10d as c10d
 
-def _child(rank: int, with_package: bool, port: int, out_dir: str) -> None:
+    group = dist.new_group(list(range(WORLD)))
+    _record(results, "gloo threads", lambda: [g._get_backend(torch.device("cpu")).options._threads
+                                                for g in (dist.group.WORLD, group, mesh2.get_group(0))])
+    _record(results, "gloo class", lambda: c10d.ProcessGroupGloo.__module__ + "." + c10d.ProcessGroupGloo.__qualname__)
+    t = torch.arange(4.0) + rank
+    dist.all_reduce(t, group=group)
+    _record(results, "gloo all_reduce", lambda: t)
+
+    # torch FSDP2: FSDP over the 1-D mesh, HSDP over the 2x2 one
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for name, m in (("fsdp", mesh), ("hsdp", hsdp)):
+        _fsdp2_training(results, name, m, rank)
+
+
+def _fsdp2_training(results: dict, name: str, mesh, rank: int) -> None:
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.score = lambda x: model(x).sum(-1)
+    register_fsdp_forward_method(model, "score")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(12, 6, generator=torch.Generator().manual_seed(rank))
+    for step in range(3):
+        loss = model(x).square().mean() + model.score(x).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        _record(results, f"fsdp2 {name} loss {step}", lambda: loss.detach())
+    for fqn, p in model.named_parameters():
+        _record(results, f"fsdp2 {name} param {fqn}", lambda: p)
+        _record(results, f"fsdp2 {name} adam {fqn}", lambda: opt.state[p]["exp_avg_sq"])
+
+
+def _use_the_package(rank: int) -> None:
+    """A RaggedShard DTensor and our fully_shard, one training step: every patch row installed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from ragged_placement import RaggedShard, _compat, _install
+    from ragged_placement.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    d = distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [RaggedShard((0,), (1, 2, 0, 3))])
+    assert torch.equal(d.full_tensor(), torch.arange(12.0).reshape(6, 2))
+    model = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+    model(torch.ones(2, 4)).sum().backward()
+    assert _install.installed() and len(_install._applied_fsdp2) == len(_install.FSDP2_PATCHES)
+    dist.barrier()
+    _compat.clear_sharding_caches()  # the script records the caches' statistics
+
+
+def _child(rank: int, run: str, port: int, out_dir: str) -> None:
     warnings.filterwarnings("ignore")
-    if with_package:
-        import ragged_placement  # noqa: F401 - the point of this run
+    if run != "without":
+        import importlib
+        import pkgutil
+
+        import ragged_placement  # the point of this run: import every module of the package
+        from ragged_placement import _install
+
+        for info in pkgutil.walk_packages(ragged_placement.__path__, "ragged_placement."):
+            importlib.import_module(info.name)
+        assert not _install.installed() and not _install._applied_fsdp2
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
+        if run == "used":
+            _use_the_package(rank)
         results: dict = {}
         _stock_script(rank, results, os.path.join(out_dir, "ckpt"))
         loaded = "ragged_placement" in __import__("sys").modules
@@ -191,23 +262,31 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def test_stock_dtensor_gives_the_same_results_with_and_without_the_package():
+RUNS = ("imported", "used", "without")
+
+
+def test_stock_dtensor_fsdp2_and_gloo_give_the_same_results_with_and_without_the_package():
     multiprocessing.set_forkserver_preload(list(PRELOAD))  # if this starts the server
-    with tempfile.TemporaryDirectory() as with_dir, tempfile.TemporaryDirectory() as without_dir:
-        runs = {
-            flag: mp.start_processes(_child, args=(flag, _free_port(), out), nprocs=WORLD, join=False,
-                                     start_method="forkserver")
-            for flag, out in ((True, with_dir), (False, without_dir))
-        }
-        deadline = time.monotonic() + 600
-        for ctx in runs.values():
-            while not ctx.join(timeout=1.0):
-                assert time.monotonic() < deadline, "the stock DTensor script did not finish"
+    with tempfile.TemporaryDirectory() as root:
+        dirs = {run: os.path.join(root, run) for run in RUNS}
+        runs = {}
+        for run in RUNS:  # one after the other: 4 ranks at a time on a small machine
+            os.makedirs(dirs[run])
+            runs[run] = mp.start_processes(_child, args=(run, _free_port(), dirs[run]), nprocs=WORLD,
+                                           join=False, start_method="forkserver")
+            deadline = time.monotonic() + 600
+            while not runs[run].join(timeout=1.0):
+                assert time.monotonic() < deadline, f"the stock script ({run}) did not finish"
         for rank in range(WORLD):
-            got = torch.load(os.path.join(with_dir, f"{rank}.pt"), weights_only=False)
-            want = torch.load(os.path.join(without_dir, f"{rank}.pt"), weights_only=False)
-            assert got.pop("package loaded") and not want.pop("package loaded")
-            assert got.keys() == want.keys()
+            want = torch.load(os.path.join(dirs["without"], f"{rank}.pt"), weights_only=False)
+            assert not want.pop("package loaded")
             assert len(want) > 200  # the script really ran
-            different = [k for k in want if not _equal(got[k], want[k])]
-            assert not different, {k: (got[k], want[k]) for k in different[:3]}
+            assert want["gloo threads"] == [2, 2, 2], want["gloo threads"]  # torch's default
+            assert sum(k.startswith("fsdp2 ") for k in want) == 2 * (3 + 2 * 4)
+            assert not any(isinstance(want[k], str) for k in want if k.startswith(("fsdp2", "gloo all")))
+            for run in ("imported", "used"):
+                got = torch.load(os.path.join(dirs[run], f"{rank}.pt"), weights_only=False)
+                assert got.pop("package loaded")
+                assert got.keys() == want.keys()
+                different = [k for k in want if not _equal(got[k], want[k])]
+                assert not different, (run, {k: (got[k], want[k]) for k in different[:3]})

@@ -165,7 +165,7 @@ def test_gloo_hang_report_names_the_rank_the_collective_and_the_stack(tmp_path):
         sys.path.insert(0, str(TESTS))  # the ranks import this module
     ready = tmp_path / "ready"
     ready.mkdir()
-    args = (_gloo_rank_0_waits, 2, launch.free_port(), (str(ready),), str(tmp_path), 1)
+    args = (_gloo_rank_0_waits, 2, launch.free_port(), (str(ready),), str(tmp_path), 1, True)
     ctx = mp.start_processes(launch._rank_main, args, nprocs=2, join=False, start_method="spawn")
     try:
         deadline = time.monotonic() + dist_utils.GLOO_TIMEOUT

@@ -395,7 +395,8 @@ def test_two_emulated_nodes_hsdp_match_one_process(tmp_path):
     args = [a if a != "2" or prev != "--batch" else "1" for prev, a in zip(["", *SMALL], SMALL)]
     rc, out = run_command(["bash", "scripts/two_nodes.sh", "--", *args, "--mesh", "2x2",
                            "--mesh-dim-names", "inter,intra", "--state-sharding", "hsdp",
-                           "--output", str(tmp_path / "out.pt"), "--metrics", str(tmp_path / "m.json")])
+                           "--output", str(tmp_path / "out.pt"), "--metrics", str(tmp_path / "m.json")],
+                          env={"PYTHON": sys.executable})  # this test's interpreter, any venv
     if rc == 1 and "needs root or CAP_NET_ADMIN" in out:
         pytest.skip(out.strip().splitlines()[-1])
     assert rc == 0, out[-4000:]

@@ -15,6 +15,7 @@ import torchtitan.distributed.fsdp
 import torchtitan.train
 
 import stand_ins
+from ragged_placement import one_worker_gloo
 
 
 def main() -> None:
@@ -36,7 +37,10 @@ def main() -> None:
         stand_ins.dump_gradients(os.environ["TITAN_GRADS"], steps)
     if os.environ.get("TITAN_EXACT_NORMS"):
         stand_ins.record_exact_grad_norm(os.environ["TITAN_EXACT_NORMS"])
-    torchtitan.train.main()
+    # Both runtimes overlap collectives on torchtitan's gloo groups: each runs one worker thread
+    # against torch's race in ProcessGroupGloo (ragged_placement.one_worker_gloo).
+    with one_worker_gloo():
+        torchtitan.train.main()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""The supported torch releases are one list, and everything a user or CI runs agrees with it.
+
+``ragged_placement._compat.SUPPORTED_TORCH`` is the list; the Makefile's default install, the
+lower bound in pyproject.toml, the README's version table and ``.ci/run``'s two versions are
+checked against it, and no module outside ``_compat`` (and ``_install``'s warning) reads the
+torch version.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ragged_placement import _compat
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _minor(version: str) -> tuple[int, int]:
+    return tuple(int(x) for x in version.split(".")[:2])  # type: ignore[return-value]
+
+
+def test_supported_releases_are_2_11_through_2_14():
+    assert _compat.SUPPORTED_TORCH == ((2, 11), (2, 12), (2, 13), (2, 14))
+
+
+def test_the_default_install_is_the_newest_supported_torch_pinned_exactly():
+    makefile = (REPO / "Makefile").read_text()
+    default = re.search(r"^DEFAULT_TORCH := (\S+)$", makefile, re.M)
+    assert default and default[1] == "2.14.1"
+    assert _minor(default[1]) == _compat.SUPPORTED_TORCH[-1]
+    assert "pip install -q torch==$(TORCH)" in makefile
+    lower = re.search(r'"torch>=([0-9.]+)"', (REPO / "pyproject.toml").read_text())
+    assert lower and _minor(lower[1]) == _compat.SUPPORTED_TORCH[0]
+
+
+def test_the_readme_has_one_version_table_naming_every_supported_release():
+    readme = (REPO / "README.md").read_text()
+    rows = re.findall(r"^\| (2\.\d+)\.\d+ \|", readme, re.M)
+    assert sorted(map(_minor, rows)) == list(_compat.SUPPORTED_TORCH), rows
+    assert "make test TORCH=2.13.0" in readme and "5.5 GB" in readme
+
+
+def test_ci_runs_the_default_and_a_second_supported_version():
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert "make test" in ci
+    second = [re.fullmatch(r"make test TORCH=(\S+)( .*)?", line) for line in ci]
+    versions = [m[1] for m in second if m]
+    assert len(versions) == 1 and _minor(versions[0]) in _compat.SUPPORTED_TORCH
+    assert _minor(versions[0]) != _compat.SUPPORTED_TORCH[-1]
+
+
+def test_only_compat_reads_the_torch_version():
+    readers = []
+    for root in ("ragged_placement", "planner", "optim"):
+        for path in (REPO / root).rglob("*.py"):
+            if path.name in ("_compat.py", "_install.py"):
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#")[0]
+                if re.search(r"TORCH_VERSION|version\.parse|__version__\s*(==|!=|<=|>=|<|>)|(==|!=|<=|>=|<|>)\s*torch\.__version__", code):
+                    readers.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not readers, readers
