@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     same checks on the same files; so torchrun reports one failure, not one per rank."""
     try:
         cfg, resume = _check(argv)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:  # NotImplementedError: a refused combination
         if int(os.environ.get("LOCAL_RANK", "0")) != 0:
             sys.exit(0)
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -119,16 +119,19 @@ def parallelize_hf_moe(
     Raises:
         ValueError: before any collective, for a layer whose experts are not in the layout the
             forward computes (:func:`hf_experts`), a mesh that is not 2-D with an ``ep_dim``
-            dim, an ``ep`` size that does not divide the number of experts, or ``quant``.
+            dim, an ``ep`` size that does not divide the number of experts, or a combination
+            of :data:`ragged_placement.combinations.REFUSED` (``quant``; a ``state_sharding``
+            under expert parallelism).
     """
+    from ragged_placement.combinations import Feature, Given
     from ragged_placement.models.moe import parallelize_experts
 
-    if fsdp_kwargs.get("quant") is not None:
-        raise ValueError(f"quant={fsdp_kwargs['quant']!r}: the transformers experts have no FP8 "
-                         f"compute here; drop quant")
     blocks = list(blocks)
     experts = {block: module for block in blocks if (module := hf_experts(block)) is not None}
     if not experts:
         raise ValueError(f"{type(model).__name__} has no experts module to shard by expert")
+    hf = Given(f"model={type(model).__name__} (transformers experts)",
+               "pass a ragged_placement.models.moe.MoETransformer as model")
     return parallelize_experts(model, mesh, blocks, experts, HFExpertParallel(),
-                               ep_dim=ep_dim, shard_fn=shard_fn, **fsdp_kwargs)
+                               ep_dim=ep_dim, shard_fn=shard_fn,
+                               features={Feature.HF_EXPERTS: hf}, **fsdp_kwargs)

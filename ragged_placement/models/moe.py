@@ -17,7 +17,7 @@ combine without touching the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from ragged_placement.combinations import Feature, Given, check_combinations
 from ragged_placement.models.llama import Attention, FeedForward
 
 if TYPE_CHECKING:
@@ -439,9 +440,12 @@ def parallelize_moe(
     Raises:
         ValueError: before any collective, if ``mesh`` is not 2-D with an ``ep_dim`` dim, or
             its size does not divide ``num_experts`` (an expert is never cut between ep ranks);
-            if a ``StateSharding`` or ``quant`` is given to torch's ``fully_shard``, or a
-            ``StateSharding`` the runtime cannot honour (:func:`~ragged_placement.expert_parallel.
-            split_state_sharding`, :func:`~ragged_placement.fsdp.nested.check_state_sharding`).
+            if a ``StateSharding`` does not fit its mesh (:func:`~ragged_placement.
+            expert_parallel.split_state_sharding`, :func:`~ragged_placement.fsdp.nested.
+            check_state_sharding`), or the arguments combine features of
+            :data:`ragged_placement.combinations.REFUSED` (a ``StateSharding`` or ``quant`` with
+            torch's ``fully_shard``, a ``StateSharding`` with an int ``reshard_after_forward``,
+            ...).
     """
     from ragged_placement.expert_parallel import ExpertParallel
     from ragged_placement.fsdp.fp8 import check_quant
@@ -467,14 +471,20 @@ def parallelize_experts(
     state_sharding: Any = None,
     expert_state_sharding: Any = None,
     quant: BlockFP8Config | None = None,
+    features: Mapping[Feature, Given] | None = None,
     **fsdp_kwargs: Any,
 ) -> nn.Module:
     """:func:`parallelize_moe`'s recipe on any model: ``style`` (an expert-parallel
     ``ParallelStyle``) on each experts module of ``experts`` (keyed by the block holding it) over
     ``mesh[ep_dim]``, ``shard_fn`` on it over the dim beside ``ep_dim``, then on every block of
     ``blocks`` and on ``model`` over all data-parallel ranks. Every check runs before any unit is
-    built; ``quant`` (checked by the caller) goes to ``shard_fn`` for every unit."""
+    built; ``quant`` (checked by the caller) goes to ``shard_fn`` for every unit. The arguments'
+    combinations are checked against :data:`ragged_placement.combinations.REFUSED`, with
+    ``features``: those the caller's model turns on (``parallelize_hf_moe``: the transformers
+    experts)."""
     from ragged_placement.expert_parallel import check_expert_parallel, split_state_sharding
+    from ragged_placement.fsdp import fully_shard
+    from ragged_placement.fsdp.nested import check_state_sharding
 
     names = mesh.mesh_dim_names if isinstance(mesh, DeviceMesh) else None
     if names is None or mesh.ndim != 2 or ep_dim not in names:
@@ -482,13 +492,23 @@ def parallelize_experts(
             f"mesh must be a 2-D DeviceMesh (dp_mod_ep, {ep_dim!r}) with named dims, got {mesh!r}"
         )
     dp_mod_ep = names[1 - names.index(ep_dim)]
-    shard_fn = _check_shard_fn(shard_fn, state_sharding=state_sharding,
-                               expert_state_sharding=expert_state_sharding, quant=quant)
-    state_sharding, expert_state_sharding = split_state_sharding(
-        mesh, ep_dim, state_sharding, expert_state_sharding
-    )
-    _check_nested(mesh, state_sharding, fsdp_kwargs)
-    _check_nested(mesh[dp_mod_ep], expert_state_sharding, fsdp_kwargs)
+    ours = shard_fn is None or shard_fn is fully_shard
+    passed = {name: value for name, value in (("state_sharding", state_sharding),
+                                              ("expert_state_sharding", expert_state_sharding))
+              if value is not None}
+    if ours:  # torch's fully_shard takes neither, whatever their values
+        state_sharding, expert_state_sharding = split_state_sharding(
+            mesh, ep_dim, state_sharding, expert_state_sharding
+        )
+        if (check_state_sharding(state_sharding, mesh) is None
+                and check_state_sharding(expert_state_sharding, mesh[dp_mod_ep]) is None):
+            passed = {}  # the defaults of their meshes: the runtime without nesting
+    check_combinations({
+        **_features(None if ours else shard_fn, passed, quant, ep_dim, mesh[ep_dim].size(),
+                    fsdp_kwargs),
+        **(features or {}),
+    })
+    shard_fn = fully_shard if ours else shard_fn
     ep_size = mesh[ep_dim].size()
     for module in experts.values():
         check_expert_parallel(module, ep_size)
@@ -549,35 +569,35 @@ def _check_fp8_configs(model: nn.Module, quant: Any) -> None:
             )
 
 
-def _check_shard_fn(
-    shard_fn: Callable[..., nn.Module] | None, **ours_only: Any
-) -> Callable[..., nn.Module]:
-    """``shard_fn``, ours by default; ``ValueError`` if one of ``ours_only`` (arguments only
-    ours takes: ``state_sharding``, ``quant``, ...) is given to another."""
-    from ragged_placement.fsdp import fully_shard
-
-    if shard_fn is None:
-        return fully_shard
-    given = [name for name, value in ours_only.items() if value is not None]
-    if shard_fn is not fully_shard and given:
-        raise ValueError(
-            f"shard_fn={shard_fn!r} with {' and '.join(given)}: only "
-            f"ragged_placement.fsdp.fully_shard takes {' and '.join(given)}; drop "
-            f"{' and '.join(given)} or the shard_fn"
-        )
-    return shard_fn
-
-
-def _check_nested(mesh: DeviceMesh, sharding: Any, fsdp_kwargs: dict[str, Any]) -> None:
-    """``fully_shard``'s refusals of ``sharding`` with ``fsdp_kwargs``, before any unit is
-    built (so no unit's groups exist when one is refused)."""
+def _features(
+    torch_shard_fn: Callable[..., nn.Module] | None, state_shardings: dict[str, Any], quant: Any,
+    ep_dim: str, ep_size: int, fsdp_kwargs: dict[str, Any],
+) -> dict[Feature, Given]:
+    """The features of :data:`ragged_placement.combinations.REFUSED` a
+    :func:`parallelize_experts` call turns on, in its arguments' words: ``torch_shard_fn`` a
+    ``shard_fn`` other than ours, ``state_shardings`` the given ones that shard a state."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from ragged_placement.fsdp.nested import check_state_sharding
-
-    offload = fsdp_kwargs.get("offload_policy")
-    check_state_sharding(
-        sharding, mesh, dp_mesh_dims=fsdp_kwargs.get("dp_mesh_dims"),
-        offload=offload if isinstance(offload, CPUOffloadPolicy) else None,
-        reshard_after_forward=fsdp_kwargs.get("reshard_after_forward"),
+    reshard = fsdp_kwargs.get("reshard_after_forward")
+    name = getattr(torch_shard_fn, "__qualname__", None)
+    shard_fn = f"{torch_shard_fn.__module__}.{name}" if name else repr(torch_shard_fn)
+    given = state_shardings
+    features = (
+        (Feature.TORCH_FSDP2, torch_shard_fn is not None, f"shard_fn={shard_fn}",
+         "drop shard_fn (ragged_placement.fsdp.fully_shard is the default)"),
+        (Feature.STATE_SHARDING, given, " and ".join(f"{k}={v}" for k, v in given.items()),
+         " and ".join(f"drop {k}" for k in given)),
+        (Feature.QUANT, quant is not None, f"quant={quant!r}", "drop quant"),
+        (Feature.EXPERT_PARALLEL, ep_size > 1, f"expert parallelism over mesh[{ep_dim!r}] "
+         f"({ep_size} ranks)", f"pass a mesh whose {ep_dim!r} dim has one rank"),
+        (Feature.CPU_OFFLOAD, isinstance(fsdp_kwargs.get("offload_policy"), CPUOffloadPolicy),
+         f"offload_policy={fsdp_kwargs.get('offload_policy')!r}",
+         "pass offload_policy=OffloadPolicy()"),
+        (Feature.INT_RESHARD, isinstance(reshard, int) and not isinstance(reshard, bool),
+         f"reshard_after_forward={reshard!r}", "pass reshard_after_forward as a bool or None"),
+        (Feature.DP_MESH_DIMS, fsdp_kwargs.get("dp_mesh_dims") is not None,
+         f"dp_mesh_dims={fsdp_kwargs.get('dp_mesh_dims')!r}", "drop dp_mesh_dims"),
+        (Feature.GRANULARITY, fsdp_kwargs.get("granularity") is not None,
+         f"granularity={fsdp_kwargs.get('granularity')!r}", "drop granularity"),
     )
+    return {f: Given(spelling, fix) for f, on, spelling, fix in features if on}

@@ -170,7 +170,8 @@ def _check_router(cfg: TrainConfig, config: Any) -> None:
 
 def _check_moe_config(cfg: TrainConfig, config: Any) -> None:
     """A MoE config of :data:`MOE_TYPES` the trainer trains as one process would: top-k within
-    the experts, whole experts per ep rank, no FP8."""
+    the experts, whole experts per ep rank (``--fp8`` with it:
+    :data:`ragged_placement.combinations.REFUSED`)."""
     experts, top_k = config.num_local_experts, config.num_experts_per_tok
     if top_k > experts:
         raise ValueError(f"--model {cfg.model!r}: num_experts_per_tok {top_k} exceeds the "
@@ -179,9 +180,6 @@ def _check_moe_config(cfg: TrainConfig, config: Any) -> None:
         raise ValueError(f"--ep {cfg.ep} does not divide the {experts} experts of --model "
                          f"{cfg.model!r}: each ep rank owns whole experts, an equal number each; "
                          f"pick --ep among the divisors of {experts}")
-    if cfg.fp8:
-        raise ValueError(f"--fp8 with --model {cfg.model!r} is not supported: the transformers "
-                         f"experts have no FP8 compute here; drop --fp8")
 
 
 def hf_model(cfg: TrainConfig, vocab: int) -> nn.Module:

@@ -324,8 +324,11 @@ def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsy
         (["--lr", "fast"], "--lr must be float"),
         (["--runtime", "deepspeed"], "--runtime must be one of ours, fsdp2, got 'deepspeed'"),
         (["--state-sharding", "zero2", "--runtime", "fsdp2"],
-         "--state-sharding zero2 needs --runtime ours"),
-        (["--state-sharding", "auto", "--runtime", "fsdp2"], "--state-sharding auto needs --runtime ours"),
+         "--state-sharding zero2 with --runtime fsdp2 is not supported: torch FSDP2 shards "
+         "parameters, gradients and optimizer state over the same mesh dims.*; pass "
+         "--state-sharding zero3, or pass --runtime ours"),
+        (["--state-sharding", "auto", "--runtime", "fsdp2"],
+         "--state-sharding auto with --runtime fsdp2 is not supported"),
         (["--state-sharding", "amsp"], "--state-sharding amsp needs a 2-D --mesh"),
         (["--bandwidth", "dp=1e9"], "--bandwidth is the partitioner's input: it needs --state-sharding auto"),
         (["--memory-budget", "1e9", "--state-sharding", "amsp", "--mesh", "2x2"],
@@ -340,7 +343,9 @@ def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsy
         (["--mesh", "2x2", "--mesh-dim-names", "a"], "--mesh-dim-names must give 2 distinct"),
         (["--mesh-dim-names", "a"], "--mesh-dim-names needs --mesh"),
         (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
-        (["--fp8", "--runtime", "fsdp2"], "--fp8 needs --runtime ours"),
+        (["--fp8", "--runtime", "fsdp2"],
+         "--fp8 with --runtime fsdp2 is not supported: torch FSDP2 has no block-wise FP8 "
+         "all-gather.*; drop --fp8, or pass --runtime ours"),
         (["--model", "gpt3"], "--model must be gpt, llama, moe, hf:TYPE or a Hugging Face config"),
         (["--optimizer", "sgd"], "--optimizer must be one of adamw, muon, shampoo"),
         (["--data", "/nonexistent.bin"], "--data must be 'stdlib' or a token file"),
