@@ -298,3 +298,19 @@ def test_each_feature_branches_at_most_five_times_outside_its_module(feature):
         for b in [_feature_branches(ast.parse(p.read_text()), pattern)] if b
     }
     assert sum(map(len, branches.values())) <= _MAX_FEATURE_BRANCHES, branches
+
+
+def test_one_registry_of_what_the_runtime_owns():
+    """Which unit owns a parameter or a module is recorded in one place
+    (``fsdp._validation.OWNERS``, which torch's ``fully_shard`` also asks through
+    ``FSDP2Hooks.sharded_by``): no other module builds a weak-keyed registry."""
+    weak = {"WeakKeyDictionary", "WeakIdKeyDictionary"}
+    builders = {
+        m: sorted({ast.unparse(n.func) for n in ast.walk(ast.parse(p.read_text()))
+                   if isinstance(n, ast.Call)
+                   and getattr(n.func, "attr", getattr(n.func, "id", None)) in weak})
+        for m, p in _sources().items()
+    }
+    assert {m: b for m, b in builders.items() if b} == {
+        "ragged_placement.fsdp._validation": ["WeakIdKeyDictionary", "weakref.WeakKeyDictionary"],
+    }

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -21,11 +20,10 @@ from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement._install import FSDP2Hooks, install_fsdp2
 from ragged_placement.combinations import Feature, Given, check_combinations
 from ragged_placement.fsdp._validation import (
+    OWNERS,
     check_granularity,
     check_no_all_gather_extension,
     check_no_scalar_params,
-    check_not_managed,
-    record_managed,
     unmatched_patterns,
     warn_on_racy_gloo_groups,
 )
@@ -67,16 +65,6 @@ __all__ = [
 # ``from ragged_placement.fsdp import MixedPrecisionPolicy`` give the same class (its fields,
 # ``param_dtype``, ``reduce_dtype``, ``output_dtype`` and ``cast_forward_inputs``, are the same in
 # torch 2.11 and 2.13).
-
-
-# Every module whose parameters a fully_shard unit owns -> that fully_shard module's class name
-# (torch's fully_shard reaching one of them raises naming it: ragged_placement._install).
-_SHARDED_BY: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-
-
-def sharded_by(module: nn.Module) -> str | None:
-    """The class name of the ``fully_shard`` module whose unit owns ``module``'s parameters."""
-    return _SHARDED_BY.get(module)
 
 
 _CLASS_LOCK = threading.Lock()
@@ -532,7 +520,7 @@ def fully_shard(
         spmd = localize_spmd_params(mesh, dp_mesh_dims, modules, ignored, FSDPModule)
     slots, params, owned_modules = _collect_params(modules, ignored)
     where = type(modules[0]).__name__
-    check_not_managed([s.fqn for s in slots], params, where)
+    OWNERS.check_not_owned([s.fqn for s in slots], params, where)
     check_no_scalar_params([s.fqn for s in slots], params, where)
     check_no_all_gather_extension([s.fqn for s in slots], params, where)
     placement_fn = shard_placement_fn
@@ -576,16 +564,16 @@ def fully_shard(
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
     state.reshard_by_default = reshard_after_forward is None
     state.unmatched_granularity = unmatched_patterns(granularity, modules)
-    record_managed([s.fqn for s in slots], originals, where)
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
         _register_fully_shard(m)
-    for m in owned_modules:
-        _SHARDED_BY[m] = type(modules[0]).__name__
+    OWNERS.record(where, [s.fqn for s in slots], originals, owned_modules,
+                  type(modules[0]).__name__)
     return module
 
 
 # What torch's FSDP2, once patched (ragged_placement._install.FSDP2_PATCHES), calls for our modules.
-_FSDP2_HOOKS = FSDP2Hooks(module_type=FSDPModule, register_forward_method=register_fsdp_forward_method,
-                          sharded_by=sharded_by, state_view=state_view)
+_FSDP2_HOOKS = FSDP2Hooks(module_type=FSDPModule,
+                          register_forward_method=register_fsdp_forward_method,
+                          sharded_by=OWNERS.sharded_by, state_view=state_view)
