@@ -18,8 +18,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from ragged_placement import _compat, train
 from ragged_placement.combinations import REFUSED, Feature, Refusal
 from ragged_placement.fsdp import DataParallelMeshDims, StateSharding, fully_shard
-from ragged_placement.models.hf_moe import parallelize_hf_moe
-from ragged_placement.models.moe import MoEConfig, MoETransformer, parallelize_moe
+from ragged_placement.models.moe import MoEConfig, MoETransformer
+from ragged_placement.parallelize import parallelize_hf_moe, parallelize_moe
 from ragged_placement.planner import Granularity
 from ragged_placement.quant import BlockFP8Config
 from ragged_placement.trainer.build import new_model

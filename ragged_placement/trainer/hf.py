@@ -11,9 +11,10 @@ The mixtures of experts ``hf:mixtral``, ``hf:qwen3_moe`` and ``hf:deepseek_v3`` 
 take ``--experts`` routed experts of hidden size ``--width`` per MoE layer and ``--top-k`` per
 token; the last ``--moe-layers`` layers are MoE (every layer for Mixtral, which has no dense
 one); DeepSeek-V3 has one shared expert, one expert group, and its MLA ranks from the head
-size. ``--ep N`` shards their experts by expert (:mod:`ragged_placement.models.hf_moe`). The
-trainer's loss is the cross entropy of the logits: a config whose router adds an auxiliary
-loss (``output_router_logits``) or noise (``router_jitter_noise``) is refused.
+size. ``--ep N`` shards their experts by expert
+(:func:`ragged_placement.parallelize.parallelize_hf_moe`). The trainer's loss is the cross
+entropy of the logits: a config whose router adds an auxiliary loss (``output_router_logits``)
+or noise (``router_jitter_noise``) is refused.
 """
 
 from __future__ import annotations

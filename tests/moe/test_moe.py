@@ -39,10 +39,10 @@ from ragged_placement.models.moe import (
     MoETransformer,
     RouterGate,
     TopKRouter,
-    parallelize_moe,
     run_experts,
     update_expert_bias,
 )
+from ragged_placement.parallelize import parallelize_moe
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
