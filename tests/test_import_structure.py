@@ -255,9 +255,10 @@ _FEATURES = {
     "state sharding": (re.compile(r"state_sharding|nested|StateSharded", re.I), {"nested"}),
 }
 # At most this many branches on each feature outside its own modules (torch FSDP2's
-# ``_fully_shard/`` has six feature branches in all). Per-state sharding: the unit and the hooks
-# still ask its mesh whether it refreshes (unit.py, state.py) and keeps the parameters unsharded.
-_MAX_FEATURE_BRANCHES = {"fp8": 5, "offload": 5, "state sharding": 6}
+# ``_fully_shard/`` has six feature branches in all). Per-state sharding: the unit runs its
+# refresh before it unshards (a ``ParamRefresh`` hook only ``ChunkRefresh`` overrides), the buffer
+# asks whether the parameters stay unsharded; the hooks' recomputed-forward checks read "nested".
+_MAX_FEATURE_BRANCHES = {"fp8": 5, "offload": 5, "state sharding": 4}
 
 
 def _is_default(fn: ast.AST) -> bool:
@@ -362,11 +363,12 @@ def test_the_branch_counter_skips_argument_checks_and_sees_feature_state():
 
 
 def test_the_feature_state_is_read_from_the_code():
-    """A hook only per-state sharding's mesh overrides (``UnitMesh.refreshes`` returns False)
-    is its state; the FP8 gather's class and the buffer field set from ``is_fp8_weight`` are
-    FP8's; a generic attribute (the buffer's ``gather``) is no feature's."""
+    """A hook only per-state sharding overrides (``UnitMesh.keeps_params_unsharded`` and
+    ``ParamRefresh.before_unshard`` return False) is its state; the FP8 gather's class and the
+    buffer field set from ``is_fp8_weight`` are FP8's; a generic attribute (the buffer's
+    ``gather``) is no feature's."""
     attrs, _ = _feature_state("state sharding")
-    assert {"refreshes", "keeps_params_unsharded"} <= attrs
+    assert {"refreshes", "keeps_params_unsharded", "before_unshard"} <= attrs
     attrs, names = _feature_state("fp8")
     assert "FP8UnitGather" in names and "quantized" in attrs
     assert all("gather" not in _feature_state(f)[0] for f in _FEATURES)

@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from ragged_placement.fsdp.buffer import FlatBuffer
 
 __all__ = [
-    "BufferComm", "DataParallelMesh", "PostForwardMesh", "ShardComm", "UnitMesh",
-    "coarsen_segments",
+    "BufferComm", "DataParallelMesh", "ParamRefresh", "PostForwardMesh", "ShardComm", "UnitMesh",
+    "any_rank", "coarsen_segments",
 ]
 
 
@@ -120,11 +120,12 @@ class UnitMesh(abc.ABC):
         """The communication of ``buffer``, a flat buffer planned over the shard ranks."""
 
     # -- what only some meshes do; the defaults are FSDP's ----------------------------------
-    @property
-    def refreshes(self) -> bool:
-        """Whether the unit's parameter chunks are refreshed from the sharded chunks (an
-        all-gather after each optimizer step, :class:`BufferComm.prepare_refresh`)."""
-        return False
+    def param_refresh(self, unit) -> ParamRefresh:
+        """What ``unit``, the :class:`~ragged_placement.fsdp.unit.FSDPUnit` built on this
+        mesh, runs before each unshard (FSDP's: nothing; a ``state_sharding``'s refreshes the
+        parameter chunks, :class:`~ragged_placement.fsdp.nested.ChunkRefresh`)."""
+        del unit
+        return ParamRefresh()
 
     @property
     def keeps_params_unsharded(self) -> bool:
@@ -147,11 +148,6 @@ class UnitMesh(abc.ABC):
         groups = [(self.shard_group, self.shard_size), (self.replicate_group, self.replicate_size)]
         return tuple(group for group, size in groups if group is not None and size > 1)
 
-    def attach(self, unit) -> None:
-        """Called once by ``unit``, the :class:`~ragged_placement.fsdp.unit.FSDPUnit` built
-        on this mesh (a mesh that refreshes hooks the optimizer steps and state dicts)."""
-        del unit
-
     def check_supported(self, what: str, where: str) -> None:
         """``ValueError`` if ``what`` (an ``FSDPModule`` setting, on module class ``where``)
         cannot run on this mesh."""
@@ -162,6 +158,25 @@ class UnitMesh(abc.ABC):
         the all-gather and the first reduce-scatter; ``"refresh"``) in ``stats.by_dims``, for
         meshes that name their dims there."""
         del stats, kind, level, nbytes
+
+
+class ParamRefresh:
+    """What a unit runs before each unshard to bring the parameters it gathers up to date with
+    the sharded chunks (:meth:`UnitMesh.param_refresh`). Here nothing: on FSDP's and HSDP's
+    meshes the all-gather sends the sharded chunks themselves. A ``state_sharding`` gathers
+    parameter chunks of their own, refreshed from the sharded ones
+    (:class:`~ragged_placement.fsdp.nested.ChunkRefresh`)."""
+
+    def before_unshard(self) -> bool:
+        """Bring the parameters up to date; whether that filled the unsharded buffers (then no
+        all-gather follows)."""
+        return False
+
+    def wait(self) -> None:
+        """Wait for a refresh in flight (before the sharded chunks are moved)."""
+
+    def mark_stale(self) -> None:
+        """The sharded chunks changed where no version counter shows it (a move)."""
 
 
 class BufferComm(abc.ABC):
@@ -192,13 +207,6 @@ class BufferComm(abc.ABC):
     def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
         """The all-gather into the unsharded buffer (from the post-forward shard where ``pf``),
         its output's storage allocated."""
-
-    def prepare_refresh(self) -> Gather:
-        """The refresh's all-gather (only on a mesh that :attr:`~UnitMesh.refreshes`)."""
-        raise NotImplementedError(f"{type(self).__name__} does not refresh")
-
-    def finish_refresh(self) -> None:
-        """Once the refresh is waited on: release its buffers."""
 
     @abc.abstractmethod
     def reduction(self, inputs: list[torch.Tensor],
@@ -414,3 +422,16 @@ def coarsen_segments(segments: Sequence[Segment], factor: int) -> list[Segment]:
         out.append(replace(seg, chunk_offset=offset, chunk_numel=numel, rank_starts=starts))
         offset += numel
     return out
+
+
+def any_rank(flags: list[bool], device: torch.device,
+             groups: Sequence[dist.ProcessGroup]) -> list[bool]:
+    """Each of ``flags`` or-ed over the ranks of ``groups`` (a unit mesh's
+    :attr:`~UnitMesh.agreement_groups`; none: this rank's own): one all-reduce (max) of one
+    byte per flag per group, read by the host."""
+    if not groups:
+        return list(flags)
+    out = torch.tensor(flags, dtype=torch.uint8, device=device)
+    for group in groups:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return [bool(f) for f in out.tolist()]
