@@ -64,8 +64,7 @@ from ragged_placement.quant import (
     convert_to_fp8_linear,
 )
 from ragged_placement.quant.reference import FP8_DTYPE, scale_shape
-from ragged_placement.quant.sharded import _alias as _byte_alias
-from ragged_placement.quant.sharded import _align, _block_row
+from ragged_placement.quant.sharded import align_bytes, byte_view, first_block_row
 
 if TYPE_CHECKING:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -337,10 +336,10 @@ class FP8UnitGather:
             if len(parts[i]) > 1:
                 numel = shapes[i].numel()
                 region["data"] = end
-                end = _align(end + numel * (1 if q else raw_dtype.itemsize))
+                end = align_bytes(end + numel * (1 if q else raw_dtype.itemsize))
                 if q:
                     region["scale"] = end
-                    end = _align(end + 4 * math.prod(scale_shape(shapes[i], quant.block)))
+                    end = align_bytes(end + 4 * math.prod(scale_shape(shapes[i], quant.block)))
             regions.append(region)
         self.gathered = torch.empty(self.gathered_nbytes, dtype=torch.uint8, device=device)
         self.assembled = torch.empty(end, dtype=torch.uint8, device=device)
@@ -357,12 +356,12 @@ class FP8UnitGather:
                 self.params.append(nn.Parameter(sink, requires_grad=requires_grad[i]))
                 self.weights.append(
                     (
-                        _byte_alias(buf, data, FP8_DTYPE, tuple(shape)),
-                        _byte_alias(buf, scale, torch.float32, scale_shape(shape, quant.block)),
+                        byte_view(buf, data, FP8_DTYPE, tuple(shape)),
+                        byte_view(buf, scale, torch.float32, scale_shape(shape, quant.block)),
                     )
                 )
             else:
-                t = _byte_alias(buf, data, raw_dtype, tuple(shape))
+                t = byte_view(buf, data, raw_dtype, tuple(shape))
                 self.params.append(nn.Parameter(t, requires_grad=requires_grad[i]))
                 self.weights.append(None)
         self.send_segments = [self.segment]
@@ -387,12 +386,12 @@ class FP8UnitGather:
             self._copies.append((base + pc.data_offset, region["data"] + pc.start * itemsize, n))
             if quantized:
                 cols, rows, bm = shape[-1], shape[-2], self.quant.block[0]
-                first_block_row = _block_row(pc.start // cols, rows, bm)
+                block_row0 = first_block_row(pc.start // cols, rows, bm)
                 nb = scale_shape(shape, self.quant.block)[-1]
                 self._copies.append(
                     (
                         base + pc.scale_offset,
-                        region["scale"] + 4 * first_block_row * nb,
+                        region["scale"] + 4 * block_row0 * nb,
                         4 * pc.scale_numel,
                     )
                 )
