@@ -88,6 +88,7 @@ from ragged_placement.fsdp.collectives import issue_all_gather
 from ragged_placement.fsdp.common import UnitState
 from ragged_placement.fsdp.mesh import (
     BufferComm,
+    GatherBuffers,
     ParamRefresh,
     PostForwardMesh,
     UnitMesh,
@@ -98,8 +99,8 @@ from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.planner.plan import Segment
 
 if TYPE_CHECKING:
-    from ragged_placement.fsdp.buffer import FlatBuffer
     from ragged_placement.fsdp.unit import FSDPUnit
+    from ragged_placement.planner.layout import FlatLayout
 
 __all__ = [
     "ChunkRefresh", "Level", "NestedBuffer", "StateShardedMesh", "agree_on_refreshes",
@@ -255,8 +256,8 @@ class StateShardedMesh(UnitMesh):
     def replicate_size(self) -> int:
         return self.replicate.size
 
-    def buffer_comm(self, buffer: FlatBuffer) -> NestedBuffer:
-        return NestedBuffer(buffer, self)
+    def buffer_comm(self, plan: FlatLayout) -> NestedBuffer:
+        return NestedBuffer(plan, self)
 
     @property
     def refreshes(self) -> bool:
@@ -408,7 +409,7 @@ class NestedBuffer(BufferComm):
     :class:`StateShardedMesh`.
 
     Args:
-        buffer: the flat buffer, planned over the optimizer ranks of ``mesh``.
+        plan: the flat buffer's layout, over the optimizer ranks of ``mesh``.
         mesh: the unit's state-sharded mesh.
     """
 
@@ -424,13 +425,15 @@ class NestedBuffer(BufferComm):
     optim_segments: list[Segment]  # the optimizer chunk inside the gradient chunk
     reduced_numel: int  # the reduce-scatter over P's output
     grads_numel: int
-    _buffer: FlatBuffer
+    _chunk_numel: int  # the plan's (the optimizer chunk's)
+    _gather: GatherBuffers | None  # the buffer's (allocate)
     _send: torch.Tensor | None  # the refresh's input, alive until it is waited on
 
-    def __init__(self, buffer: FlatBuffer, mesh: StateShardedMesh) -> None:
-        self._buffer = buffer
+    def __init__(self, plan: FlatLayout, mesh: StateShardedMesh) -> None:
         self.mesh = mesh
-        segs, world = buffer.plan.segments, mesh.optim.size
+        self._chunk_numel = plan.chunk_numel
+        self._gather = None
+        segs, world = plan.segments, mesh.optim.size
         fp, fg = mesh.params_factor, mesh.grads_factor
         self.reduce_segments = _level_segments(segs, fp)
         self.grads_segments = nest_segments(segs, world, fp, fg, mesh.params.rank)
@@ -452,7 +455,7 @@ class NestedBuffer(BufferComm):
         ``params == optim``."""
         if self.sharded_params:
             return self.chunk
-        return self._buffer.gather.gathered if self._buffer.gather is not None else None
+        return self._gather.gathered if self._gather is not None else None
 
     @property
     def sharded_params(self) -> bool:
@@ -460,31 +463,31 @@ class NestedBuffer(BufferComm):
         the parameter chunk and stays allocated."""
         return self.mesh.params.size > 1
 
-    def allocate(self) -> None:
-        """Lay out the parameter side after the all-gather's segments and allocate the
-        parameter chunk (or the persistent unsharded buffer) on the buffer's device in the
-        all-gather's dtype (after :meth:`FlatBuffer.allocate`; nothing on meta)."""
-        b = self._buffer
+    def allocate(self, gather: GatherBuffers | None, chunk: torch.Tensor | None) -> None:
+        """Lay out the parameter side after ``gather``'s segments and allocate the parameter
+        chunk (or the persistent unsharded buffer) on the buffer's device in the all-gather's
+        dtype (nothing on meta, where ``gather`` is ``None``)."""
+        del chunk  # the all-gathers over P and O \ P send the gather's packing
+        self._gather = gather
         self.chunk = None
-        if b.gather is None:
+        if gather is None:
             return
-        segs, world, fp = b.gather_segments, self.mesh.optim.size, self.mesh.params_factor
+        segs, world, fp = gather.send_segments, self.mesh.optim.size, self.mesh.params_factor
         self.gather_segments = _level_segments(segs, fp)
         self.refresh_segments = nest_segments(segs, world, fp, 1, self.mesh.params.rank)
         if not self.sharded_params:
-            b.gather.allocate()
+            gather.allocate()
         elif self.refreshes:
             numel = _layout_numel(level_layout(segs, fp, world))
-            self.chunk = b.gather.gathered.new_empty(numel)
+            self.chunk = gather.gathered.new_empty(numel)
 
     # -- refresh: the updated optimizer chunks into the parameter chunk -------------------------
-    def prepare_refresh(self) -> Gather:
+    def prepare_refresh(self, pack: Callable[[None], torch.Tensor]) -> Gather:
         """The all-gather over ``O \\ P`` of this rank's optimizer chunk, packed as the
-        all-gather sends it (cast to ``param_dtype``, or FP8 blocks and scales), into the
-        parameter chunk."""
-        b = self._buffer
-        out = self.chunk if self.sharded_params else b.gather.gathered
-        self._send = b.gather.pack(b.rank, b.sharded)
+        all-gather sends it (``pack(None)``: cast to ``param_dtype``, or FP8 blocks and
+        scales), into the parameter chunk."""
+        out = self.chunk if self.sharded_params else self._gather.gathered
+        self._send = pack(None)
         level = self.mesh.refresh
         return Gather(out, self._send, self.refresh_segments, level.size, level.group, False)
 
@@ -493,20 +496,20 @@ class NestedBuffer(BufferComm):
         refresh filled the unsharded buffer, so assemble the FP8 weights from it."""
         self._send = None
         if not self.sharded_params:
-            self._buffer.gather.assemble()
+            self._gather.assemble()
 
-    def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
+    def prepare_unshard(self, pack: Callable[[PostForwardMesh | None], torch.Tensor],
+                        pf: PostForwardMesh | None) -> Gather:
         """The all-gather over ``P`` of the parameter chunks into the unsharded buffer
         (``pf`` is ``None``: an ``int`` ``reshard_after_forward`` is refused with a
         ``state_sharding``)."""
-        del pf
-        b = self._buffer
-        b.gather.allocate()
+        gather = self._gather
+        gather.allocate()
         send = self.chunk
         if send is None:  # params == optim: the optimizer chunk, cast as without nesting
-            send = b.gather.pack(b.rank, b.sharded)
+            send = pack(pf)
         level = self.mesh.params
-        return Gather(b.gather.gathered, send, self.gather_segments, level.size, level.group,
+        return Gather(gather.gathered, send, self.gather_segments, level.size, level.group,
                       False)
 
     # -- gradients ------------------------------------------------------------------------------
@@ -581,7 +584,7 @@ class NestedBuffer(BufferComm):
     def _optim_part(self, chunk: torch.Tensor) -> torch.Tensor:
         """This rank's optimizer chunk (the plan's chunk layout) out of its gradient chunk."""
         z = self.mesh.optim.rank % self.mesh.grads_factor
-        out = chunk.new_zeros(self._buffer.chunk_numel)
+        out = chunk.new_zeros(self._chunk_numel)
         for s in self.optim_segments:
             lo, hi = s.rank_range(z)
             out[s.chunk_offset:s.chunk_offset + hi - lo].copy_(
@@ -663,7 +666,8 @@ class ChunkRefresh(ParamRefresh):
 
     def _issue(self) -> None:
         unit = self.unit
-        refreshes = [b.comm.prepare_refresh() for b in unit.buffers]  # NestedBuffers, 1 or more
+        # the buffers' NestedBuffers (one or more), each packing as the buffer sends
+        refreshes = [b.comm.prepare_refresh(b.send_buffer) for b in unit.buffers]
         self._work = issue_all_gather(refreshes, unit.stats)
         nbytes = sum(g.output.numel() * g.output.element_size() for g in refreshes)
         self.mesh.count(unit.stats, "all_gather", "refresh", nbytes)

@@ -69,21 +69,6 @@ from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 __all__ = ["FSDPUnit"]
 
 
-def _check_one_dtype(slots: list[ParamSlot], params: list[torch.Tensor]) -> None:
-    """``ValueError`` unless the parameters share a dtype (an FP8 unit gathers its other
-    parameters in one dtype)."""
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for slot, p in zip(slots, params):
-        by_dtype.setdefault(p.dtype, []).append(slot.fqn)
-    if len(by_dtype) > 1:
-        found = "; ".join(f"{d}: {', '.join(names[:3])}" for d, names in by_dtype.items())
-        raise ValueError(
-            f"all parameters of one fully_shard unit must share a dtype, got {found}. Give "
-            f"the differently-typed modules units of their own (fully_shard them first), or "
-            f"cast the module to one dtype and use mp_policy for the compute dtype"
-        )
-
-
 def _by_dtype(params: list[torch.Tensor]) -> list[list[int]]:
     """The parameters' indices grouped by dtype, in order of first appearance."""
     groups: dict[torch.dtype, list[int]] = {}
@@ -164,8 +149,7 @@ class FSDPUnit:
         self._ag_work = None
         self._rs_work = None
         self._rest = []
-        if options.quant is not None:
-            _check_one_dtype(slots, params)
+        options.gathers.check_unit(slots, params)
         groups = _by_dtype(params)
         self.buffers = [
             FlatBuffer(
