@@ -233,11 +233,9 @@ def run_threaded(
     timeout, Ctrl-C), the world is torn down before it returns: its rank threads have exited
     and the threaded process group is uninstalled, so the next world starts clean.
     """
-    from torch.testing._internal.distributed.multi_threaded_pg import (
-        ProcessLocalGroup,
-        _install_threaded_pg,
-        _uninstall_threaded_pg,
-    )
+    from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
+
+    from ragged_placement._compat import install_threaded_pg, uninstall_threaded_pg
 
     with _THREADED_LOCK:
         _reap_stragglers(TEARDOWN_GRACE)
@@ -245,7 +243,7 @@ def run_threaded(
         results: list[Any] = [None] * world_size
         errors: queue.Queue = queue.Queue()
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
-        world = _install_threaded_pg()
+        world = install_threaded_pg()
         store = dist.HashStore()
 
         def rank_main(rank: int) -> None:
@@ -270,7 +268,7 @@ def run_threaded(
             _straggling.extend(stragglers)
             if not stragglers:
                 ProcessLocalGroup.reset()  # else the terminate event stays set for them
-            _uninstall_threaded_pg()
+            uninstall_threaded_pg()
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
         if not errors.empty():
             rank, exc, tb = errors.get()

@@ -92,6 +92,24 @@ def test_failed_rank_is_named_and_the_next_world_is_clean():
     _assert_next_world_is_clean()
 
 
+def _sum_of_ranks(rank: int, ws: int) -> float:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_threaded_world_ends_with_torchs_world_and_autograd_as_they_were():
+    """``run_threaded`` returns each rank's result, and afterwards c10d's world is the one before
+    it and autograd's multithreading is on again (torch 2.11's own uninstall leaves it off;
+    its threaded world lacks the ``comms`` its ``destroy_process_group`` reads:
+    ``_compat.install_threaded_pg``)."""
+    world = dist.distributed_c10d._world
+    assert torch.autograd.is_multithreading_enabled()
+    assert run_threaded(_sum_of_ranks, 3) == [3.0, 3.0, 3.0]
+    assert dist.distributed_c10d._world is world
+    assert torch.autograd.is_multithreading_enabled()
+
+
 class _Interrupted(Exception):
     pass
 
