@@ -13,6 +13,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -65,18 +66,40 @@ def new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:
         return _new_group_in_order(list(ranks))
 
 
+# Whether ``new_group`` keeps the given rank order on request (torch 2.13+). Read from c10d's own
+# function: ``dist.new_group`` may be wrapped (a test's recorder) and hide its parameters.
+_NEW_GROUP_SORT_RANKS = "sort_ranks" in inspect.signature(dist.distributed_c10d.new_group).parameters
+# Before 2.13: ``new_group``'s ``sorted`` is shadowed while any thread is inside one of our calls
+# (threaded ranks create their groups at once); the last one out removes the shadow.
+_unsorted_lock = threading.Lock()
+_unsorted_calls = 0
+
+
+@contextlib.contextmanager
+def _new_group_keeps_order() -> Iterator[None]:
+    global _unsorted_calls
+    c10d = dist.distributed_c10d
+    with _unsorted_lock:
+        if _unsorted_calls == 0:
+            c10d.sorted = list  # type: ignore[attr-defined]
+        _unsorted_calls += 1
+    try:
+        yield
+    finally:
+        with _unsorted_lock:
+            _unsorted_calls -= 1
+            if _unsorted_calls == 0:
+                del c10d.sorted
+
+
 def _new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:
     if ranks == sorted(ranks):
         return dist.new_group(ranks, use_local_synchronization=True)
-    if "sort_ranks" in inspect.signature(dist.new_group).parameters:
+    if _NEW_GROUP_SORT_RANKS:
         group = dist.new_group(ranks, use_local_synchronization=True, sort_ranks=False)
     else:
-        c10d = dist.distributed_c10d
-        c10d.sorted = list  # type: ignore[attr-defined]
-        try:
+        with _new_group_keeps_order():
             group = dist.new_group(ranks, use_local_synchronization=True)
-        finally:
-            del c10d.sorted
     if dist.get_process_group_ranks(group) != ranks:
         raise RuntimeError(
             f"torch {torch.__version__} created a process group over {ranks} in the order "
