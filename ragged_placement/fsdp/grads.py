@@ -42,6 +42,8 @@ class FlatGrads:
     accumulated: list[torch.Tensor | None]  # per plan segment, in reduce_dtype
     sharded: torch.Tensor | None
     segment_of: list[int]  # slot index -> plan segment
+    # slot index -> (shape, stride, offset) of its local view in this rank's chunk
+    _local_views: list[tuple[torch.Size, tuple[int, ...], int]]
     _buffer: FlatBuffer
     _reduction: Reduction | None  # the reduce-scatter in flight, until it lands
     # FSDPModule.set_separate_reduce_scatter_group: the reduce-scatter's own group over the
@@ -52,7 +54,20 @@ class FlatGrads:
         self._buffer = buffer
         self.reduce_group = None
         self.segment_of = [buffer.plan.segment_index(slot.fqn) for slot in buffer.slots]
+        views = buffer.plan.local_views(torch.empty(buffer.plan.chunk_numel, device="meta"),
+                                        buffer.rank)
+        self._local_views = [
+            (v.shape, v.stride(), v.storage_offset())
+            for v in (views[slot.fqn] for slot in buffer.slots)
+        ]
         self.reset()
+
+    def local_views(self, chunk: torch.Tensor) -> list[torch.Tensor]:
+        """Each slot's view of this rank's flat ``chunk`` (a sharded gradient), in slot order:
+        the plan's ``local_views``, computed once."""
+        base = chunk.storage_offset()
+        return [chunk.as_strided(shape, stride, base + offset)
+                for shape, stride, offset in self._local_views]
 
     def reset(self) -> None:
         """No gradients (new buffers: each segment's is allocated at its first gradient)."""
@@ -73,7 +88,8 @@ class FlatGrads:
     @property
     def pending(self) -> bool:
         """Whether backward has produced gradients that are not reduced yet."""
-        return any(g is not None for g in (*self.unsharded, *self.accumulated))
+        return (any(g is not None for g in self.unsharded)
+                or any(g is not None for g in self.accumulated))
 
     @property
     def reducing(self) -> bool:
@@ -173,29 +189,28 @@ class FlatGrads:
         out = b.staging.to_host(out, landing=self.sharded is None)
         if self.sharded is None:
             self.sharded = out
-            views = b.plan.local_views(out, b.rank)
-            for slot, spec, p in zip(b.slots, b.specs, b.sharded_params):
+            for slot, spec, p, view in zip(b.slots, b.specs, b.sharded_params,
+                                           self.local_views(out)):
                 if not slot.requires_grad:
                     continue
                 if p.grad is None:
-                    p.grad = DTensor(views[slot.fqn], spec, requires_grad=False)
+                    p.grad = DTensor(view, spec, requires_grad=False)
                 else:  # kept while it was frozen (released with the old buffer): accumulate
-                    p.grad._local_tensor.add_(views[slot.fqn])
+                    p.grad._local_tensor.add_(view)
         else:
             self._accumulate(out)
 
     def _accumulate(self, new: torch.Tensor) -> None:
         b = self._buffer
-        views = b.plan.local_views(new, b.rank)
-        own = b.plan.local_views(self.sharded, b.rank)
-        for slot, spec, p in zip(b.slots, b.specs, b.sharded_params):
+        for slot, spec, p, view, own in zip(b.slots, b.specs, b.sharded_params,
+                                            self.local_views(new), self.local_views(self.sharded)):
             if not slot.requires_grad:
                 continue
             if p.grad is None:
-                own[slot.fqn].copy_(views[slot.fqn])
-                p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
+                own.copy_(view)
+                p.grad = DTensor(own, spec, requires_grad=False)
             else:
-                p.grad._local_tensor.add_(views[slot.fqn])
+                p.grad._local_tensor.add_(view)
 
     def land_moved(self, grads: list[torch.Tensor | None]) -> None:
         """Copy gradients mapped by :meth:`apply_` into a new flat sharded gradient."""
@@ -203,11 +218,10 @@ class FlatGrads:
         if all(g is None for g in grads):
             return
         self.sharded = b.new_sharded(b.orig_dtype)
-        views = b.plan.local_views(self.sharded, b.rank)
-        for slot, spec, p, g in zip(b.slots, b.specs, b.sharded_params, grads):
+        for spec, p, g, view in zip(b.specs, b.sharded_params, grads,
+                                    self.local_views(self.sharded)):
             if g is None:
                 continue
-            view = views[slot.fqn]
             if "meta" not in (b.device.type, g._local_tensor.device.type):
                 view.copy_(g._local_tensor.to(b.orig_dtype))
             p.grad = DTensor(view, spec, requires_grad=False)

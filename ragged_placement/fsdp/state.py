@@ -71,7 +71,9 @@ gathers there, the recomputation does not.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,12 +99,23 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_NO_MODES = contextlib.nullcontext()
+
+
+def _hook_ops():
+    """The context of the hooks' own tensor ops: outside selective checkpointing's dispatch
+    modes (:func:`~ragged_placement._compat.outside_selective_checkpoint`) where any dispatch
+    mode is active, else nothing to leave."""
+    return outside_selective_checkpoint() if torch._C._len_torch_dispatch_stack() else _NO_MODES
+
+
 class RootContext:
     """What the root unit shares with the units below it during one iteration."""
 
     def __init__(self, states: list[FSDPState]) -> None:
         self.states = states  # root first, then the others in module order
         self.forward_order: list[FSDPState] = []  # non-root units, last forward's order
+        self._position: dict[int, int] = {}  # id(state) -> its index in forward_order
         self._recording: list[FSDPState] = []
         self.pending_reduce: FSDPUnit | None = None
         self.callback_queued = False
@@ -150,6 +163,8 @@ class RootContext:
     def end_forward(self) -> None:
         """The root's forward ended: its recording is the order used to prefetch."""
         self.forward_order = self._recording
+        # a unit run twice in a forward (a head called per chunk) prefetches from its first run
+        self._position = {id(s): i for i, s in reversed(list(enumerate(self.forward_order)))}
         self._recording = []  # a unit run on its own later must not extend forward_order
 
     def reset(self) -> None:
@@ -178,20 +193,15 @@ class RootContext:
     def next_in_forward(self, state: FSDPState) -> FSDPState | None:
         if state.is_root:
             return self.forward_order[0] if self.forward_order else None
+        i = self._position.get(id(state))  # its first place, as list.index would find
         order = self.forward_order
-        if state in order:
-            i = order.index(state)
-            return order[i + 1] if i + 1 < len(order) else None
-        return None
+        return order[i + 1] if i is not None and i + 1 < len(order) else None
 
     def next_in_backward(self, state: FSDPState) -> FSDPState | None:
         # The root's pre-backward runs at the loss, when activations peak: prefetching there
         # would add a unit's parameters to the peak, so the last unit gathers on its own hook.
-        order = self.forward_order
-        if state in order:
-            i = order.index(state)
-            return order[i - 1] if i > 0 else None
-        return None
+        i = self._position.get(id(state))
+        return self.forward_order[i - 1] if i else None
 
 
 class _PostBackward(torch.autograd.Function):
@@ -278,8 +288,20 @@ class FSDPState:
         self.root: RootContext | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
+        # what the hooks read at every call, decided once: the forward-input cast, the bound
+        # pre-backward hook, whether the root shows its unsharded parameters as attributes now
+        mp = mp_policy
+        self._input_dtype = mp.param_dtype if mp.cast_forward_inputs else None
+        self._pre_backward_hook = self._pre_backward
+        self._showing_unsharded = False
         for m in self.modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        # per slot: its buffer's gradients, its index there and its plan segment (_on_grad)
+        self._grad_slots = []
+        for i in range(len(unit.slots)):
+            grads, j = unit.slot_grads(i)
+            self._grad_slots.append((grads, j, grads.segment_of[j]))
+        self._spmd = unit.buffers[0].spmd if unit.buffers else None
         self._grad_hooked: set[int] = set()  # slots whose unsharded parameter has _on_grad
         self._hook_grads([i for i, slot in enumerate(unit.slots) if slot.requires_grad])
         for m in self.modules:
@@ -290,9 +312,10 @@ class FSDPState:
         """Register :meth:`_on_grad` on the unsharded parameters of the slots ``indices`` (at
         wrap time the trainable ones, later those unfrozen), once per slot."""
         params = self.unit.unsharded_params
+        on_grad = type(self)._on_grad  # the disabled function itself, called with (self, i)
         for i in indices:
             if i not in self._grad_hooked:
-                params[i].register_hook(lambda grad, i=i: self._on_grad(i, grad))
+                params[i].register_hook(functools.partial(on_grad, self, i))
                 self._grad_hooked.add(i)
 
     # -- lazy root init ----------------------------------------------------------------------
@@ -330,7 +353,7 @@ class FSDPState:
             return self._pre_forward_recompute(args, kwargs)
         ctx = self.root
         first = self._first_in_pass(module)
-        with outside_selective_checkpoint():
+        with _hook_ops():
             if self.is_root and first:
                 if ctx.post_optim_event is not None:  # the gathers below run on this stream
                     ctx.post_optim_event.wait()
@@ -371,7 +394,7 @@ class FSDPState:
 
     def _pre_forward_recompute(self, args: tuple, kwargs: dict):
         """Pre-forward of a forward recomputed in backward: unshard if needed, register."""
-        with outside_selective_checkpoint():
+        with _hook_ops():
             self._unshard_and_register()  # a no-op after this unit's pre-backward
         args, kwargs = self._cast_inputs(args, kwargs)
         if self._expects_nested_backward():
@@ -419,6 +442,9 @@ class FSDPState:
         an optimizer built after a forward steps them. The unsharded parameter sits in the
         module's instance ``__dict__``, found before ``nn.Module.__getattr__`` looks at
         ``_parameters``; post-backward (or the next forward) removes it."""
+        if show is self._showing_unsharded:
+            return
+        self._showing_unsharded = show
         for slot, p in zip(self.unit.slots, self.unit.unsharded_params):
             for module, attr in slot.owners:
                 if show:
@@ -432,9 +458,8 @@ class FSDPState:
         self.unit.register(sharded=False)
 
     def _cast_inputs(self, args: tuple, kwargs: dict):
-        mp = self.mp_policy
-        if mp.cast_forward_inputs and mp.param_dtype is not None:
-            args, kwargs = _cast_float_tensors(mp.param_dtype, (args, kwargs))
+        if self._input_dtype is not None:
+            args, kwargs = _cast_float_tensors(self._input_dtype, (args, kwargs))
         return args, kwargs
 
     def _cast_output(self, output: Any) -> Any:
@@ -443,11 +468,21 @@ class FSDPState:
         return output
 
     def _wrap_inputs_for_post_backward(self, args: tuple, kwargs: dict):
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call
+            idx = [i for i, a in enumerate(args) if a.requires_grad]
+            if not idx:
+                return args, kwargs
+            with _hook_ops():
+                wrapped = _PostBackward.apply(self, *(args[i] for i in idx))
+            out = list(args)
+            for i, t in zip(idx, wrapped):
+                out[i] = t
+            return tuple(out), kwargs
         leaves, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
         if not idx:
             return args, kwargs
-        with outside_selective_checkpoint():
+        with _hook_ops():
             wrapped = _PostBackward.apply(self, *(leaves[i] for i in idx))
         for i, t in zip(idx, wrapped):
             leaves[i] = t
@@ -471,7 +506,7 @@ class FSDPState:
             self.root.end_forward()
         raf = self.reshard_after_forward
         state = TrainingState.POST_FORWARD
-        with outside_selective_checkpoint():
+        with _hook_ops():
             if grad and isinstance(raf, PostForwardMesh) and not self.is_root:
                 self.unit.reshard_post_forward(raf)  # sharded parameters registered
             elif not grad or (raf and not self.is_root):
@@ -495,7 +530,7 @@ class FSDPState:
 
     def _register_pre_backward(self, output: Any) -> None:
         for t in _grad_tensors(output):
-            t.register_hook(self._pre_backward)
+            t.register_hook(self._pre_backward_hook)
 
     # -- backward ------------------------------------------------------------------------------
     @dynamo_disable
@@ -515,10 +550,12 @@ class FSDPState:
     def _on_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         # Runs before AccumulateGrad of unsharded parameter ``index``. A segment's gradient
         # buffer is allocated at its first gradient, not at pre-backward, where it would sit on
-        # the activation peak.
+        # the activation peak; the segment's other parameters find it allocated.
         self.got_grad.add(index)
-        self.unit.prepare_grads(index)
-        spmd = self.unit.buffers[0].spmd  # fully_shard(dp_mesh_dims=...): every buffer's
+        grads, j, segment = self._grad_slots[index]
+        if grads.unsharded[segment] is None:
+            grads.prepare(j)
+        spmd = self._spmd  # fully_shard(dp_mesh_dims=...): every buffer's
         return None if spmd is None else spmd.rank_grad(grad)
 
     def note_reduce(self) -> None:

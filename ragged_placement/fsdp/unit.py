@@ -63,6 +63,7 @@ from ragged_placement.fsdp.collectives import (
     issue_reduce_scatter,
 )
 from ragged_placement.fsdp.common import CommStats, UnitOptions, UnitState
+from ragged_placement.fsdp.grads import FlatGrads
 from ragged_placement.fsdp.mesh import PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 
@@ -149,6 +150,12 @@ class FSDPUnit:
     _synced_versions: list[int]
     _agreed: bool | None  # the ranks' agreed decision for the next unshard (None: none yet)
     _refresh_work: object | None  # a refresh issued at an optimizer step, not waited on yet
+    # which parameters the owning modules hold: True sharded, False unsharded, None unknown
+    # (hidden by unregistered(), or re-bound by a move)
+    _registered: bool | None
+    # the parameters in slot order (the buffers keep the same objects through moves and casts)
+    _sharded_params: list[nn.Parameter]
+    _unsharded_params: list[nn.Parameter]
 
     def __init__(self, slots: list[ParamSlot], params: list[nn.Parameter], dp: UnitMesh,
                  options: UnitOptions) -> None:
@@ -187,6 +194,9 @@ class FSDPUnit:
         for k, idx in enumerate(groups):
             for j, i in enumerate(idx):
                 self._where[i] = (k, j)
+        self._registered = True  # FlatBuffer.bind registered the sharded parameters
+        self._sharded_params = self._in_slot_order("sharded_params")
+        self._unsharded_params = self._in_slot_order("unsharded_params")
 
     # -- what the hooks, the API and the checkpoint code read, in slot order ------------------
     def _in_slot_order(self, attr: str) -> list:
@@ -194,11 +204,18 @@ class FSDPUnit:
 
     @property
     def sharded_params(self) -> list[nn.Parameter]:
-        return self._in_slot_order("sharded_params")
+        """The sharded parameters in slot order (the same objects for the unit's life)."""
+        return self._sharded_params
 
     @property
     def unsharded_params(self) -> list[nn.Parameter]:
-        return self._in_slot_order("unsharded_params")
+        """The unsharded parameters in slot order (the same objects for the unit's life)."""
+        return self._unsharded_params
+
+    def slot_grads(self, index: int) -> tuple[FlatGrads, int]:
+        """The gradients of slot ``index``'s buffer and the slot's index in that buffer."""
+        k, j = self._where[index]
+        return self.buffers[k].grads, j
 
     @property
     def layouts(self) -> list[ParamLayout]:
@@ -220,9 +237,13 @@ class FSDPUnit:
 
     # -- parameters ----------------------------------------------------------------------------
     def register(self, *, sharded: bool) -> None:
-        """Point every owning module attribute at the sharded or the unsharded parameter."""
+        """Point every owning module attribute at the sharded or the unsharded parameter (a
+        no-op where those are registered already: a unit registers at every pass boundary)."""
+        if self._registered is sharded:
+            return
         for b in self.buffers:
             b.register(sharded=sharded)
+        self._registered = sharded
 
     @contextlib.contextmanager
     def unregistered(self) -> Iterator[None]:
@@ -231,6 +252,7 @@ class FSDPUnit:
         self.reshard()
         for b in self.buffers:
             b.unregister()
+        self._registered = None
         try:
             yield
         finally:
@@ -252,6 +274,7 @@ class FSDPUnit:
                     f"reduce_gradients() or run a backward with sync on first"
                 )
             b.apply_(fn)
+            self._registered = None  # a re-bound buffer registered its sharded parameters
         self._stale = True
 
     # -- all-gather ------------------------------------------------------------------------------
@@ -358,7 +381,8 @@ class FSDPUnit:
         holding its forward's all-gather for backward), once CPU-offload staging copies still
         reading the host chunks have finished."""
         for b in self.buffers:
-            b.expose_sharded()
+            b.staging.wait_to_device()
+        self.register(sharded=True)
 
     def keep_unsharded(self) -> None:
         """Leave the unsharded parameters registered with the gathered buffers (a unit holding
@@ -405,7 +429,7 @@ class FSDPUnit:
         every forward; returns the slots that became trainable."""
         trainable = []
         for i, (slot, sharded, unsharded) in enumerate(
-            zip(self.slots, self.sharded_params, self.unsharded_params)
+            zip(self.slots, self._sharded_params, self._unsharded_params)
         ):
             if sharded.requires_grad != slot.requires_grad:
                 slot.requires_grad = sharded.requires_grad
@@ -419,12 +443,6 @@ class FSDPUnit:
         """Free each flat sharded gradient once ``zero_grad()`` dropped every ``.grad`` on it."""
         for b in self.buffers:
             b.grads.release_dropped()
-
-    def prepare_grads(self, index: int) -> None:
-        """Called before slot ``index``'s first gradient of a backward lands (see
-        :meth:`~ragged_placement.fsdp.grads.FlatGrads.prepare`)."""
-        k, j = self._where[index]
-        self.buffers[k].grads.prepare(j)
 
     def accumulate_unreduced_grads(self) -> None:
         """After a backward without gradient sync: accumulate in ``reduce_dtype`` (see
