@@ -490,7 +490,8 @@ class FSDPUnit:
                 continue
             if self.all_reduce_hook is not None:
                 self._run_all_reduce_hook(out)
-            self.buffers[k].grads.land(out, scale, divisor)
+            self.buffers[k].grads.land(out, scale, divisor,
+                                       shared=self.all_reduce_hook is not None)
 
     def _run_all_reduce_hook(self, out: torch.Tensor) -> None:
         """:meth:`FSDPModule.set_all_reduce_hook`'s hook on ``out``, on its stream if one was
