@@ -32,7 +32,7 @@ from ragged_placement.fsdp.common import CommStats
 from ragged_placement.planner.plan import Segment
 
 __all__ = [
-    "Gather", "Reduction", "Works", "all_gather_parts", "all_gather_segments", "issue_all_gather",
+    "Gather", "Reduction", "Works", "all_gather_parts", "coalesces_requests", "all_gather_segments", "issue_all_gather",
     "issue_reduce_scatter", "reduce_scatter_parts", "reduce_scatter_segments",
 ]
 
@@ -362,7 +362,7 @@ def _reduce_locally(reductions: list[Reduction]) -> Works:
 _COALESCES: dict[tuple[int, str, bool], tuple[weakref.ref, bool]] = {}
 
 
-def _coalesces(requests: list, group, *, all_gathers: bool) -> bool:
+def coalesces_requests(requests: list, group, *, all_gathers: bool) -> bool:
     """Whether ``requests`` (one unit's :class:`Gather` or :class:`Reduction` shares, over
     ``group``) are equal segments that the backend runs as one coalesced collective: then
     :func:`issue_all_gather` / :func:`issue_reduce_scatter` call c10d's coalesced collective
@@ -397,7 +397,7 @@ def issue_all_gather(gathers: list[Gather], stats: CommStats, gather=None):
     if any(g.post_forward for g in gathers):
         stats.post_forward_all_gathers += 1
         stats.post_forward_all_gather_bytes += nbytes
-    if gather is None and _coalesces(gathers, group, all_gathers=True):
+    if gather is None and coalesces_requests(gathers, group, all_gathers=True):
         outputs, inputs = [], []
         as_bytes = len({g.input.dtype for g in gathers}) > 1
         for g in gathers:
@@ -429,7 +429,7 @@ def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats, scatter=
     stats.reduce_scatter_bytes += sum(
         g.numel() * g.element_size() for r in reductions for g in r.inputs
     )
-    if scatter is None and _coalesces(reductions, group, all_gathers=False):
+    if scatter is None and coalesces_requests(reductions, group, all_gathers=False):
         outputs, inputs = [], []
         for r in reductions:
             _check_reduce_inputs(r.inputs, r.segments, world_size)

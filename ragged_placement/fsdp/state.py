@@ -182,6 +182,7 @@ class RootContext:
             s.training_state = TrainingState.IDLE
             s._to_run.clear()
             s.got_grad, s.had_grad = set(), None
+            s.unit.used_counts = None
         self._recording = []
         self.callback_queued = False
 
@@ -558,6 +559,12 @@ class FSDPState:
         spmd = self._spmd  # fully_shard(dp_mesh_dims=...): every buffer's
         return None if spmd is None else spmd.rank_grad(grad)
 
+    def _used(self) -> list[bool]:
+        """Per slot, whether this rank's backwards since the last agreement reached it (what
+        the reduce-scatter carries for :func:`drop_unused_grads`)."""
+        got = self.got_grad
+        return [i in got for i in range(len(self.unit.slots))]
+
     def note_reduce(self) -> None:
         """Called before the unit's reduce-scatter: which sharded parameters had a ``.grad``."""
         if self.had_grad is None:
@@ -574,7 +581,7 @@ class FSDPState:
         if unit.has_unsharded_grads and self.requires_gradient_sync:
             self.root.finish_pending_reduce()
             self.note_reduce()
-            unit.reduce_grads()
+            unit.reduce_grads(None if self.keep_unused_grads else self._used())
             if unit.device.type != "cpu":
                 self.root.pending_reduce = unit
             elif unit.start_rest():
@@ -649,29 +656,50 @@ def drop_unused_grads(states: Sequence[FSDPState]) -> None:
     not move them). A parameter some rank used (rank-dependent routing) keeps its reduced
     gradient on every rank.
 
-    Ranks agree by one all-reduce (max) of one byte per parameter of the reduced units, per
-    distinct data-parallel group (one in the common case), per synchronizing backward, at its
-    end, whose result the host reads (on GPUs: a device sync there). A rank cannot know that
-    no other rank used a parameter without hearing from each of them, and the reduce-scatter
-    delivers a parameter's sum only to the ranks holding part of it (ragged shards leave
-    others with none). ``FSDPModule.set_reduce_scatter_unused_params(True)`` keeps the zero
-    gradients, as FSDP2 does with it, and skips the all-reduce."""
+    A rank cannot know that no other rank used a parameter without hearing from each of them,
+    and the reduce-scatter delivers a parameter's sum only to the ranks holding part of it
+    (ragged shards leave others with none). The unit's reduce-scatter carries each rank's
+    flags (:meth:`~ragged_placement.fsdp.unit.FSDPUnit.reduce_grads`: ``W`` times one element
+    per parameter, in the same coalesced collective, and HSDP's all-reduce over the replicas
+    sums them too), so the ranks agree with no collective of their own; the host reads the
+    counts of all units at the end of backward, at once (on GPUs: a device sync there). Where
+    the reduce-scatter cannot carry them (gloo, whose reduce-scatter runs each part as an
+    all-to-all; a ``state_sharding``; a custom reduce-scatter; ``reduce_gradients()``), ranks
+    agree by one all-reduce (max) of one byte per parameter of those units, per distinct
+    data-parallel group, per synchronizing backward, at its end.
+    ``FSDPModule.set_reduce_scatter_unused_params(True)`` keeps the zero gradients, as FSDP2
+    does with it, and needs no agreement."""
     by_group: dict[tuple, list[FSDPState]] = {}
+    carried: list[FSDPState] = []
     for s in states:
         if (s.had_grad is not None and not s.unit.requires_all_reduce
                 and s.unit.dp.replicas_group is not None):
             continue  # nothing landed: decided at the backward whose all-reduce lands it
         if s.had_grad is not None and s.keep_unused_grads:
             s.got_grad, s.had_grad = set(), None
+        elif s.had_grad is not None and s.unit.used_counts is not None:
+            carried.append(s)
         elif s.had_grad is not None:
             by_group.setdefault(s.unit.dp.agreement_groups, []).append(s)
+    if carried:
+        counts = iter(torch.cat([s.unit.used_counts for s in carried]).tolist())
+        for s in carried:
+            _drop_unused(s, (c > 0 for c in counts))
     for groups, group_states in by_group.items():
         used = [i in s.got_grad for s in group_states for i in range(len(s.unit.slots))]
         flags = iter(_any_rank(used, group_states[0].unit.device, groups))
         for s in group_states:
-            unit = s.unit
-            for slot, p, had, anywhere in zip(unit.slots, unit.sharded_params, s.had_grad, flags):
-                if slot.requires_grad and not had and not anywhere:
-                    p.grad = None
-            s.unit.release_dropped_grads()
-            s.got_grad, s.had_grad = set(), None
+            _drop_unused(s, flags)
+
+
+def _drop_unused(state: FSDPState, anywhere) -> None:
+    """``.grad = None`` for ``state``'s trainable parameters that had none before this
+    reduction and that no rank used (``anywhere``: per slot, in order, whether some rank
+    did); then the agreement starts afresh."""
+    unit = state.unit
+    for slot, p, had, used in zip(unit.slots, unit.sharded_params, state.had_grad, anywhere):
+        if slot.requires_grad and not had and not used:
+            p.grad = None
+    unit.release_dropped_grads()
+    unit.used_counts = None
+    state.got_grad, state.had_grad = set(), None

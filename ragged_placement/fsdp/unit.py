@@ -56,16 +56,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ragged_placement.fsdp.buffer import FlatBuffer
+from ragged_placement.fsdp import collectives
 from ragged_placement.fsdp.collectives import (
     Gather,
+    Reduction,
     Works,
+    coalesces_requests,
     issue_all_gather,
     issue_reduce_scatter,
 )
 from ragged_placement.fsdp.common import CommStats, UnitOptions, UnitState
 from ragged_placement.fsdp.grads import FlatGrads
-from ragged_placement.fsdp.mesh import PostForwardMesh, UnitMesh
+from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
+from ragged_placement.planner.plan import Segment
 
 __all__ = ["FSDPUnit"]
 
@@ -156,6 +160,11 @@ class FSDPUnit:
     # the parameters in slot order (the buffers keep the same objects through moves and casts)
     _sharded_params: list[nn.Parameter]
     _unsharded_params: list[nn.Parameter]
+    # the ranks' agreement on unused gradients, carried by the reduce-scatter (see
+    # reduce_grads): per slot, how many data-parallel ranks used it since the last agreement
+    # (None: not carried, or not over every data-parallel rank yet)
+    used_counts: torch.Tensor | None
+    _counts_pending: torch.Tensor | None  # summed over the shard ranks, not the replicas yet
 
     def __init__(self, slots: list[ParamSlot], params: list[nn.Parameter], dp: UnitMesh,
                  options: UnitOptions) -> None:
@@ -195,6 +204,7 @@ class FSDPUnit:
             for j, i in enumerate(idx):
                 self._where[i] = (k, j)
         self._registered = True  # FlatBuffer.bind registered the sharded parameters
+        self.used_counts = self._counts_pending = None
         self._sharded_params = self._in_slot_order("sharded_params")
         self._unsharded_params = self._in_slot_order("unsharded_params")
 
@@ -450,17 +460,50 @@ class FSDPUnit:
         for b in self.buffers:
             b.grads.accumulate_unreduced()
 
-    def reduce_grads(self) -> None:
+    def reduce_grads(self, used: list[bool] | None = None) -> None:
         """Issue one coalesced reduce-scatter (a sum, async) of every buffer with gradients;
-        :meth:`finish_reduce` completes it. The unsharded gradient buffers are released here."""
+        :meth:`finish_reduce` completes it. The unsharded gradient buffers are released here.
+
+        ``used`` (per slot, whether this rank's backwards since the last agreement reached it):
+        where :meth:`carries_agreement`, the reduce-scatter carries it as one more part, every
+        rank's flags in every rank's chunk (``W x len(slots)`` elements in, ``len(slots)`` out),
+        so that each rank receives how many ranks used each parameter (summed over the
+        replicas with HSDP's all-reduce) in :attr:`used_counts`: the agreement on unused
+        gradients (:func:`~ragged_placement.fsdp.state.drop_unused_grads`) without a
+        collective of its own."""
         ready = [b.grads.prepare_reduce() for b in self.buffers if b.grads.pending]
         issued = [r for r in ready if r.output is not None]  # params=(): reduced later
         if issued:
+            self.used_counts = self._counts_pending = None
+            if used is not None and self.carries_agreement(issued):
+                issued.append(self._agreement_part(issued[0], used))
             self._rs_work = issue_reduce_scatter(issued, self.stats, self.custom_reduce_scatter)
             nbytes = sum(g.numel() * g.element_size() for r in issued for g in r.inputs)
             self.dp.count(self.stats, "reduce_scatter", "params", nbytes)
         elif ready:
             self._rs_work = Works([])
+
+    def carries_agreement(self, issued: list[Reduction]) -> bool:
+        """Whether this unit's reduce-scatter of ``issued`` carries the agreement on unused
+        gradients: on an FSDP or HSDP mesh (not a ``state_sharding``'s, whose reductions span
+        other groups) of more than one shard rank, with c10d's reduce-scatter (not a custom
+        one), where the backend runs the unit's parts as one coalesced collective (not gloo's
+        sums, which run each part as an all-to-all)."""
+        return (type(self.dp) is DataParallelMesh and self.world_size > 1
+                and self.custom_reduce_scatter is None
+                and coalesces_requests(issued, issued[0].group, all_gathers=False))
+
+    def _agreement_part(self, first: Reduction, used: list[bool]) -> Reduction:
+        """The reduce-scatter part carrying ``used``: ``[W, len(slots)]`` rows of this rank's
+        flags in, this rank's ``len(slots)`` sums out, in ``first``'s dtype (exact: sums of
+        zeros and ones stay zero only where every rank gave zero)."""
+        out = first.output
+        flags = torch.tensor(used, dtype=out.dtype, device=out.device)
+        n = len(used)
+        counts = out.new_empty(n)
+        self._counts_pending = counts
+        return Reduction(counts, [flags.expand(first.world_size, n).reshape(-1)],
+                         [Segment(0, 0, n)], first.world_size, first.group)
 
     def start_rest(self) -> bool:
         """Wait for the reduce-scatter and issue what follows it in each buffer's
@@ -512,17 +555,24 @@ class FSDPUnit:
         for a later all-reduce, ``set_requires_all_reduce(False)``); else (no replicas, or the
         mesh summed over them already: :attr:`UnitMesh.replicas_group`) ``out`` itself."""
         group = self.dp.replicas_group
+        counts, self._counts_pending = self._counts_pending, None
         if group is None:
+            self.used_counts = counts if counts is not None else self.used_counts
             return out
         if self.unreplicated_grads[k] is not None:
             out += self.unreplicated_grads[k]
             self.unreplicated_grads[k] = None
         if not self.requires_all_reduce:
             self.unreplicated_grads[k] = out  # lands after a later all-reduce
-            return None
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+            return None  # (the agreement waits for it too: drop_unused_grads)
+        tensors = [out] if counts is None else [out, counts]  # one coalesced all-reduce
+        collectives._coalesced([lambda a, t=t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group,
+                                                   async_op=a) for t in tensors],
+                   group, async_op=False)
+        if counts is not None:
+            self.used_counts = counts
         self.stats.all_reduces += 1
-        self.stats.all_reduce_bytes += out.numel() * out.element_size()
+        self.stats.all_reduce_bytes += sum(t.numel() * t.element_size() for t in tensors)
         return out
 
     def wait_offload_copies(self) -> None:
