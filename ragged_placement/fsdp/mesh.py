@@ -141,6 +141,13 @@ class UnitMesh(abc.ABC):
         return self.replicate_group if self.replicate_size > 1 else None
 
     @property
+    def reduces_over_all_ranks(self) -> bool:
+        """Whether the unit's reduce-scatter over the shard ranks, then its all-reduce over
+        :attr:`replicas_group`, sums over every data-parallel rank of more than one (so one
+        more part of it can carry an agreement among them)."""
+        return self.shard_size > 1
+
+    @property
     def agreement_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """The groups an agreement among all the data-parallel ranks runs over (the shard
         ranks', then the replicas'): those of more than one rank, so that a mesh dim of size 1

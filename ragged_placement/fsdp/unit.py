@@ -67,7 +67,7 @@ from ragged_placement.fsdp.collectives import (
 )
 from ragged_placement.fsdp.common import CommStats, UnitOptions, UnitState
 from ragged_placement.fsdp.grads import FlatGrads
-from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh, UnitMesh
+from ragged_placement.fsdp.mesh import PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 from ragged_placement.planner.plan import Segment
 
@@ -485,12 +485,11 @@ class FSDPUnit:
 
     def carries_agreement(self, issued: list[Reduction]) -> bool:
         """Whether this unit's reduce-scatter of ``issued`` carries the agreement on unused
-        gradients: on an FSDP or HSDP mesh (not a ``state_sharding``'s, whose reductions span
-        other groups) of more than one shard rank, with c10d's reduce-scatter (not a custom
-        one), where the backend runs the unit's parts as one coalesced collective (not gloo's
-        sums, which run each part as an all-to-all)."""
-        return (type(self.dp) is DataParallelMesh and self.world_size > 1
-                and self.custom_reduce_scatter is None
+        gradients: where the mesh :attr:`~UnitMesh.reduces_over_all_ranks` (FSDP and HSDP of
+        more than one shard rank; not a ``state_sharding``'s), with c10d's reduce-scatter (not
+        a custom one), and the backend runs the unit's parts as one coalesced collective (not
+        gloo's sums, which run each part as an all-to-all)."""
+        return (self.dp.reduces_over_all_ranks and self.custom_reduce_scatter is None
                 and coalesces_requests(issued, issued[0].group, all_gathers=False))
 
     def _agreement_part(self, first: Reduction, used: list[bool]) -> Reduction:
