@@ -221,6 +221,8 @@ class Parallelize:
         self.options = options
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        from torchtitan.tools.logging import logger
+
         training = kwargs.get("training")
         param_dtype = _PARAM_DTYPES.get(getattr(training, "mixed_precision_param", None))
         shard = FullyShard(self.options, model, param_dtype)
@@ -232,6 +234,9 @@ class Parallelize:
                 f"{self.parallelize_fn.__qualname__} applied torch FSDP2 to {torch_units} "
                 f"(not through a name configure redirects) or no FSDP at all "
                 f"({shard.calls} calls of ours): the model is not on ragged_placement's runtime")
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            logger.info(f"ragged_placement: fully_shard on {shard.calls} units, state_sharding="
+                        f"{shard.sharding or 'the mesh default'}, quant={self.options.fp8}")
         return model
 
     def __repr__(self) -> str:

@@ -184,6 +184,12 @@ def llama3_auto_muon():
                      optimizer_kwargs=MUON)
 
 
+def llama3_amsp_muon():
+    """AMSP and our Muon (its optimizer mesh spans both dims: one owner per matrix)."""
+    return configure(llama3_debugmodel_cpu(), state_sharding="amsp", optimizer="muon",
+                     optimizer_kwargs=MUON)
+
+
 def llama3_muon():
     """Our runtime and our Muon (FSDP, or HSDP with a replicate degree)."""
     return configure(llama3_debugmodel_cpu(), optimizer="muon", optimizer_kwargs=MUON)

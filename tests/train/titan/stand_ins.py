@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 
 import torch
 import torch.distributed as dist
@@ -45,15 +46,18 @@ class _CpuWithDeviceIndex:
         return 0
 
 
-class _NoDeviceMemory:
-    """torchtitan's ``DeviceMemoryMonitor`` interface with nothing to measure on CPU."""
+class _HostMemory:
+    """torchtitan's ``DeviceMemoryMonitor`` interface on CPU: the step line's memory is this
+    process's peak resident set size (``getrusage``'s ``ru_maxrss``; the peak since the process
+    started, torch's import included, so a reset does not lower it), with no capacity."""
 
     device_name, device_capacity_gib = "cpu", 0.0
 
     def get_peak_stats(self):
         from torchtitan.components.metrics import DeviceMemStats
 
-        return DeviceMemStats(0.0, 0.0, 0.0, 0.0, 0, 0)
+        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        return DeviceMemStats(peak_gib, 0.0, peak_gib, 0.0, 0, 0)
 
     def reset_peak_stats(self) -> None:
         pass
@@ -72,8 +76,9 @@ def install(metrics_path: str | None) -> None:
         module.device_type, module.device_module = "cpu", torch.cpu
     # set_pg_timeouts' barrier takes a device index, which torch.cpu.current_device() is not.
     dist_utils.device_module = _CpuWithDeviceIndex()
-    # DeviceMemoryMonitor reads accelerator memory statistics that torch.cpu does not have.
-    metrics.build_device_memory_monitor = _NoDeviceMemory
+    # DeviceMemoryMonitor reads accelerator memory statistics that torch.cpu does not have: the
+    # process's peak RSS stands in.
+    metrics.build_device_memory_monitor = _HostMemory
     # The mask is built by torch.compile(create_block_mask): on CPU a C++ build in every
     # process; the eager function builds the same BlockMask.
     decoder.create_attention_mask = create_block_mask
