@@ -160,6 +160,10 @@ def check(options: Options, config: Trainer.Config) -> None:
         ("parallelism.pipeline_parallel_degree", par.pipeline_parallel_degree,
          par.pipeline_parallel_degree > 1, "--parallelism.pipeline_parallel_degree 1 "
          "(per-state sharding under pipeline schedules is not tested)"),
+        ("parallelism.tensor_parallel_degree", par.tensor_parallel_degree,
+         par.tensor_parallel_degree > 1 and choice not in ("zero1", "zero2"),
+         "state_sharding='zero1' or 'zero2' (the points tested with tensor-parallel "
+         "parameters), or --parallelism.tensor_parallel_degree 1"),
     ):
         if refused:
             raise ValueError(f"state_sharding={shown} with {arg}={value!r}: pass {fix}, or "
