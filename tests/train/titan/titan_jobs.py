@@ -50,11 +50,12 @@ def step_lines(log: str) -> list[dict]:
 
 def run(nproc: int, config: str, dump: str, work: compare.Workdir, options: tuple[str, ...] = (),
         *, exact_norms: bool = False, watch_attributes: bool = False, seed: bool = False,
-        launcher: list[str] | None = None) -> Run:
+        launcher: list[str] | None = None, module: str = "integration_config") -> Run:
     """Run ``config`` of ``integration_config`` on ``nproc`` ranks (CPU, gloo) under
     ``dump``; ``seed``: from ``work``'s llama3 seed checkpoint (``compare.make_workdir``).
     ``launcher`` replaces ``torchrun --standalone --nproc-per-node N`` (e.g. two emulated
-    nodes), and runs ``python -m torchtitan.train`` itself."""
+    nodes), and runs ``python -m torchtitan.train`` itself; ``module``: another config module
+    (on ``PYTHONPATH``)."""
     os.makedirs(dump, exist_ok=True)
     files = {k: os.path.join(dump, name) for k, name in (
         ("metrics", "metrics.jsonl"), ("norms", "grad_norm_fp64.jsonl"),
@@ -73,7 +74,7 @@ def run(nproc: int, config: str, dump: str, work: compare.Workdir, options: tupl
         options += ("--checkpoint.enable", "--checkpoint.initial_load_path",
                     work.seeds[compare.LLAMA3], "--checkpoint.interval", "100000",
                     "--checkpoint.load_only")
-    cmd = [*entry, "--module", "integration_config", "--config", config,
+    cmd = [*entry, "--module", module, "--config", config,
            "--hf_assets_path", work.tokenizer, "--dataloader.dataset_path", work.dataset,
            "--dump_folder", dump, *options]
     log_path = os.path.join(dump, "log.txt")
