@@ -328,8 +328,7 @@ class FlatStep:
         tensors = plan.tensors(lists, n_given, steps) if plan is not None else None
         if tensors is None:
             plan = _Plan(key, lists, n_given, steps, repoint, plan)
-            tensors = plan.tensors(lists, n_given, steps)
-            assert tensors is not None
+            tensors = plan.tensors(lists, n_given, steps, check=False)
         self._plan, self.runs, self.tensors = plan, plan.runs, tensors
         self._all_steps = steps
         self.steps = None if steps is None else [steps[r.members[0]] for r in plan.runs]
@@ -517,24 +516,29 @@ class _Plan:
             torch._foreach_copy_([steps[i] for i in self.copy_to], [steps[i] for i in self.copy_from])
 
     def tensors(
-        self, lists: list[list[torch.Tensor | None]], n_given: int, steps: Sequence[torch.Tensor] | None
+        self,
+        lists: list[list[torch.Tensor | None]],
+        n_given: int,
+        steps: Sequence[torch.Tensor] | None,
+        *,
+        check: bool = True,
     ) -> list[list[torch.Tensor]] | None:
-        """The lists' tensors per run if this plan holds for them, else ``None``."""
-        if (
+        """The lists' tensors per run if this plan holds for them, else ``None`` (``check``:
+        whether to check; a plan made from these lists holds for them)."""
+        kept = [lists[0], *lists[n_given:]]
+        if check and (
             self.retry
             or tuple(tuple(map(id, lst)) for lst in lists[n_given:]) != self.state_ids
             or (None if steps is None else tuple(map(id, steps))) != self.step_ids
             or (steps is not None and list(map(_VERSION, steps)) != self.versions)
+            or any(list(map(_DATA_PTR, [lst[i] for i in self.dense])) != ptrs
+                   for lst, ptrs in zip(kept, self.ptrs))
         ):
-            return None
-        kept = [lists[0], *lists[n_given:]]
-        dense = self.dense
-        if any(list(map(_DATA_PTR, [lst[i] for i in dense])) != ptrs for lst, ptrs in zip(kept, self.ptrs)):
             return None
         runs = self.runs
         given = []
         for lst in lists[1:n_given]:
-            if not self._tiled(lst):
+            if check and not self._tiled(lst):
                 return None
             given.append([lst[r.members[0]] if r.dense == 1
                           else lst[r.members[0]].as_strided((r.numel,), (1,)) for r in runs])

@@ -1,15 +1,17 @@
-"""torch's Adam and AdamW steps (``foreach=True`` and ``fused=True``) on runs of flat shards.
+"""torch's Adam and AdamW steps on runs of flat shards.
 
-``torch.optim.Adam`` / ``AdamW`` call ``torch.optim.adam._multi_tensor_adam`` (``foreach``) or
-``_fused_adam`` (``fused``) with parallel lists of parameters, gradients, state and step
-tensors. :func:`flat_adam` wraps each (a row of :data:`ragged_placement._install.OPTIM_PATCHES`,
+``torch.optim.Adam`` / ``AdamW`` call ``torch.optim.adam._multi_tensor_adam`` (``foreach``),
+``_fused_adam`` (``fused``) or ``_single_tensor_adam`` (neither: what torch picks for DTensor
+parameters) with parallel lists of parameters, gradients, state and step tensors.
+:func:`flat_adam` wraps each (a row of :data:`ragged_placement._install.OPTIM_PATCHES`,
 applied at the first ``fully_shard``): the elements whose parameter, gradient and state are
 RaggedShard DTensors of one layout go to torch's function as the local tensors of their runs
 (:class:`~ragged_placement.optim._flat.FlatStep`: one tensor per run of a unit's flat shard,
 state adopted into run buffers), every other element to torch's function as it is (the
 per-parameter DTensor path), and so does the whole call under ``differentiable``, complex
-parameters, ``torch.compile`` or :func:`~ragged_placement.optim._flat.per_parameter_step`.
-The update is torch's own, element by element, so the numbers are the per-parameter step's.
+parameters, ``torch.compile``, CUDA graph capture or
+:func:`~ragged_placement.optim._flat.per_parameter_step`. The update is torch's own, element
+by element, so the numbers are the per-parameter step's.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ def _capturing() -> bool:
 
 
 def flat_adam(original):
-    """``original`` (``torch.optim.adam._multi_tensor_adam`` or ``_fused_adam``) on the runs of
-    the RaggedShard parameters, and on the other parameters one by one (see the module
-    docstring)."""
+    """``original`` (``torch.optim.adam._multi_tensor_adam``, ``_fused_adam`` or
+    ``_single_tensor_adam``) on the runs of the RaggedShard parameters, and on the other
+    parameters as they are (see the module docstring)."""
 
     @functools.wraps(original)
     def adam_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,

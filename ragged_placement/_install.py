@@ -594,11 +594,12 @@ _ADAM_PARAMS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
                 "grad_scale", "found_inf")
 
 #: The rows for torch's optimizers, applied with :data:`FSDP2_PATCHES`: ``torch.optim.Adam`` and
-#: ``AdamW`` with ``foreach`` or ``fused`` step the parameters of our units as runs of their flat
-#: shards (:mod:`ragged_placement.optim._flat_adam`); every other call reaches torch's function.
+#: ``AdamW`` (``foreach``, ``fused`` or the per-tensor loop torch picks for DTensors by default)
+#: step the parameters of our units as runs of their flat shards
+#: (:mod:`ragged_placement.optim._flat_adam`); every other call reaches torch's function.
 OPTIM_PATCHES: tuple[Patch, ...] = tuple(
     Patch(_ADAM, name, f"{_ADAM}.{name}", _build_flat_adam, _ADAM_PARAMS)
-    for name in ("_multi_tensor_adam", "_fused_adam")
+    for name in ("_single_tensor_adam", "_multi_tensor_adam", "_fused_adam")
 )
 
 # (patch, owner, original raw value) of every applied row, in install order
