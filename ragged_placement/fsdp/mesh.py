@@ -28,6 +28,7 @@ shard of its unsharded parameters over groups of ``N`` consecutive ranks of the 
 from __future__ import annotations
 
 import abc
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -139,6 +140,13 @@ class UnitMesh(abc.ABC):
         replicas; ``None``: :meth:`BufferComm.start_rest` reduced over the replicas already, or
         there are none: a replicate dim of size 1 issues nothing)."""
         return self.replicate_group if self.replicate_size > 1 else None
+
+    @property
+    def reduces_over_all_ranks(self) -> bool:
+        """Whether the unit's reduce-scatter over the shard ranks, then its all-reduce over
+        :attr:`replicas_group`, sums over every data-parallel rank of more than one (so one
+        more part of it can carry an agreement among them)."""
+        return self.shard_size > 1
 
     @property
     def agreement_groups(self) -> tuple[dist.ProcessGroup, ...]:
@@ -271,29 +279,39 @@ class DataParallelMesh(UnitMesh):
         """The user's data-parallel mesh (``mesh`` itself)."""
         return self.mesh
 
-    @property
+    # Read by every hook: computed once per mesh (a DeviceMesh's groups, ranks and sizes never
+    # change; cached_property writes the instance dict, which a frozen dataclass allows).
+    @functools.cached_property
     def hsdp(self) -> bool:
         return self.mesh.ndim == 2
 
-    @property
+    @functools.cached_property
+    def shard_dim(self) -> int:
+        return self.mesh.ndim - 1
+
+    @functools.cached_property
     def shard_group(self):
         return self.mesh.get_group(self.shard_dim)
 
-    @property
+    @functools.cached_property
     def shard_rank(self) -> int:
         return self.mesh.get_local_rank(self.shard_dim)
 
-    @property
+    @functools.cached_property
     def shard_size(self) -> int:
         return self.mesh.size(self.shard_dim)
 
-    @property
+    @functools.cached_property
     def replicate_group(self):
         return self.mesh.get_group(0) if self.hsdp else None
 
-    @property
+    @functools.cached_property
     def replicate_size(self) -> int:
         return self.mesh.size(0) if self.hsdp else 1
+
+    @functools.cached_property
+    def agreement_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        return UnitMesh.agreement_groups.fget(self)
 
     def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
         return concatenate_meshes([self.mesh, tp_mesh])
@@ -319,18 +337,19 @@ class ShardComm(BufferComm):
     _mesh: DataParallelMesh
     _gather: GatherBuffers | None  # the buffer's (allocate)
     _chunk: torch.Tensor | None  # its sharded chunk, where sent as it is or cast (allocate)
+    _one: bool  # _one_rank(), read at every unshard and reduction: decided once
 
     def __init__(self, plan: FlatLayout, mesh: DataParallelMesh) -> None:
         self._plan = plan
         self._mesh = mesh
         self._gather = self._chunk = None
+        self._one = (mesh.shard_size == 1 and plan.buffer_numel <= plan.chunk_numel
+                     and all(s.chunk_offset == s.buffer_offset for s in plan.segments))
 
     def _one_rank(self) -> bool:
         """Whether the buffer is sharded over one rank with the chunk laid out as the
         unsharded buffer (every segment at the same offset in both)."""
-        plan = self._plan
-        return (self._mesh.shard_size == 1 and plan.buffer_numel <= plan.chunk_numel
-                and all(s.chunk_offset == s.buffer_offset for s in plan.segments))
+        return self._one
 
     def allocate(self, gather: GatherBuffers | None, chunk: torch.Tensor | None) -> None:
         self._gather, self._chunk = gather, chunk

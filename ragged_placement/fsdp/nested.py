@@ -277,6 +277,12 @@ class StateShardedMesh(UnitMesh):
         """None: :meth:`NestedBuffer.start_rest` all-reduces over ``R`` itself."""
         return None
 
+    @property
+    def reduces_over_all_ranks(self) -> bool:
+        """False: the reductions past the reduce-scatter run over other groups, in
+        :meth:`NestedBuffer.start_rest`."""
+        return False
+
     def param_refresh(self, unit: FSDPUnit) -> ParamRefresh:
         """``unit``'s :class:`ChunkRefresh` where the parameter chunks are refreshed
         (:attr:`refreshes`) and it holds parameters; else nothing to refresh."""
