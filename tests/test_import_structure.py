@@ -258,7 +258,7 @@ _FEATURES = {
 # ``_fully_shard/`` has six feature branches in all). Per-state sharding: the unit runs its
 # refresh before it unshards (a ``ParamRefresh`` hook only ``ChunkRefresh`` overrides), the buffer
 # asks whether the parameters stay unsharded; the hooks' recomputed-forward checks read "nested".
-_MAX_FEATURE_BRANCHES = {"fp8": 1, "offload": 2, "state sharding": 4}
+_MAX_FEATURE_BRANCHES = {"fp8": 1, "offload": 3, "state sharding": 4}
 
 
 def _is_default(fn: ast.AST) -> bool:
