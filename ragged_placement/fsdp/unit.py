@@ -62,7 +62,7 @@ from ragged_placement.fsdp.collectives import (
     issue_all_gather,
     issue_reduce_scatter,
 )
-from ragged_placement.fsdp.common import CommStats, UnitOptions, UnitState
+from ragged_placement.fsdp.common import CommStats, Registration, UnitOptions, UnitState
 from ragged_placement.fsdp.mesh import PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 
@@ -219,10 +219,16 @@ class FSDPUnit:
         return any(b.grads.pending for b in self.buffers)
 
     # -- parameters ----------------------------------------------------------------------------
-    def register(self, *, sharded: bool) -> None:
-        """Point every owning module attribute at the sharded or the unsharded parameter."""
+    def register(self, how: Registration) -> None:
+        """Point every owning module at the sharded or the unsharded parameters, as ``how``
+        says (:class:`~ragged_placement.fsdp.common.Registration`)."""
         for b in self.buffers:
-            b.register(sharded=sharded)
+            b.register(how)
+
+    @property
+    def registration(self) -> Registration:
+        """What the owning modules give for the parameters now."""
+        return self.buffers[0].registration if self.buffers else Registration.SHARDED
 
     @contextlib.contextmanager
     def unregistered(self) -> Iterator[None]:
@@ -234,7 +240,7 @@ class FSDPUnit:
         try:
             yield
         finally:
-            self.register(sharded=True)
+            self.register(Registration.SHARDED)
 
     def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Map the sharded parameters (and their gradients) through ``fn`` buffer by buffer
@@ -353,25 +359,19 @@ class FSDPUnit:
             self._post_forward = None
             self.state = UnitState.UNSHARDED
 
-    def expose_sharded(self) -> None:
-        """Register the sharded parameters, keeping the gathered buffers as they are (a unit
-        holding its forward's all-gather for backward), once CPU-offload staging copies still
-        reading the host chunks have finished."""
+    def expose_sharded(self, how: Registration) -> None:
+        """Register the sharded parameters (``how``: alone, or showing the unsharded ones to
+        attribute reads), keeping the gathered buffers as they are (a unit holding its
+        all-gather between its forward and its backward), once CPU-offload staging copies
+        still reading the host chunks have finished."""
         for b in self.buffers:
-            b.expose_sharded()
-
-    def keep_unsharded(self) -> None:
-        """Leave the unsharded parameters registered with the gathered buffers (a unit holding
-        its forward's all-gather for backward, as FSDP2 registers it), once CPU-offload staging
-        copies still reading the host chunks have finished: the host may write them now."""
-        for b in self.buffers:
-            b.staging.wait_to_device()
+            b.expose_sharded(how)
 
     def reshard(self) -> None:
         """Register the sharded parameters and free the unsharded buffers' storage (or the
         post-forward shards)."""
         self.wait_unshard()
-        self.expose_sharded()
+        self.expose_sharded(Registration.SHARDED)
         if self.state is UnitState.UNSHARDED:
             for b in self.buffers:
                 b.free_unsharded()
