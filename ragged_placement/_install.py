@@ -11,11 +11,15 @@ exactly as before.
 (owner, name, the torch original we expect there, the replacement). :data:`FSDP2_PATCHES` holds
 the rows for torch's FSDP2 (its ``register_fsdp_forward_method`` reaches ours for our modules,
 its ``fully_shard.state`` returns our units' view for pipelining; a clear error when its
-``fully_shard`` meets a RaggedShard parameter).
+``fully_shard`` meets a RaggedShard parameter), :data:`PIPELINING_PATCHES` those for
+``torch.distributed.pipelining``'s split backward (the zero-bubble schedules' weight pass finds
+the tensors our units' forwards used).
 
 Nothing is patched when the package is imported. :func:`install` runs the first time a
 :class:`~ragged_placement.RaggedShard` is made (nothing reaches a patched path without one), and
-:func:`install_fsdp2` the first time our ``fully_shard`` runs. Each checks every row's current
+:func:`install_fsdp2` the first time our ``fully_shard`` runs, :func:`install_pipelining` at the
+first root forward of our units after ``torch.distributed.pipelining`` was imported (importing it
+takes seconds; a pipeline schedule imports it before it runs a forward). Each checks every row's current
 value against its expected original before patching anything (``RuntimeError`` naming the row
 and what torch has there instead), so a torch that changed a target is left untouched rather
 than half patched; :func:`uninstall` puts every original back. On a torch outside
@@ -35,9 +39,10 @@ import copy
 import functools
 import importlib
 import inspect
+import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +53,8 @@ from ragged_placement import placement as _placement
 from ragged_placement.placement import RaggedShard
 
 __all__ = [
-    "FSDP2Hooks", "FSDP2_PATCHES", "PATCHES", "Patch", "changed_rows", "install", "install_fsdp2", "installed",
-    "uninstall", "warn_if_untested",
+    "FSDP2Hooks", "FSDP2_PATCHES", "PATCHES", "PIPELINING_PATCHES", "Patch", "changed_rows",
+    "install", "install_fsdp2", "install_pipelining", "installed", "uninstall", "warn_if_untested",
 ]
 
 _ABSENT = object()
@@ -472,12 +477,15 @@ class FSDP2Hooks:
             parameters, or ``None``.
         state_view: ``state_view(module)``: what torch's ``fully_shard.state`` returns for our
             module (pipelining's view), or ``None``.
+        forward_tensors: ``forward_tensors(weights)``: ``weights`` with each of our sharded
+            parameters replaced by the unsharded parameter its forward used.
     """
 
     module_type: type
     register_forward_method: Callable[[object, str], None]
     sharded_by: Callable[[object], str | None]
     state_view: Callable[[object], object | None]
+    forward_tensors: Callable[[Iterable], Iterator]
 
 
 _fsdp2_hooks: FSDP2Hooks | None = None
@@ -581,9 +589,47 @@ FSDP2_PATCHES: tuple[Patch, ...] = (
           _build_fsdp2_state_lookup),
 )
 
+
+def _build_forward_tensors(position: int):
+    """torch.distributed.pipelining's ``stage_backward_input`` (``weights`` its 4th argument)
+    and ``stage_backward_weight`` (its 1st) map each of ``stage.submod.parameters()`` to its
+    autograd accumulator and look those up in the graph the forward recorded: they get, for each
+    of our sharded parameters, the unsharded one the forward computed with
+    (:mod:`ragged_placement.fsdp.fsdp2_state`). Upstream: FSDP2's module would tell pipelining
+    which tensors its forward used."""
+
+    def build(original):
+        @functools.wraps(original)
+        def with_forward_tensors(*args, **kwargs):
+            if len(args) > position:
+                args = (*args[:position], _fsdp2_hooks.forward_tensors(args[position]),
+                        *args[position + 1:])
+            elif "weights" in kwargs:
+                kwargs["weights"] = _fsdp2_hooks.forward_tensors(kwargs["weights"])
+            return original(*args, **kwargs)
+
+        return with_forward_tensors
+
+    return build
+
+
+_STAGE = "torch.distributed.pipelining.stage"
+_BACKWARD = "torch.distributed.pipelining._backward"
+
+#: The rows for torch.distributed.pipelining, applied by :func:`install_pipelining` (the names
+#: its stages call, bound in ``stage.py``).
+PIPELINING_PATCHES: tuple[Patch, ...] = (
+    Patch(_STAGE, "stage_backward_input", f"{_BACKWARD}.stage_backward_input",
+          _build_forward_tensors(3),
+          ("stage_outputs_or_loss", "output_grads", "input_values", "weights")),
+    Patch(_STAGE, "stage_backward_weight", f"{_BACKWARD}.stage_backward_weight",
+          _build_forward_tensors(0), ("weights", "param_groups")),
+)
+
 # (patch, owner, original raw value) of every applied row, in install order
 _applied: list[tuple[Patch, object, object]] = []
 _applied_fsdp2: list[tuple[Patch, object, object]] = []
+_applied_pipelining: list[tuple[Patch, object, object]] = []
 _installing = False  # inside install(): a RaggedShard made by a row's build must not recurse
 _warned_untested = False
 
@@ -626,7 +672,8 @@ def changed_rows(rows: tuple[Patch, ...] | None = None) -> list[tuple[str, str]]
     """``(row, what changed)`` for every row of ``rows`` (default: :data:`PATCHES` and
     :data:`FSDP2_PATCHES`) whose target in this torch is not what the row expects. Reads torch,
     patches nothing."""
-    rows = (*PATCHES, *FSDP2_PATCHES) if rows is None else rows
+    if rows is None:  # pipelining's rows where it is imported (importing it takes seconds)
+        rows = (*PATCHES, *FSDP2_PATCHES, *(PIPELINING_PATCHES if _STAGE in sys.modules else ()))
     return [(f"{p.owner}.{p.name}", why) for p in rows if (why := _mismatch(p)) is not None]
 
 
@@ -686,6 +733,19 @@ def install_fsdp2(hooks: FSDP2Hooks) -> None:
             _apply(FSDP2_PATCHES, _applied_fsdp2)
 
 
+def install_pipelining() -> None:
+    """Apply :data:`PIPELINING_PATCHES` once ``torch.distributed.pipelining`` is imported and
+    :data:`FSDP2_PATCHES` are (idempotent; every root forward of our units calls it: a
+    pipeline stage's forward runs after the import, before any split backward). A no-op
+    while pipelining is not imported. ``RuntimeError`` naming the rows if its targets are not
+    what they expect."""
+    if _applied_pipelining or not _applied_fsdp2 or _STAGE not in sys.modules:
+        return
+    with _LOCK:
+        if not _applied_pipelining and _applied_fsdp2:
+            _apply(PIPELINING_PATCHES, _applied_pipelining)
+
+
 def _apply(patches: tuple[Patch, ...], applied: list[tuple[Patch, object, object]]) -> None:
     """Check every row of ``patches``, then apply them all (none on an error)."""
     changed = changed_rows(patches)
@@ -708,7 +768,8 @@ def _apply(patches: tuple[Patch, ...], applied: list[tuple[Patch, object, object
 
 
 def _restore(applied: list[tuple[Patch, object, object]] | None = None) -> None:
-    for rows in [applied] if applied is not None else [_applied_fsdp2, _applied]:
+    for rows in ([applied] if applied is not None
+                 else [_applied_pipelining, _applied_fsdp2, _applied]):
         while rows:
             patch, owner, original = rows.pop()
             _raw_set(owner, patch.name, original)

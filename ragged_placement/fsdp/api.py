@@ -40,7 +40,12 @@ from ragged_placement.fsdp.module import (
 )
 from ragged_placement.fsdp.fsdp2_state import state_view
 from ragged_placement.fsdp.nested import state_sharded_mesh
-from ragged_placement.fsdp.param import ParamSlot, check_tp_dims_disjoint, mesh_device
+from ragged_placement.fsdp.param import (
+    ParamSlot,
+    check_tp_dims_disjoint,
+    forward_tensors,
+    mesh_device,
+)
 from ragged_placement.fsdp.param_meshes import split_by_mesh
 from ragged_placement.fsdp.spmd import check_dp_mesh_dims, localize_spmd_params
 from ragged_placement.planner.sharding import StateSharding
@@ -571,6 +576,8 @@ def fully_shard(
     return module
 
 
-# What torch's FSDP2, once patched (ragged_placement._install.FSDP2_PATCHES), calls for our modules.
+# What torch's FSDP2 and pipelining, once patched (ragged_placement._install.FSDP2_PATCHES and
+# PIPELINING_PATCHES), call for our modules.
 _FSDP2_HOOKS = FSDP2Hooks(module_type=FSDPModule, register_forward_method=register_fsdp_forward_method,
-                          sharded_by=sharded_by, state_view=state_view)
+                          sharded_by=sharded_by, state_view=state_view,
+                          forward_tensors=forward_tensors)

@@ -70,6 +70,7 @@ from ragged_placement.fsdp.param import (
     ParamSlot,
     mesh_device,
     rebind,
+    record_forward_tensors,
     resolve_granularity,
     spmd_mesh,
     tp_spec_of,
@@ -415,6 +416,8 @@ class FlatBuffer:
             else:
                 rebind(self.sharded_params[i], sharded[i])
                 rebind(self.unsharded_params[i], unsharded[i])
+        if fresh:
+            record_forward_tensors(self)
         self.register(Registration.SHARDED)
 
     def _unsharded_views(self) -> list[torch.Tensor]:

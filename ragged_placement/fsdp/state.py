@@ -82,6 +82,7 @@ from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_placement._compat import outside_selective_checkpoint
+from ragged_placement._install import install_pipelining
 from ragged_placement.fsdp._dynamo import dynamo_disable
 from ragged_placement.fsdp._validation import check_no_all_gather_extension, unmatched_patterns
 from ragged_placement.fsdp.common import Registration, TrainingState
@@ -327,6 +328,7 @@ class FSDPState:
         first = self._first_in_pass(module)
         with outside_selective_checkpoint():
             if self.is_root and first:
+                install_pipelining()  # a pipeline stage's split backward follows (_install)
                 if ctx.post_optim_event is not None:  # the gathers below run on this stream
                     ctx.post_optim_event.wait()
                     ctx.post_optim_event = None
