@@ -34,7 +34,8 @@ from ragged_placement.fsdp import fully_shard
 from ragged_placement.testing.launch import run_gloo
 
 from _runtime_table import measure_runtime, print_runtime_table  # benchmarks/ is the script directory
-from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
+from ragged_placement.models.llama import Llama, LlamaConfig
+from ragged_placement.parallelize import parallelize_llama
 
 
 def _build(runtime: str, mesh, cfg: LlamaConfig, init: dict) -> Llama:

@@ -67,7 +67,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from ragged_placement import one_worker_gloo
 from ragged_placement.expert_parallel import drop_dim
 from ragged_placement.fsdp import StateSharding
-from ragged_placement.models.moe import MoEConfig, MoETransformer, parallelize_moe
+from ragged_placement.models.moe import MoEConfig, MoETransformer
+from ragged_placement.parallelize import parallelize_moe
 from ragged_placement.optim import Muon
 from ragged_placement.planner import StateShardingPlan, plan_state_sharding
 from ragged_placement.testing.launch import run_gloo

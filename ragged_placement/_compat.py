@@ -25,7 +25,7 @@ __all__ = [
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
     "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
     "functional_all_gather", "outside_selective_checkpoint", "DataParallelMeshDims",
-    "new_group_in_order", "ShardPlacementResult",
+    "new_group_in_order", "ShardPlacementResult", "torchtitan_unsupported",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -200,3 +200,24 @@ try:
     )
 except ImportError:  # pragma: no cover - a torch without FSDP2's private module
     ShardPlacementResult = None
+
+
+def torchtitan_unsupported() -> str | None:
+    """Why torchtitan 0.3.0's trainer cannot run on this torch, or ``None`` when it can.
+
+    torchtitan 0.3.0 is written for torch 2.14: its trainer calls ``torch.distributed.set_timeout``
+    (``set_pg_timeouts``) and, under pipeline parallelism, ``pp_schedule.step(arg_mbs=...,
+    kwarg_mbs=...)``, both new in 2.14. The torchtitan harness (``tests/train/titan``) skips with
+    this reason rather than standing in for them."""
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    missing = []
+    if not hasattr(dist, "set_timeout"):
+        missing.append("torch.distributed.set_timeout")
+    step = inspect.signature(_PipelineSchedule.step).parameters
+    if not {"arg_mbs", "kwarg_mbs"} <= step.keys():
+        missing.append("PipelineSchedule.step's arg_mbs/kwarg_mbs arguments")
+    if not missing:
+        return None
+    return (f"torchtitan 0.3.0 is written for torch 2.14: torch {torch.__version__} lacks "
+            + " and ".join(missing))

@@ -10,6 +10,8 @@ package works around, in one place.
   runtime creates run one, and so does every gloo group created inside
   :func:`one_worker_gloo` (the explicit opt-in for the groups a program creates itself).
   torch's class is never replaced outside that ``with`` block.
+* Its worker threads, still holding work objects at interpreter finalization, now and then
+  abort a finished process: a rank that is done ends with :func:`exit_without_finalization`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -25,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "coalesces_all_gathers", "coalescing", "gloo_supports_one_worker", "gloo_worker_threads",
-    "one_worker_gloo", "reduce_scatter_by_all_to_all", "sums_by_all_to_all",
+    "coalesces_all_gathers", "coalescing", "exit_without_finalization", "gloo_supports_one_worker",
+    "gloo_worker_threads", "one_worker_gloo", "reduce_scatter_by_all_to_all", "sums_by_all_to_all",
 ]
 
 
@@ -232,3 +235,13 @@ def gloo_worker_threads(group) -> int | None:
     if not isinstance(backend, _GLOO):
         return None
     return getattr(backend.options, "_threads", None)
+
+
+def exit_without_finalization() -> None:
+    """End a rank that finished its work (results written, process group destroyed) without
+    the interpreter's finalization, where gloo's worker threads, still holding work objects,
+    now and then abort the process ("terminate called without an active exception"; seen
+    about once in 400 spawns on torch 2.13; pytorch/pytorch#179291 describes the race)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import random
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.elastic.multiprocessing.errors import record
 from typing_extensions import Self  # a dependency of torch
 
-from ragged_placement._gloo import one_worker_gloo
+from ragged_placement._gloo import exit_without_finalization, one_worker_gloo
 from ragged_placement.testing.profiling import (
     CollectiveMeter,
     HeapPeakMeter,
@@ -46,7 +45,6 @@ from ragged_placement.testing.profiling import (
     state_bytes,
 )
 from ragged_placement.expert_parallel import split_state_sharding
-from ragged_placement.testing.launch import exit_without_finalization
 from ragged_placement.planner import StateShardingPlan
 from ragged_placement.trainer.build import (
     TokenData,
@@ -76,22 +74,9 @@ from ragged_placement.trainer.resume import Resume, find_resume, layout, restore
 
 __all__ = ["main"]
 
-# Test hook: "kill:<rank>:<step>" or "hang:<rank>:<step>" makes that rank die (SIGKILL) or
-# freeze when it starts that step, in torchrun's first attempt only.
-FAULT_ENV = "RAGGED_PLACEMENT_TRAIN_FAULT"
 MiB = 2.0**20
-
-
-def _inject_fault(rank: int, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    kind, fault_rank, fault_step = spec.split(":")
-    if (rank, step) != (int(fault_rank), int(fault_step)):
-        return
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(3600)  # "hang": frozen until torchrun's agent ends it
+# ``main``'s test-only seam: ``on_step(rank, step)``, called by every rank as it starts a step.
+StepHook = Callable[[int, int], None]
 
 
 class _CudaPeakMeter:
@@ -226,8 +211,10 @@ def _unit_plans(model) -> list[str]:
     return [f"plan of unit {name or '<root>'!r}:\n{unit.buffers[0].plan.summary()}" for name, unit in list(units())[:2]]
 
 
-def _train(cfg: TrainConfig, env: DistributedEnv, resume: Resume | None) -> dict[str, Any]:
-    """Build, resume, train, save; the run's measurements (rank 0's are written by ``--metrics``)."""
+def _train(cfg: TrainConfig, env: DistributedEnv, resume: Resume | None,
+           on_step: StepHook | None = None) -> dict[str, Any]:
+    """Build, resume, train, save; the run's measurements (rank 0's are written by ``--metrics``;
+    ``on_step``: :func:`main`'s)."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     mesh = build_mesh(cfg, env.device, env.world_size)
@@ -244,7 +231,7 @@ def _train(cfg: TrainConfig, env: DistributedEnv, resume: Resume | None) -> dict
                                 layout=layout(cfg, env.world_size))
         if resume is not None:
             start = _resume(resume, ckpt, model, opt, sched, env)
-        out = _loop(cfg, env, model, opt, sched, data, ckpt, start, mem)
+        out = _loop(cfg, env, model, opt, sched, data, ckpt, start, mem, on_step)
     out.update(val_loss=_validate(model, data, cfg, env), plans=_unit_plans(model),
                state_sharding=_plan_metrics(plan, mesh))
     if cfg.output:
@@ -269,13 +256,14 @@ def _resume(resume: Resume, ckpt: Checkpointer, model, opt, sched, env: Distribu
     return resume.step
 
 
-def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem) -> dict[str, Any]:
+def _loop(cfg, env, model, opt, sched, data, ckpt, start, mem, on_step) -> dict[str, Any]:
     progress, losses, last = _Progress(cfg, env, start), [], cfg.steps - 1
     copies, net0, timed = LayoutCopyMeter(), net_bytes(), (0.0, 0, 0.0)
     with CollectiveWatch(env) as watch, CollectiveMeter() as meter, CollectiveBytes() as comm:
         for step in range(start, cfg.steps):
             watch.step = step
-            _inject_fault(env.rank, step)
+            if on_step is not None:
+                on_step(env.rank, step)
             measured = step == last and step > start  # memory and copies; not timed
             t0, comm0 = time.perf_counter(), watch.seconds
             try:
@@ -340,14 +328,19 @@ def _check(argv: list[str] | None) -> tuple[TrainConfig, Resume | None]:
 
 
 @record
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, on_step: StepHook | None = None) -> None:
     """Check, resume, train. A bad option, file or checkpoint ends the job before any
     process-group work: ``error: ...`` on stderr and exit status 2 from local rank 0 (the first
     rank of each node), exit status 0 without a word from the node's other ranks, which made the
-    same checks on the same files; so torchrun reports one failure, not one per rank."""
+    same checks on the same files; so torchrun reports one failure, not one per rank.
+
+    ``on_step`` is a test-only seam: ``on_step(rank, step)`` is called by every rank as it
+    starts each step (before the step's first collective); the tests' fault injection
+    (``tests/train/fault_injection.py``, a torchrun script around this function) kills or
+    freezes a rank there. ``python -m ragged_placement.train`` passes none."""
     try:
         cfg, resume = _check(argv)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:  # NotImplementedError: a refused combination
         if int(os.environ.get("LOCAL_RANK", "0")) != 0:
             sys.exit(0)
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -357,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     with one_worker_gloo():
         env = init_distributed(cfg.device, cfg.collective_timeout)
         _header(cfg, env)
-        out = _train(cfg, env, resume)
+        out = _train(cfg, env, resume, on_step)
     per_rank = [None] * env.world_size
     dist.all_gather_object(per_rank, {k: out[k] for k in ("peak", "state_bytes", "net_bytes",
                                                           "comm_seconds", "tokens_per_s")})

@@ -10,6 +10,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 run() { torchrun --standalone --nproc-per-node 1 "$@"; }
 T="-m ragged_placement.train --device ${DEVICE:-cuda} --log-every 10"
+# the trainer with a fault injected (RAGGED_PLACEMENT_TRAIN_FAULT): tests/train/fault_injection.py
+FAULTY="tests/train/fault_injection.py --device ${DEVICE:-cuda} --log-every 10"
 small="--steps 20 --seed 0 --precision fp32"
 echo "== tests/cuda/test_cuda.py"
 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda.py -m cuda || echo "FAILED test_cuda"
@@ -18,7 +20,7 @@ run $T $small --runtime ours --output "$out/ours.pt" || echo "FAILED ours fp32"
 run $T $small --runtime fsdp2 --output "$out/fsdp2.pt" || echo "FAILED fsdp2 fp32"
 echo "== fp32: kill rank 0 at step 12, torchrun --max-restarts 1, resume from step 10"
 for rt in ours fsdp2; do
-  RAGGED_PLACEMENT_TRAIN_FAULT=kill:0:12 run --max-restarts 1 $T $small --runtime $rt --checkpoint-dir "$out/ck_$rt" --checkpoint-every 5 \
+  RAGGED_PLACEMENT_TRAIN_FAULT=kill:0:12 run --max-restarts 1 $FAULTY $small --runtime $rt --checkpoint-dir "$out/ck_$rt" --checkpoint-every 5 \
     --output "$out/${rt}_resumed.pt" || echo "FAILED $rt resume"
 done
 python3 - "$out" <<'PY'

@@ -298,3 +298,71 @@ def test_each_feature_branches_at_most_five_times_outside_its_module(feature):
         for b in [_feature_branches(ast.parse(p.read_text()), pattern)] if b
     }
     assert sum(map(len, branches.values())) <= _MAX_FEATURE_BRANCHES, branches
+
+
+def test_one_registry_of_what_the_runtime_owns():
+    """Which unit owns a parameter or a module is recorded in one place
+    (``fsdp._validation.OWNERS``, which torch's ``fully_shard`` also asks through
+    ``FSDP2Hooks.sharded_by``): no other module builds a weak-keyed registry."""
+    weak = {"WeakKeyDictionary", "WeakIdKeyDictionary"}
+    builders = {
+        m: sorted({ast.unparse(n.func) for n in ast.walk(ast.parse(p.read_text()))
+                   if isinstance(n, ast.Call)
+                   and getattr(n.func, "attr", getattr(n.func, "id", None)) in weak})
+        for m, p in _sources().items()
+    }
+    assert {m: b for m, b in builders.items() if b} == {
+        "ragged_placement.fsdp._validation": ["WeakIdKeyDictionary", "weakref.WeakKeyDictionary"],
+    }
+
+
+# What parallelizes a module: torch's and our entry points, and the styles they apply.
+_PARALLELIZING = {"parallelize_module", "fully_shard", "distribute_module", "shard_fn"}
+
+
+def _parallelization(tree: ast.Module) -> list[str]:
+    """What in ``tree`` parallelizes: calls of :data:`_PARALLELIZING`, ``ParallelStyle``
+    subclasses and ``parallelize_*`` functions."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "id", getattr(node.func, "attr", None))
+            if name in _PARALLELIZING:
+                found.append(ast.unparse(node.func))
+        elif isinstance(node, ast.ClassDef) and any(
+                getattr(b, "id", getattr(b, "attr", None)) == "ParallelStyle" for b in node.bases):
+            found.append(f"class {node.name}")
+        elif isinstance(node, ast.FunctionDef) and node.name.startswith("parallelize"):
+            found.append(f"def {node.name}")
+    return found
+
+
+def test_the_parallelization_finder_finds_calls_styles_and_recipes():
+    tree = ast.parse("class S(ParallelStyle): pass\n"
+                     "def parallelize_x(m):\n    tp.parallelize_module(m)\n    shard_fn(m)\n")
+    assert _parallelization(tree) == ["class S", "def parallelize_x", "tp.parallelize_module",
+                                      "shard_fn"]
+
+
+def test_models_hold_models_and_parallelization_lives_with_the_runtime():
+    """``ragged_placement.models`` defines models and data; how they are parallelized (expert
+    and tensor parallelism, FSDP) is ``ragged_placement.parallelize``'s and
+    ``expert_parallel``'s, which import nothing from ``models`` (``models`` re-exports the
+    recipes beside their models)."""
+    graph = _import_graph()
+    found = {m: _parallelization(ast.parse(p.read_text())) for m, p in _sources().items()
+             if m.startswith("ragged_placement.models")}
+    assert {m: f for m, f in found.items() if f} == {}
+    for home in ("ragged_placement.parallelize", "ragged_placement.expert_parallel"):
+        assert not {t for t in graph[home] if t.startswith("ragged_placement.models")}, home
+
+
+def test_the_trainer_injects_no_fault_and_uses_only_the_meters_of_testing():
+    """The fault injection is the tests' (``tests/train/fault_injection.py``, through
+    ``main(on_step=...)``): no module of the package reads its variable, and the trainer takes
+    from ``ragged_placement.testing`` only the meters its log line reports."""
+    graph = _import_graph()
+    assert {t for t in graph["ragged_placement.train"] if t.startswith("ragged_placement.testing")
+            } == {"ragged_placement.testing.profiling"}
+    readers = [m for m, p in _sources().items() if "RAGGED_PLACEMENT_TRAIN_FAULT" in p.read_text()]
+    assert readers == []

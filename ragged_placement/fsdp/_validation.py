@@ -1,9 +1,12 @@
 """Checks of :func:`~ragged_placement.fsdp.fully_shard`'s input that span several calls.
 
-* A parameter tied across units (an embedding and an output head each under its own
-  ``fully_shard``) would become two parameters, silently untied: each parameter object a unit
-  takes over is remembered, and a later ``fully_shard`` that meets it raises, as FSDP2 does (at
-  its lazy init; here at the call, before any collective).
+* :data:`OWNERS`, the one registry of what our runtime owns: every parameter object a unit took
+  over and every module whose parameters a unit owns. A parameter tied across units (an
+  embedding and an output head each under its own ``fully_shard``) would become two
+  parameters, silently untied: a later ``fully_shard`` that meets an owned parameter raises, as
+  FSDP2 does (at its lazy init; here at the call, before any collective). torch's
+  ``fully_shard`` reaching an owned module raises naming the unit
+  (:attr:`ragged_placement._install.FSDP2Hooks.sharded_by`).
 * A ``granularity`` mapping whose pattern matches no parameter (a typo) would change the layout
   without a word. Per-unit calls share one mapping (the FSDP2 recipe), so a pattern need not
   match in every call: each call keeps the patterns that matched nothing in its module tree, and
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 
 from torch import nn
@@ -34,25 +38,54 @@ from ragged_placement._gloo import gloo_worker_threads
 from ragged_placement.planner.granularity import Granularity
 
 __all__ = [
-    "check_granularity", "check_no_all_gather_extension", "check_not_managed", "record_managed", "unmatched_patterns",
-    "warn_on_racy_gloo_groups",
+    "OWNERS", "Owners", "check_granularity", "check_no_all_gather_extension",
+    "unmatched_patterns", "warn_on_racy_gloo_groups",
 ]
 
-# Every parameter object a fully_shard unit took over -> "Module.param" (where it went).
-_MANAGED = WeakIdKeyDictionary()
+class Owners:
+    """Which ``fully_shard`` unit owns what (weakly: a module or parameter that is garbage
+    collected leaves it)."""
+
+    # parameter object -> "Module's parameter 'name'" (the unit's first module's class)
+    params: WeakIdKeyDictionary
+    # module whose parameters a unit owns -> the unit's module class name ("FSDPModule")
+    modules: weakref.WeakKeyDictionary[nn.Module, str]
+
+    def __init__(self) -> None:
+        self.params = WeakIdKeyDictionary()
+        self.modules = weakref.WeakKeyDictionary()
+
+    def record(self, where: str, names: Sequence[str], params: Sequence[nn.Parameter],
+               modules: Sequence[nn.Module], owner: str) -> None:
+        """The unit built by ``fully_shard(where)`` (its first module's class name before the
+        call) now owns ``params`` (named ``names``) and ``modules``; ``owner``: the unit's
+        module class (``FSDP<where>``), which torch's ``fully_shard`` names."""
+        for name, p in zip(names, params):
+            self.params[p] = f"{where}'s parameter {name!r}"
+        for m in modules:
+            self.modules[m] = owner
+
+    def check_not_owned(self, names: Sequence[str], params: Sequence[nn.Parameter],
+                        where: str) -> None:
+        """Raise if one of ``params`` (named ``names`` in ``where``) belongs to another unit."""
+        for name, p in zip(names, params):
+            owner = self.params.get(p)
+            if owner is not None:
+                raise ValueError(
+                    f"fully_shard({where}): parameter {name!r} is shared with {owner}, already "
+                    f"managed by another fully_shard unit (a tied weight would be silently "
+                    f"untied). For shared/tied parameters, use fully_shard([module_a, module_b]) "
+                    f"to place them in the same unit."
+                )
+
+    def sharded_by(self, module: nn.Module) -> str | None:
+        """The class name of the ``fully_shard`` module whose unit owns ``module``'s
+        parameters, or ``None``."""
+        return self.modules.get(module)
 
 
-def check_not_managed(names: Sequence[str], params: Sequence[nn.Parameter], where: str) -> None:
-    """Raise if one of ``params`` (named ``names`` in ``where``) belongs to another unit."""
-    for name, p in zip(names, params):
-        owner = _MANAGED.get(p)
-        if owner is not None:
-            raise ValueError(
-                f"fully_shard({where}): parameter {name!r} is shared with {owner}, already "
-                f"managed by another fully_shard unit (a tied weight would be silently untied). "
-                f"For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
-                f"them in the same unit."
-            )
+OWNERS = Owners()
+"""The process's one :class:`Owners` registry."""
 
 
 def check_no_scalar_params(names: Sequence[str], params: Sequence[nn.Parameter], where: str) -> None:
@@ -84,12 +117,6 @@ def check_no_all_gather_extension(
                 f"be skipped silently). Shard this module with torch's fully_shard, or use "
                 f"fully_shard(quant=...) for FP8 all-gathers."
             )
-
-
-def record_managed(names: Sequence[str], params: Sequence[nn.Parameter], where: str) -> None:
-    """Remember that ``params`` (named ``names`` in ``where``) now belong to a unit."""
-    for name, p in zip(names, params):
-        _MANAGED[p] = f"{where}'s parameter {name!r}"
 
 
 def check_granularity(granularity: object) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -18,12 +18,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement._install import FSDP2Hooks, install_fsdp2
+from ragged_placement.combinations import Feature, Given, check_combinations
 from ragged_placement.fsdp._validation import (
+    OWNERS,
     check_granularity,
     check_no_all_gather_extension,
     check_no_scalar_params,
-    check_not_managed,
-    record_managed,
     unmatched_patterns,
     warn_on_racy_gloo_groups,
 )
@@ -39,7 +39,7 @@ from ragged_placement.fsdp.module import (
     share_comm_ctx,
 )
 from ragged_placement.fsdp.fsdp2_state import state_view
-from ragged_placement.fsdp.nested import state_sharded_mesh
+from ragged_placement.fsdp.nested import check_state_sharding, state_sharded_mesh
 from ragged_placement.fsdp.param import (
     ParamSlot,
     check_tp_dims_disjoint,
@@ -70,16 +70,6 @@ __all__ = [
 # ``from ragged_placement.fsdp import MixedPrecisionPolicy`` give the same class (its fields,
 # ``param_dtype``, ``reduce_dtype``, ``output_dtype`` and ``cast_forward_inputs``, are the same in
 # torch 2.11 and 2.13).
-
-
-# Every module whose parameters a fully_shard unit owns -> that fully_shard module's class name
-# (torch's fully_shard reaching one of them raises naming it: ragged_placement._install).
-_SHARDED_BY: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-
-
-def sharded_by(module: nn.Module) -> str | None:
-    """The class name of the ``fully_shard`` module whose unit owns ``module``'s parameters."""
-    return _SHARDED_BY.get(module)
 
 
 _CLASS_LOCK = threading.Lock()
@@ -134,15 +124,19 @@ def _check_modules(module: object) -> list[nn.Module]:
     return _root_modules(modules)
 
 
-def _resolve_reshard_after_forward(value: object, shard_size: int) -> bool | int:
-    """FSDP2's ``reshard_after_forward`` as a bool, or the int ``1 < N < shard_size`` of the
-    groups to reshard to (see :func:`fully_shard`)."""
-    if value is None or isinstance(value, bool):
-        return value is not False
-    if not isinstance(value, int):
+def _check_reshard_type(value: object) -> None:
+    if not (value is None or isinstance(value, (bool, int))):
         raise ValueError(
             f"reshard_after_forward must be a bool, None or an int, got {value!r}"
         )
+
+
+def _resolve_reshard_after_forward(value: object, shard_size: int) -> bool | int:
+    """FSDP2's ``reshard_after_forward`` as a bool, or the int ``1 < N < shard_size`` of the
+    groups to reshard to (see :func:`fully_shard`)."""
+    _check_reshard_type(value)
+    if value is None or isinstance(value, bool):
+        return value is not False
     if value < 1 or value > shard_size or shard_size % value:
         raise ValueError(
             f"reshard_after_forward={value} must be a factor of the shard world size "
@@ -165,23 +159,49 @@ def _reshard_setting(value: object, unit) -> bool | PostForwardMesh:
 
 
 def _unit_mesh(
-    mesh: object, state_sharding: object, dp_mesh_dims: object, offload: object,
+    mesh: object, sharding: StateSharding | None, dp_mesh_dims: object,
     reshard_after_forward: object,
-) -> UnitMesh:
-    """The unit's mesh, built once from ``fully_shard``'s arguments and checked against them: a
-    ``state_sharding``'s (other than ``mesh``'s default), else FSDP / HSDP on ``mesh`` or on
-    the data-parallel sub-mesh ``dp_mesh_dims`` names."""
-    sharded = state_sharded_mesh(
-        state_sharding, mesh, dp_mesh_dims=dp_mesh_dims, offload=offload,
-        reshard_after_forward=reshard_after_forward,
-    )
-    if sharded is not None:
-        return sharded
+) -> Callable[[], UnitMesh]:
+    """Check the unit's mesh from ``fully_shard``'s arguments now; the returned function builds
+    it (called once the unit's parameters are checked): ``sharding``'s
+    (:func:`check_state_sharding`: ``None`` for none or ``mesh``'s default; collective over its
+    groups the first time), else FSDP / HSDP on ``mesh`` or on the data-parallel sub-mesh
+    ``dp_mesh_dims`` names."""
+    _check_reshard_type(reshard_after_forward)
+    if sharding is not None:
+        return partial(state_sharded_mesh, sharding, mesh)
     dp = DataParallelMesh.of(
         mesh if dp_mesh_dims is None else check_dp_mesh_dims(mesh, dp_mesh_dims)
     )
-    _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)  # before building
-    return dp
+    _resolve_reshard_after_forward(reshard_after_forward, dp.shard_size)
+    return lambda: dp
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _features(
+    *, sharding: StateSharding | None, quant: object, dp_mesh_dims: object, offload: object,
+    reshard_after_forward: object, granularity: object,
+) -> dict[Feature, Given]:
+    """The features of :data:`ragged_placement.combinations.REFUSED` a ``fully_shard`` call
+    turns on, in its arguments' words (``sharding``: the checked ``state_sharding``)."""
+    features = (
+        (Feature.STATE_SHARDING, sharding, f"state_sharding={sharding}",
+         "drop state_sharding (None or StateSharding.default(mesh) keeps every state on the "
+         "same dims)"),
+        (Feature.QUANT, quant, f"quant={quant!r}", "drop quant"),
+        (Feature.DP_MESH_DIMS, dp_mesh_dims, f"dp_mesh_dims={dp_mesh_dims!r}",
+         "drop dp_mesh_dims (pass the data-parallel sub-mesh as mesh)"),
+        (Feature.CPU_OFFLOAD, offload, f"offload_policy={offload!r}",
+         "pass offload_policy=OffloadPolicy()"),
+        (Feature.INT_RESHARD, _is_int(reshard_after_forward) or None,
+         f"reshard_after_forward={reshard_after_forward!r}",
+         "pass reshard_after_forward as a bool or None"),
+        (Feature.GRANULARITY, granularity, f"granularity={granularity!r}", "drop granularity"),
+    )
+    return {f: Given(spelling, fix) for f, value, spelling, fix in features if value is not None}
 
 
 def _check_offload_policy(offload_policy: object) -> CPUOffloadPolicy | None:
@@ -327,31 +347,6 @@ def _placement_policy(
     return lambda name, shape: cuts.get(name) or default_granularity(shape)
 
 
-def _check_other_mesh_options(granularity, quant, state_sharding, dp_mesh_dims) -> None:
-    """The ``fully_shard`` options not taken with a ``shard_placement_fn`` that places
-    parameters on another mesh (untested there; their parameter names or meshes would differ
-    between the nested unit and this one)."""
-    for name, value in (("granularity", granularity), ("quant", quant),
-                        ("state_sharding", state_sharding), ("dp_mesh_dims", dp_mesh_dims)):
-        if value is not None:
-            raise ValueError(
-                f"{name}={value!r} with a shard_placement_fn that places parameters on another "
-                f"mesh (ShardPlacementResult) is not supported: drop one of them"
-            )
-
-
-def _check_spmd_options(reshard_after_forward: object, quant: object) -> None:
-    """The ``fully_shard`` options not taken with ``dp_mesh_dims`` (untested there; FSDP2 also
-    refuses an int ``reshard_after_forward``)."""
-    if not isinstance(reshard_after_forward, (bool, type(None))):
-        raise TypeError(
-            f"reshard_after_forward={reshard_after_forward!r} with dp_mesh_dims: only a bool or "
-            f"None (as FSDP2)"
-        )
-    if quant is not None:
-        raise ValueError(f"quant={quant!r} with dp_mesh_dims is not supported: drop one of them")
-
-
 def _register_fully_shard(module: nn.Module) -> None:
     """Record ``fully_shard`` in ``module``'s composable-API registry, as FSDP2's ``@contract``
     does: torch's ``replicate()`` reads it to leave a sharded module's parameters to it (and to
@@ -482,7 +477,7 @@ def fully_shard(
             the dim the unit is sharded over, ``replicate`` the HSDP dim (before ``shard`` in
             the mesh), and at most one other dim is tensor parallel. One dim name per role;
             DDP (no ``shard``) and ``quant`` raise ``ValueError``, an ``int``
-            ``reshard_after_forward`` ``TypeError`` (FSDP2 refuses it too). See
+            ``reshard_after_forward`` ``NotImplementedError`` (as FSDP2). See
             :mod:`ragged_placement.fsdp.spmd`.
         state_sharding: a :class:`~ragged_placement.fsdp.StateSharding`: the dims of ``mesh``
             (any number of named dims) that parameters, gradients and optimizer state are each
@@ -500,6 +495,9 @@ def fully_shard(
         ValueError: ``module`` is not a module (or list of them), was sharded already by this
             ``fully_shard`` or torch's, or holds a module torch's sharded; an argument has a
             wrong type or a value this runtime cannot honour exactly (named in the message).
+        ValueError, NotImplementedError: a combination of arguments in
+            :data:`ragged_placement.combinations.REFUSED` (the arguments, the reason and the
+            fix in the message), before any process group is built.
         RuntimeError: this torch changed a target of :mod:`ragged_placement._install`'s rows
             (named in the message; torch is left unpatched).
     """
@@ -517,23 +515,30 @@ def fully_shard(
         if dp_mesh_dims is None:  # with it, parameters are DTensors on the whole mesh
             check_tp_dims_disjoint(mesh, modules)
     offload = _check_offload_policy(offload_policy)
-    dp = _unit_mesh(mesh, state_sharding, dp_mesh_dims, offload, reshard_after_forward)
+    sharding = check_state_sharding(state_sharding, mesh)
+    features = _features(sharding=sharding, quant=quant, dp_mesh_dims=dp_mesh_dims,
+                         offload=offload, reshard_after_forward=reshard_after_forward,
+                         granularity=granularity)
+    check_combinations(features)
+    build_mesh = _unit_mesh(mesh, sharding, dp_mesh_dims, reshard_after_forward)
     device = mesh_device(mesh)
     check_granularity(granularity)
     spmd = None
     if dp_mesh_dims is not None:
-        _check_spmd_options(reshard_after_forward, quant)
         spmd = localize_spmd_params(mesh, dp_mesh_dims, modules, ignored, FSDPModule)
     slots, params, owned_modules = _collect_params(modules, ignored)
     where = type(modules[0]).__name__
-    check_not_managed([s.fqn for s in slots], params, where)
+    OWNERS.check_not_owned([s.fqn for s in slots], params, where)
     check_no_scalar_params([s.fqn for s in slots], params, where)
     check_no_all_gather_extension([s.fqn for s in slots], params, where)
+    placement_fn = shard_placement_fn
     shard_placement_fn, other_meshes = split_by_mesh(
         shard_placement_fn, slots, params, mesh, modules
     )
     if other_meshes:  # FSDP2's per-parameter mesh: a nested unit per other mesh
-        _check_other_mesh_options(granularity, quant, state_sharding, dp_mesh_dims)
+        check_combinations({**features, Feature.OTHER_MESH: Given(
+            f"shard_placement_fn={placement_fn!r} placing parameters on another mesh "
+            f"(ShardPlacementResult)", "return placements on mesh from shard_placement_fn")})
         for group in other_meshes:
             fully_shard(
                 group.modules if len(group.modules) > 1 else group.modules[0], mesh=group.mesh,
@@ -563,21 +568,21 @@ def fully_shard(
         mp_policy.param_dtype, mp_policy.reduce_dtype, policy, quant,
         split_by_submodule=wraps_units, offload_policy=offload, spmd=spmd,
     )
-    unit = FSDPUnit(slots, params, dp, options)
+    unit = FSDPUnit(slots, params, build_mesh(), options)
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
     state.unmatched_granularity = unmatched_patterns(granularity, modules)
-    record_managed([s.fqn for s in slots], originals, where)
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
         _register_fully_shard(m)
-    for m in owned_modules:
-        _SHARDED_BY[m] = type(modules[0]).__name__
+    OWNERS.record(where, [s.fqn for s in slots], originals, owned_modules,
+                  type(modules[0]).__name__)
     return module
 
 
 # What torch's FSDP2 and pipelining, once patched (ragged_placement._install.FSDP2_PATCHES and
 # PIPELINING_PATCHES), call for our modules.
-_FSDP2_HOOKS = FSDP2Hooks(module_type=FSDPModule, register_forward_method=register_fsdp_forward_method,
-                          sharded_by=sharded_by, state_view=state_view,
+_FSDP2_HOOKS = FSDP2Hooks(module_type=FSDPModule,
+                          register_forward_method=register_fsdp_forward_method,
+                          sharded_by=OWNERS.sharded_by, state_view=state_view,
                           forward_tensors=forward_tensors)

@@ -333,45 +333,27 @@ class StateShardedMesh(UnitMesh):
         return self.params.rank * self.grads.size + self.grads.rank
 
 
-def state_sharded_mesh(
-    state_sharding: object,
-    mesh: DeviceMesh,
-    *,
-    dp_mesh_dims: object,
-    offload: object,
-    reshard_after_forward: object,
-) -> StateShardedMesh | None:
-    """``fully_shard``'s ``state_sharding`` checked against its other arguments
-    (:func:`check_state_sharding`): ``None`` for none or ``mesh``'s default (the runtime without
-    nesting), else the unit's :class:`StateShardedMesh` (collective over its groups the first
-    time)."""
-    if not check_state_sharding(
-        state_sharding, mesh, dp_mesh_dims=dp_mesh_dims, offload=offload,
-        reshard_after_forward=reshard_after_forward,
-    ):
-        return None
-    return StateShardedMesh.of(mesh, state_sharding)
+def state_sharded_mesh(sharding: StateSharding, mesh: DeviceMesh) -> StateShardedMesh:
+    """The unit's :class:`StateShardedMesh` for ``sharding`` (checked by
+    :func:`check_state_sharding`, and against ``fully_shard``'s other arguments by
+    :func:`ragged_placement.combinations.check_combinations`) on ``mesh``; collective over its
+    groups the first time."""
+    return StateShardedMesh.of(mesh, sharding)
 
 
-def check_state_sharding(
-    state_sharding: object,
-    mesh: DeviceMesh,
-    *,
-    dp_mesh_dims: object,
-    offload: object,
-    reshard_after_forward: object,
-) -> bool:
-    """Whether ``state_sharding`` needs the nested runtime on ``mesh`` (``False`` for ``None``
-    or ``mesh``'s default, :meth:`StateSharding.is_default`), after checking it against
-    ``fully_shard``'s other arguments. No communication.
+def check_state_sharding(state_sharding: object, mesh: object) -> StateSharding | None:
+    """``state_sharding`` checked against ``mesh``: the sharding the nested runtime takes, or
+    ``None`` for ``None`` or ``mesh``'s default (:meth:`StateSharding.is_default`: the runtime
+    without nesting). No communication. Its combinations with ``fully_shard``'s other
+    arguments are :data:`ragged_placement.combinations.REFUSED`'s.
 
     Raises:
         TypeError: ``state_sharding`` is not a ``StateSharding``.
-        ValueError: it does not fit ``mesh`` (:meth:`StateSharding.validate`), shards nothing,
-            or comes with an option the nested runtime does not support yet.
+        ValueError: ``mesh`` is not a ``DeviceMesh``, or ``state_sharding`` does not fit it
+            (:meth:`StateSharding.validate`) or shards nothing.
     """
     if state_sharding is None:
-        return False
+        return None
     if not isinstance(state_sharding, StateSharding):
         raise TypeError(
             f"state_sharding must be a ragged_placement.fsdp.StateSharding, got "
@@ -381,26 +363,13 @@ def check_state_sharding(
         raise ValueError(f"mesh must be a DeviceMesh with mesh_dim_names, got {mesh!r}")
     state_sharding.validate(mesh)
     if state_sharding.is_default(mesh):
-        return False
+        return None
     if not state_sharding.optim:
         raise ValueError(
             f"state_sharding={state_sharding} shards no state: name at least one mesh dim in "
             f"optim (replicating everything is DDP: torch.nn.parallel.DistributedDataParallel)"
         )
-    unsupported = {
-        "dp_mesh_dims": dp_mesh_dims is not None,
-        "offload_policy=CPUOffloadPolicy()": offload is not None,
-        f"reshard_after_forward={reshard_after_forward!r}": not isinstance(
-            reshard_after_forward, (bool, type(None))
-        ),
-    }
-    for name, given in unsupported.items():
-        if given:
-            raise ValueError(
-                f"{name} with state_sharding={state_sharding} is not supported yet: drop one "
-                f"of them (state_sharding=None or StateSharding.default(mesh) keeps it)"
-            )
-    return True
+    return state_sharding
 
 
 # id(mesh) -> (a weak reference to the mesh, {sharding: its StateShardedMesh})

@@ -1,10 +1,11 @@
-"""A small Llama-like model with torchtitan's tensor-parallel plan and pipeline split.
+"""A small Llama-like model and its pipeline split.
 
 Pre-norm blocks (RMSNorm, causal multi-head attention without bias, SwiGLU MLP) between a token
-embedding and an output head. :func:`parallelize_llama` applies torchtitan's plan (without
-sequence parallel): ``wq``/``wk``/``wv``/``w1``/``w3`` column-wise, ``wo``/``w2`` row-wise, the
-embedding row-wise and the head column-wise with a replicated output. :func:`pipeline_stage`
-keeps the part of the model one pipeline stage runs (torchtitan's split by pruning).
+embedding and an output head. :func:`pipeline_stage` keeps the part of the model one pipeline
+stage runs (torchtitan's split by pruning). Its tensor-parallel plan is
+:func:`ragged_placement.parallelize.parallelize_llama` (without sequence parallel: ``wq``/``wk``/
+``wv``/``w1``/``w3`` column-wise, ``wo``/``w2`` row-wise, the embedding row-wise and the head
+column-wise with a replicated output), re-exported here.
 """
 
 from __future__ import annotations
@@ -15,13 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
+
+from ragged_placement.parallelize import parallelize_llama  # re-exported
 
 __all__ = ["Llama", "LlamaConfig", "parallelize_llama", "pipeline_stage"]
 
@@ -128,31 +124,6 @@ class Llama(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
-
-
-def parallelize_llama(model: Llama, tp_mesh: DeviceMesh) -> Llama:
-    """Apply torchtitan's tensor-parallel plan (no sequence parallel) on ``tp_mesh``, in place."""
-    if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
-        raise ValueError(f"tp_mesh must be a 1-D DeviceMesh, got {tp_mesh!r}")
-    top = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
-    if model.output is not None:
-        top["output"] = ColwiseParallel(output_layouts=Replicate())
-    if top:
-        parallelize_module(model, tp_mesh, top)
-    block_plan = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
-    return model
 
 
 def pipeline_stage(model: Llama, stage: int, num_stages: int) -> Llama:

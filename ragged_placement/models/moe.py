@@ -17,19 +17,17 @@ combine without touching the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from ragged_placement.models.llama import Attention, FeedForward
+from ragged_placement.parallelize import parallelize_experts, parallelize_moe  # re-exported
 
 if TYPE_CHECKING:
     from ragged_placement.quant import BlockFP8Config
@@ -391,193 +389,3 @@ class MoETransformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h)
         return self.output(self.norm(h))
-
-
-def parallelize_moe(
-    model: MoETransformer,
-    mesh: DeviceMesh,
-    *,
-    ep_dim: str = "ep",
-    shard_fn: Callable[..., nn.Module] | None = None,
-    state_sharding: Any = None,
-    expert_state_sharding: Any = None,
-    **fsdp_kwargs: Any,
-) -> MoETransformer:
-    """Expert parallelism over ``mesh[ep_dim]`` and FSDP over the data-parallel ranks, in place:
-    torchtitan's recipe (``apply_moe_ep_tp`` then ``apply_fsdp``).
-
-    ``mesh`` is a 2-D ``(dp_mod_ep, ep_dim)`` device mesh over every data-parallel rank (its
-    other dim the data-parallel ranks outside each ep group; size 1 for EP over the whole
-    world). Every MoE block's ``moe.experts`` gets :class:`~ragged_placement.expert_parallel.
-    ExpertParallel` on ``mesh[ep_dim]`` (each ep rank owns ``E/ep`` whole experts), then
-    ``shard_fn(experts, mesh=mesh[dp_mod_ep])`` with its gradients divided by the whole
-    data-parallel world (their sum covers the tokens of every rank of the ep group); every
-    block and the root are then ``shard_fn(..., mesh=<mesh flattened>)``: dense parameters
-    sharded over all data-parallel ranks (with a ``state_sharding``, ``shard_fn(...,
-    mesh=mesh, state_sharding=state_sharding)``).
-
-    Args:
-        model: a :class:`MoETransformer`, its weights the same on every rank (or on meta).
-        mesh: the 2-D mesh, one of its dims named ``ep_dim``.
-        ep_dim: the name of the expert-parallel dim.
-        shard_fn: ``ragged_placement.fsdp.fully_shard`` (the default) or torch's
-            ``torch.distributed.fsdp.fully_shard`` (FSDP2 + EP, torchtitan's pattern).
-        state_sharding: a :class:`~ragged_placement.fsdp.StateSharding` over both dims of
-            ``mesh`` for the dense units, which are then sharded on ``mesh`` itself (e.g. AMSP
-            on ``(inter, intra)`` with EP over ``intra``); ours only.
-        expert_state_sharding: the expert units' ``StateSharding`` over ``mesh[dp_mod_ep]``;
-            by default ``state_sharding`` with ``ep_dim`` dropped from each state
-            (:func:`~ragged_placement.expert_parallel.split_state_sharding`).
-        fsdp_kwargs: passed to every ``shard_fn`` call (``reshard_after_forward``,
-            ``mp_policy``, ...), and ``quant``: block-wise FP8
-            (:class:`~ragged_placement.quant.BlockFP8Config`, ours only): the dense units'
-            ``nn.Linear`` weights and the expert units' stacks are gathered as FP8 blocks and
-            scales (each rank quantizes its own whole blocks; a block never holds rows of two
-            experts, each expert's matrix has its own scales) and computed in FP8
-            (``GroupedExperts.quant``, per expert matrix).
-
-    Raises:
-        ValueError: before any collective, if ``mesh`` is not 2-D with an ``ep_dim`` dim, or
-            its size does not divide ``num_experts`` (an expert is never cut between ep ranks);
-            if a ``StateSharding`` or ``quant`` is given to torch's ``fully_shard``, or a
-            ``StateSharding`` the runtime cannot honour (:func:`~ragged_placement.expert_parallel.
-            split_state_sharding`, :func:`~ragged_placement.fsdp.nested.check_state_sharding`).
-    """
-    from ragged_placement.expert_parallel import ExpertParallel
-    from ragged_placement.fsdp.fp8 import check_quant
-
-    quant = check_quant(fsdp_kwargs.pop("quant", None))
-    _check_fp8_configs(model, quant)
-    experts = {block: block.moe.experts for block in model.layers.values() if block.moe_enabled}
-    return parallelize_experts(
-        model, mesh, model.layers.values(), experts, ExpertParallel(), ep_dim=ep_dim,
-        shard_fn=shard_fn, state_sharding=state_sharding,
-        expert_state_sharding=expert_state_sharding, quant=quant, **fsdp_kwargs)
-
-
-def parallelize_experts(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    blocks: Iterable[nn.Module],
-    experts: dict[nn.Module, nn.Module],
-    style: ParallelStyle,
-    *,
-    ep_dim: str = "ep",
-    shard_fn: Callable[..., nn.Module] | None = None,
-    state_sharding: Any = None,
-    expert_state_sharding: Any = None,
-    quant: BlockFP8Config | None = None,
-    **fsdp_kwargs: Any,
-) -> nn.Module:
-    """:func:`parallelize_moe`'s recipe on any model: ``style`` (an expert-parallel
-    ``ParallelStyle``) on each experts module of ``experts`` (keyed by the block holding it) over
-    ``mesh[ep_dim]``, ``shard_fn`` on it over the dim beside ``ep_dim``, then on every block of
-    ``blocks`` and on ``model`` over all data-parallel ranks. Every check runs before any unit is
-    built; ``quant`` (checked by the caller) goes to ``shard_fn`` for every unit."""
-    from ragged_placement.expert_parallel import check_expert_parallel, split_state_sharding
-
-    names = mesh.mesh_dim_names if isinstance(mesh, DeviceMesh) else None
-    if names is None or mesh.ndim != 2 or ep_dim not in names:
-        raise ValueError(
-            f"mesh must be a 2-D DeviceMesh (dp_mod_ep, {ep_dim!r}) with named dims, got {mesh!r}"
-        )
-    dp_mod_ep = names[1 - names.index(ep_dim)]
-    shard_fn = _check_shard_fn(shard_fn, state_sharding=state_sharding,
-                               expert_state_sharding=expert_state_sharding, quant=quant)
-    state_sharding, expert_state_sharding = split_state_sharding(
-        mesh, ep_dim, state_sharding, expert_state_sharding
-    )
-    _check_nested(mesh, state_sharding, fsdp_kwargs)
-    _check_nested(mesh[dp_mod_ep], expert_state_sharding, fsdp_kwargs)
-    ep_size = mesh[ep_dim].size()
-    for module in experts.values():
-        check_expert_parallel(module, ep_size)
-    dense, expert_unit = _unit_arguments(mesh, ep_dim, state_sharding, expert_state_sharding,
-                                         quant)
-    gloo = dist.get_backend(mesh.get_group(ep_dim)) == "gloo"
-    for module in experts.values():
-        parallelize_module(module, mesh[ep_dim], style)
-    for block in blocks:
-        if block in experts:
-            module = experts[block]
-            shard_fn(module, **expert_unit, **fsdp_kwargs)
-            module.set_gradient_divide_factor(mesh.size())
-            if gloo and mesh[dp_mod_ep].size() > 1:
-                # FSDP2 divides by a factor with PREMUL_SUM, which gloo lacks. (Not on one
-                # rank: there FSDP2 2.13 would divide twice, in its copy and after it.)
-                module.set_force_sum_reduction_for_comms(True)
-        shard_fn(block, **dense, **fsdp_kwargs)
-    shard_fn(model, **dense, **fsdp_kwargs)
-    return model
-
-
-def _unit_arguments(
-    mesh: DeviceMesh, ep_dim: str, state_sharding: Any, expert_state_sharding: Any, quant: Any
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``shard_fn``'s mesh and options for the dense units (all data-parallel ranks: ``mesh``
-    flattened, or ``mesh`` itself with a ``state_sharding``; ``quant``) and for the expert units
-    (the dim beside ``ep_dim``; ``expert_state_sharding``; ``quant``)."""
-    dp_mod_ep = next(d for d in mesh.mesh_dim_names if d != ep_dim)
-    if state_sharding is None:
-        dense = {"mesh": mesh._flatten(f"{dp_mod_ep}_{ep_dim}")}
-    else:
-        dense = {"mesh": mesh, "state_sharding": state_sharding}
-    experts = {"mesh": mesh[dp_mod_ep]}
-    if quant is not None:
-        dense["quant"] = experts["quant"] = quant
-    # on a 1-rank dp_mod_ep (EP over every rank) every sharding of the experts is the same:
-    # nothing to shard, nothing sent; the nested runtime needs >= 2 ranks
-    if expert_state_sharding is not None and mesh[dp_mod_ep].size() > 1:
-        experts["state_sharding"] = expert_state_sharding
-    return dense, experts
-
-
-def _check_fp8_configs(model: nn.Module, quant: Any) -> None:
-    """``ValueError`` (before any unit is built) if a module of ``model`` already computes in
-    FP8 with another config than ``quant`` (``fully_shard`` would refuse it unit by unit,
-    after the units before it)."""
-    from ragged_placement.fsdp.fp8 import fp8_config
-
-    if quant is None:
-        return
-    for name, m in model.named_modules():
-        config = fp8_config(m)
-        if config is not None and config != quant:
-            raise ValueError(
-                f"quant={quant}, but {name} ({type(m).__name__}) already computes in FP8 with "
-                f"{config}: pass that config as quant, or reset the module's"
-            )
-
-
-def _check_shard_fn(
-    shard_fn: Callable[..., nn.Module] | None, **ours_only: Any
-) -> Callable[..., nn.Module]:
-    """``shard_fn``, ours by default; ``ValueError`` if one of ``ours_only`` (arguments only
-    ours takes: ``state_sharding``, ``quant``, ...) is given to another."""
-    from ragged_placement.fsdp import fully_shard
-
-    if shard_fn is None:
-        return fully_shard
-    given = [name for name, value in ours_only.items() if value is not None]
-    if shard_fn is not fully_shard and given:
-        raise ValueError(
-            f"shard_fn={shard_fn!r} with {' and '.join(given)}: only "
-            f"ragged_placement.fsdp.fully_shard takes {' and '.join(given)}; drop "
-            f"{' and '.join(given)} or the shard_fn"
-        )
-    return shard_fn
-
-
-def _check_nested(mesh: DeviceMesh, sharding: Any, fsdp_kwargs: dict[str, Any]) -> None:
-    """``fully_shard``'s refusals of ``sharding`` with ``fsdp_kwargs``, before any unit is
-    built (so no unit's groups exist when one is refused)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    from ragged_placement.fsdp.nested import check_state_sharding
-
-    offload = fsdp_kwargs.get("offload_policy")
-    check_state_sharding(
-        sharding, mesh, dp_mesh_dims=fsdp_kwargs.get("dp_mesh_dims"),
-        offload=offload if isinstance(offload, CPUOffloadPolicy) else None,
-        reshard_after_forward=fsdp_kwargs.get("reshard_after_forward"),
-    )

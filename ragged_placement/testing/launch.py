@@ -26,7 +26,6 @@ import os
 import re
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ragged_placement._gloo import one_worker_gloo
+from ragged_placement._gloo import exit_without_finalization, one_worker_gloo
 
 __all__ = ["exit_without_finalization", "free_port", "in_flight_call", "run_gloo"]
 
@@ -141,16 +140,6 @@ def _rank_main(
         finally:
             dist.destroy_process_group()
     exit_without_finalization()
-
-
-def exit_without_finalization() -> None:
-    """End a rank that finished its work (results written, process group destroyed) without
-    the interpreter's finalization, where gloo's worker threads, still holding work objects,
-    now and then abort the process ("terminate called without an active exception"; seen
-    about once in 400 spawns on torch 2.13; pytorch/pytorch#179291 describes the race)."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(0)
 
 
 def _start_method() -> str:

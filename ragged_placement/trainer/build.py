@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ragged_placement.fsdp import StateSharding
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
-from ragged_placement.models.hf_moe import parallelize_hf_moe
 from ragged_placement.models.llama import Llama, LlamaConfig
-from ragged_placement.models.moe import MoEConfig, MoETransformer, parallelize_moe
+from ragged_placement.models.moe import MoEConfig, MoETransformer
+from ragged_placement.parallelize import parallelize_hf_moe, parallelize_moe
 from ragged_placement.planner import StateShardingPlan, plan_state_sharding
 from ragged_placement.trainer.config import MOE_DIMS, VOCAB, TrainConfig, bandwidths, dim_names
 from ragged_placement.trainer.hf import hf_model

@@ -16,14 +16,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ragged_placement.combinations import Feature, Given, check_combinations
 from ragged_placement.trainer.hf import SIZE_FLAGS, hf_config, hf_moe_type, is_hf
 
 __all__ = ["RUNTIMES", "STATE_SHARDINGS", "TrainConfig", "bandwidths", "check_world",
-           "dim_names", "parse_config"]
+           "dim_names", "features", "parse_config"]
 
 RUNTIMES = ("ours", "fsdp2")
 STATE_SHARDINGS = ("zero3", "hsdp", "zero1", "zero2", "amsp", "auto")
-# Per-state sharding (issue 25's StateSharding): only ours; FSDP2 shards every state alike.
+# Per-state sharding: a StateSharding other than the mesh's default (--runtime ours only).
 PER_STATE = ("zero1", "zero2", "amsp", "auto")
 # The partitioner's inputs: only --state-sharding auto uses them.
 _AUTO_ONLY = ("memory_budget", "bandwidth")
@@ -329,17 +330,15 @@ def check_config(cfg: TrainConfig) -> None:
     elif cfg.model.startswith("hf:") and hf_moe_type(cfg.model):
         _check_moe_sizes(cfg)
     if cfg.model != "moe" and cfg.ep > 1:  # a Hugging Face mixture of experts (hf_config checks)
-        _check_hf_expert_parallel(cfg)
         _check_ep_mesh(cfg)
     _check_mesh(cfg)
+    check_combinations(features(cfg))
     _check_state_sharding(cfg)
     if is_hf(cfg.model):
         hf_config(cfg, VOCAB)
     elif cfg.model not in ("gpt", "llama", "moe"):
         raise ValueError(f"--model must be gpt, llama, moe, hf:TYPE or a Hugging Face "
                          f"config.json, got {cfg.model!r}")
-    if cfg.fp8 and cfg.runtime != "ours":
-        raise ValueError("--fp8 needs --runtime ours (torch FSDP2 has no block-wise FP8 gather)")
     if cfg.data != "stdlib" and not os.path.isfile(cfg.data):
         raise ValueError(f"--data must be 'stdlib' or a token file, got {cfg.data!r} (no such file)")
 
@@ -378,24 +377,16 @@ def _check_moe_sizes(cfg: TrainConfig) -> None:
                          f"--moe-layers <= {cfg.layers} (the first --layers minus it are dense)")
 
 
-def _check_hf_expert_parallel(cfg: TrainConfig) -> None:
-    """What ``--ep`` does not compose with on a Hugging Face mixture of experts yet."""
-    if cfg.state_sharding != "zero3":
-        raise ValueError(f"--state-sharding {cfg.state_sharding} with --ep {cfg.ep} and --model "
-                         f"{cfg.model!r} is not supported yet (only zero3 is tested there): "
-                         f"drop --state-sharding, or use --ep 1")
-
-
 def _check_ep_mesh(cfg: TrainConfig) -> None:
     """The mesh of expert parallelism is (ranks / ep, ep): what does not fit it."""
     if cfg.mesh is not None:
         raise ValueError(f"--mesh {'x'.join(map(str, cfg.mesh))} with --model {cfg.model}: the mesh "
                          f"is (ranks / ep, ep), set by --ep; drop --mesh")
     if cfg.state_sharding == "hsdp":
-        raise ValueError("--state-sharding hsdp with --model moe: the mesh is (ranks / ep, ep) and "
-                         "the experts are sharded by expert over ep; replicate with --state-"
-                         "sharding zero1 or zero2, or shard the parameters inside ep groups "
-                         "with amsp")
+        raise ValueError(f"--state-sharding hsdp with --model {cfg.model}: the mesh is (ranks / "
+                         f"ep, ep) and the experts are sharded by expert over ep; replicate with "
+                         f"--state-sharding zero1 or zero2, or shard the parameters inside ep "
+                         f"groups with amsp")
 
 
 def _check_mesh(cfg: TrainConfig) -> None:
@@ -445,14 +436,24 @@ def bandwidths(cfg: TrainConfig) -> dict[str, float] | str:
     return out
 
 
+def features(cfg: TrainConfig) -> dict[Feature, Given]:
+    """The features of :data:`ragged_placement.combinations.REFUSED` the options turn on, in
+    their flags' words (checked by :func:`check_config`, before any process group)."""
+    hf_experts = is_hf(cfg.model) and hf_moe_type(cfg.model) is not None
+    flags = (
+        (Feature.TORCH_FSDP2, cfg.runtime == "fsdp2", "--runtime fsdp2", "pass --runtime ours"),
+        (Feature.STATE_SHARDING, cfg.state_sharding in PER_STATE,
+         f"--state-sharding {cfg.state_sharding}", "pass --state-sharding zero3"),
+        (Feature.QUANT, cfg.fp8, "--fp8", "drop --fp8"),
+        (Feature.EXPERT_PARALLEL, cfg.ep > 1, f"--ep {cfg.ep}", "pass --ep 1"),
+        (Feature.MATRIX_OPTIMIZER, cfg.optimizer in ("muon", "shampoo"),
+         f"--optimizer {cfg.optimizer}", "pass --optimizer adamw"),
+        (Feature.HF_EXPERTS, hf_experts, f"--model {cfg.model!r}", "pass --model moe"),
+    )
+    return {f: Given(spelling, fix) for f, on, spelling, fix in flags if on}
+
+
 def _check_state_sharding(cfg: TrainConfig) -> None:
-    if cfg.state_sharding not in PER_STATE:
-        return
-    if cfg.runtime != "ours":
-        raise ValueError(
-            f"--state-sharding {cfg.state_sharding} needs --runtime ours: torch FSDP2 shards "
-            "parameters, gradients and optimizer state over the same dims (zero3 or hsdp)"
-        )
     if cfg.state_sharding == "amsp" and cfg.model != "moe" and len(cfg.mesh or ()) != 2:
         raise ValueError(
             "--state-sharding amsp needs a 2-D --mesh (inter, intra: parameters sharded over "

@@ -11,9 +11,10 @@ The mixtures of experts ``hf:mixtral``, ``hf:qwen3_moe`` and ``hf:deepseek_v3`` 
 take ``--experts`` routed experts of hidden size ``--width`` per MoE layer and ``--top-k`` per
 token; the last ``--moe-layers`` layers are MoE (every layer for Mixtral, which has no dense
 one); DeepSeek-V3 has one shared expert, one expert group, and its MLA ranks from the head
-size. ``--ep N`` shards their experts by expert (:mod:`ragged_placement.models.hf_moe`). The
-trainer's loss is the cross entropy of the logits: a config whose router adds an auxiliary
-loss (``output_router_logits``) or noise (``router_jitter_noise``) is refused.
+size. ``--ep N`` shards their experts by expert
+(:func:`ragged_placement.parallelize.parallelize_hf_moe`). The trainer's loss is the cross
+entropy of the logits: a config whose router adds an auxiliary loss (``output_router_logits``)
+or noise (``router_jitter_noise``) is refused.
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def _check_router(cfg: TrainConfig, config: Any) -> None:
 
 def _check_moe_config(cfg: TrainConfig, config: Any) -> None:
     """A MoE config of :data:`MOE_TYPES` the trainer trains as one process would: top-k within
-    the experts, whole experts per ep rank, no FP8."""
+    the experts, whole experts per ep rank (``--fp8`` with it:
+    :data:`ragged_placement.combinations.REFUSED`)."""
     experts, top_k = config.num_local_experts, config.num_experts_per_tok
     if top_k > experts:
         raise ValueError(f"--model {cfg.model!r}: num_experts_per_tok {top_k} exceeds the "
@@ -179,9 +181,6 @@ def _check_moe_config(cfg: TrainConfig, config: Any) -> None:
         raise ValueError(f"--ep {cfg.ep} does not divide the {experts} experts of --model "
                          f"{cfg.model!r}: each ep rank owns whole experts, an equal number each; "
                          f"pick --ep among the divisors of {experts}")
-    if cfg.fp8:
-        raise ValueError(f"--fp8 with --model {cfg.model!r} is not supported: the transformers "
-                         f"experts have no FP8 compute here; drop --fp8")
 
 
 def hf_model(cfg: TrainConfig, vocab: int) -> nn.Module:

@@ -36,6 +36,7 @@ SMALL: dict[str, list[str]] = {
                          "--seq", "8", "--batch", "2", "--warmup", "0", "--steps", "1",
                          "--runs", "1"],
     "gloo_reduce_scatter.py": ["--mib", "1", "--reps", "1"],
+    "host_overhead.py": ["--depths", "2", "--runs", "1", "--steps", "1", "--warmup", "0"],
     "meta_init.py": ["--world", "2", "--layers", "1", "--width", "32"],
     "moe.py": ["--width", "32", "--layers", "2", "--heads", "2", "--seq", "8", "--batch", "1",
                "--warmup", "0", "--steps", "1", "--runs", "1"],

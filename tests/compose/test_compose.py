@@ -28,7 +28,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import Shard
 
 from ragged_placement.fsdp import fully_shard
-from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama, pipeline_stage
+from ragged_placement.models.llama import Llama, LlamaConfig, pipeline_stage
+from ragged_placement.parallelize import parallelize_llama
 from ragged_placement.placement import RaggedShard
 
 pytestmark = pytest.mark.multiprocess

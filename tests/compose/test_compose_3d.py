@@ -13,7 +13,7 @@ from torch.distributed.pipelining import ScheduleGPipe
 from torch.distributed.tensor import Replicate, Shard
 
 from ragged_placement.fsdp import StateSharding, fully_shard
-from ragged_placement.models.llama import parallelize_llama
+from ragged_placement.parallelize import parallelize_llama
 from ragged_placement.placement import RaggedShard
 
 pytestmark = pytest.mark.multiprocess

@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 from ragged_placement.fsdp import fully_shard
-from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
+from ragged_placement.models.llama import Llama, LlamaConfig
+from ragged_placement.parallelize import parallelize_llama
 
 CFG = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=24)
 

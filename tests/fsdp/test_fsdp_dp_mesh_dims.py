@@ -123,7 +123,8 @@ def _bad_calls(rank: int, ws: int) -> bool:
                 DataParallelMeshDims(shard="shard", replicate="rep"), sharded))
     hsdp = DataParallelMeshDims(shard="shard", replicate="rep")
     for exc, match, dims, m, kw in [*[(*b, {}) for b in bad],
-                                    (TypeError, r"reshard_after_forward=2 with dp_mesh_dims",
+                                    (NotImplementedError,
+                                     r"reshard_after_forward=2 with dp_mesh_dims",
                                      hsdp, replicated, {"reshard_after_forward": 2})]:
         before = list(m.parameters())
         with pytest.raises(exc, match=match):

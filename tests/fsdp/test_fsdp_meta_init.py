@@ -19,7 +19,8 @@ from torch.distributed.tensor.experimental import implicit_replication
 from ragged_placement.fsdp import fully_shard
 from ragged_placement.testing.profiling import AllocationMeter
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
-from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
+from ragged_placement.models.llama import Llama, LlamaConfig
+from ragged_placement.parallelize import parallelize_llama
 
 WORLD = 2
 BATCH = 4

@@ -576,9 +576,11 @@ BAD_MESSAGES = {
     "tp dim named": ("ValueError", r"tensor-parallel dim\(s\) \['intra'\]"),
     "not a StateSharding": ("TypeError", r"state_sharding must be .*StateSharding, got dict"),
     "shards nothing": ("ValueError", r"state_sharding=P\(\) G\(\) OS\(\) shards no state"),
-    "offload": ("ValueError", r"offload_policy=CPUOffloadPolicy\(\) with state_sharding"),
+    "offload": ("ValueError", r"offload_policy=CPUOffloadPolicy\(pin_memory=False\) with "
+                r"state_sharding=.*; pass offload_policy=OffloadPolicy\(\), or drop "
+                r"state_sharding"),
     "int reshard_after_forward": ("ValueError", r"reshard_after_forward=2 with state_sharding"),
-    "dp_mesh_dims": ("ValueError", r"^dp_mesh_dims with state_sharding"),
+    "dp_mesh_dims": ("ValueError", r"^dp_mesh_dims=DataParallelMeshDims\(.*\) with state_sharding"),
     "set_requires_all_reduce": ("ValueError", r"set_requires_all_reduce\(False\) on FSDPMLP"),
     "set_custom_all_gather": ("ValueError", r"custom all-gather .* on FSDPMLP"),
     "set_custom_reduce_scatter": ("ValueError", r"custom all-gather .* on FSDPMLP"),

@@ -339,7 +339,8 @@ def _tp_and_hsdp_pairs(rank: int, ws: int) -> list[tuple[list[float], list[float
     losses of 2 steps, the full parameters' sums, and block 0's backward gathers over the pair."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ragged_placement.models.llama import Llama, LlamaConfig, parallelize_llama
+    from ragged_placement.models.llama import Llama, LlamaConfig
+    from ragged_placement.parallelize import parallelize_llama
 
     torch.set_num_threads(1)
     cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64)

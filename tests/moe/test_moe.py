@@ -39,10 +39,10 @@ from ragged_placement.models.moe import (
     MoETransformer,
     RouterGate,
     TopKRouter,
-    parallelize_moe,
     run_experts,
     update_expert_bias,
 )
+from ragged_placement.parallelize import parallelize_moe
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -453,9 +453,14 @@ def test_bad_expert_parallel_arguments_raise_before_any_collective():
         assert "expert_state_sharding=" in errors["expert_state_sharding"]
         assert "names the ep dim 'ep'" in errors["expert_state_sharding"]
         assert "names ['inter'], not a dim of the mesh" in errors["unknown dim"]
-        assert "with state_sharding: only ragged_placement.fsdp.fully_shard" in errors["shard_fn"]
-        assert "with quant: only ragged_placement.fsdp.fully_shard" in errors["quant with FSDP2"]
-        assert "reshard_after_forward=2 with state_sharding=" in errors["reshard_after_forward"]
+        assert ("state_sharding=P() G() OS(dp_mod_ep,ep) with shard_fn=torch.distributed.fsdp."
+                in errors["shard_fn"]), errors["shard_fn"]
+        assert "only ragged_placement.fsdp.fully_shard takes a per-state" in errors["shard_fn"]
+        assert "quant=BlockFP8Config(" in errors["quant with FSDP2"]
+        assert ("torch FSDP2 has no block-wise FP8 all-gather; only ragged_placement.fsdp."
+                "fully_shard takes quant" in errors["quant with FSDP2"])
+        assert ("reshard_after_forward=2 with expert_state_sharding=" in
+                errors["reshard_after_forward"])
         assert "quant must be a BlockFP8Config or None, got 'fp8'" in errors["quant"]
         assert "quant=BlockFP8Config(block=(128, 128)" in errors["quant of the experts"]
         assert "already computes in FP8 with BlockFP8Config(block=(64, 64)" in errors[

@@ -27,7 +27,7 @@ from test_moe import AMSP, BATCH, WORLD, batches, full_state, loss_of, make_mode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
-from ragged_placement.models.moe import parallelize_moe
+from ragged_placement.parallelize import parallelize_moe
 from ragged_placement.optim import Muon, Shampoo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py

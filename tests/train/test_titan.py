@@ -5,7 +5,8 @@ The in-suite case is FSDP on 2 ranks; ``make titan`` runs the whole matrix (HSDP
 activation checkpointing, resume, full DTensor, the DeepSeek-V3 MoE model with expert
 parallelism) with ``tests/train/titan/compare.py``. Both runtimes start from one
 seed checkpoint made by torchtitan itself, in fp32, on CPU/gloo with the stand-ins of
-``tests/train/titan/stand_ins.py``.
+``tests/train/titan/stand_ins.py`` (none for a torch API: on a torch without the 2.14 APIs
+torchtitan 0.3.0 calls, the module skips with ``_compat.torchtitan_unsupported``'s reason).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import sys
 import pytest
 
 pytest.importorskip("torchtitan", reason="make test installs the titan extra")
+from ragged_placement._compat import torchtitan_unsupported  # noqa: E402
+
+if (_reason := torchtitan_unsupported()) is not None:
+    pytest.skip(_reason, allow_module_level=True)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "titan"))
 
 import compare  # noqa: E402
@@ -63,6 +68,11 @@ stand_ins.dump_gradients("unused", set())
 stand_ins.record_exact_grad_norm("unused")
 after = snapshot()
 print("CHANGED", sorted(k for k in before if before[k] != after.get(k)), len(before))
+
+import torchtitan.distributed.utils as titan_dist
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+print("TORCH_CALLS", titan_dist.set_pg_timeouts.__module__, _PipelineSchedule.step.__module__)
 """
 
 
@@ -70,13 +80,18 @@ def test_stand_ins_change_nothing_in_ours():
     """The Done-when check "nothing else patched in ours": installing every CPU stand-in of the
     harness (both runtimes' jobs, with the optional ones of ``compare.py``'s ``*_rank_order``
     cases and ``--dump-grads``) leaves every attribute of every loaded ``ragged_placement``
-    module and class as it was; ``launch.py``'s one switch is torchtitan's ``fully_shard``."""
+    module and class as it was; ``launch.py``'s one switch is torchtitan's ``fully_shard``. Nor
+    does it replace the torch 2.14 calls torchtitan makes."""
     import subprocess
 
     out = subprocess.run(
         [sys.executable, "-c", _SNAPSHOT_OURS_AROUND_STAND_INS, compare.HERE],
         capture_output=True, text=True, timeout=600, check=True,
     ).stdout
-    changed, count = out.split("CHANGED ")[1].rsplit(" ", 1)
+    changed, count = out.split("CHANGED ")[1].split("\n")[0].rsplit(" ", 1)
     assert changed == "[]", changed
     assert int(count) > 50  # the snapshot saw ragged_placement's modules and classes
+    # No stand-in for the torch 2.14 APIs torchtitan calls: its set_pg_timeouts (which calls
+    # torch.distributed.set_timeout) and torch's PipelineSchedule.step are their own.
+    assert out.split("TORCH_CALLS ")[1].split() == [
+        "torchtitan.distributed.utils", "torch.distributed.pipelining.schedules"]

@@ -30,11 +30,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from dist_utils import run_gloo
+from fault_injection import FAULT_ENV
+from fault_injection import SCRIPT as FAULT_SCRIPT
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
 from ragged_placement import train
-from ragged_placement.train import FAULT_ENV, main
+from ragged_placement.train import main
 from ragged_placement.trainer.checkpoint import MANIFEST, CheckpointCorruptError, Checkpointer
 from ragged_placement.trainer.config import check_world, parse_config
 from ragged_placement.trainer.distributed import DistributedEnv
@@ -92,11 +94,16 @@ def run_command(cmd: list[str], *, env: dict[str, str] | None = None,
 
 
 def torchrun(args: list[str], *, restarts: int = 0, env: dict[str, str] | None = None,
-             nproc: int = 2) -> tuple[int, str, float]:
+             nproc: int = 2, fault: str | None = None) -> tuple[int, str, float]:
+    """``python -m ragged_placement.train args`` under torchrun; with ``fault``
+    (``kill:<rank>:<step>`` or ``hang:``), the trainer with that fault injected
+    (``fault_injection.py``)."""
     t0 = time.monotonic()
+    entry = ["-m", "ragged_placement.train"] if fault is None else [FAULT_SCRIPT]
+    env = env if fault is None else {**(env or {}), FAULT_ENV: fault}
     rc, out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", str(nproc), "--max-restarts", str(restarts), "-m",
-                           "ragged_placement.train", *args], env=env)
+                           "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
+                           *entry, *args], env=env)
     return rc, out, time.monotonic() - t0
 
 
@@ -120,7 +127,7 @@ def runs(request, tmp_path_factory) -> dict:
     fault = "kill" if runtime == "ours" else "hang"
     failed = [*common, "--checkpoint-dir", str(tmp / "failed"), "--output", str(tmp / "failed.pt"),
               "--collective-timeout", "5"]
-    rc2, out2, elapsed = torchrun(failed, restarts=1, env={FAULT_ENV: f"{fault}:1:{FAULT_STEP}"})
+    rc2, out2, elapsed = torchrun(failed, restarts=1, fault=f"{fault}:1:{FAULT_STEP}")
     assert rc2 == 0, out2[-4000:]
     return {"runtime": runtime, "dir": tmp, "out": out, "failed_out": out2, "elapsed": elapsed}
 
@@ -324,8 +331,11 @@ def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsy
         (["--lr", "fast"], "--lr must be float"),
         (["--runtime", "deepspeed"], "--runtime must be one of ours, fsdp2, got 'deepspeed'"),
         (["--state-sharding", "zero2", "--runtime", "fsdp2"],
-         "--state-sharding zero2 needs --runtime ours"),
-        (["--state-sharding", "auto", "--runtime", "fsdp2"], "--state-sharding auto needs --runtime ours"),
+         "--state-sharding zero2 with --runtime fsdp2 is not supported: torch FSDP2 shards "
+         "parameters, gradients and optimizer state over the same mesh dims.*; pass "
+         "--state-sharding zero3, or pass --runtime ours"),
+        (["--state-sharding", "auto", "--runtime", "fsdp2"],
+         "--state-sharding auto with --runtime fsdp2 is not supported"),
         (["--state-sharding", "amsp"], "--state-sharding amsp needs a 2-D --mesh"),
         (["--bandwidth", "dp=1e9"], "--bandwidth is the partitioner's input: it needs --state-sharding auto"),
         (["--memory-budget", "1e9", "--state-sharding", "amsp", "--mesh", "2x2"],
@@ -340,7 +350,9 @@ def test_checkpoint_of_other_options_is_never_written_over(runs, tmp_path, capsy
         (["--mesh", "2x2", "--mesh-dim-names", "a"], "--mesh-dim-names must give 2 distinct"),
         (["--mesh-dim-names", "a"], "--mesh-dim-names needs --mesh"),
         (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
-        (["--fp8", "--runtime", "fsdp2"], "--fp8 needs --runtime ours"),
+        (["--fp8", "--runtime", "fsdp2"],
+         "--fp8 with --runtime fsdp2 is not supported: torch FSDP2 has no block-wise FP8 "
+         "all-gather.*; drop --fp8, or pass --runtime ours"),
         (["--model", "gpt3"], "--model must be gpt, llama, moe, hf:TYPE or a Hugging Face config"),
         (["--optimizer", "sgd"], "--optimizer must be one of adamw, muon, shampoo"),
         (["--data", "/nonexistent.bin"], "--data must be 'stdlib' or a token file"),

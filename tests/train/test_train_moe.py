@@ -217,7 +217,11 @@ def test_muon_takes_the_expert_stacks_as_matrices():
          "--bandwidth must be 'profile' or one positive bytes/s per mesh dim "
          "\\(dp_mod_ep=...,ep=...\\)"),
         (["--model", "moe", "--state-sharding", "amsp", "--runtime", "fsdp2"],
-         "--state-sharding amsp needs --runtime ours"),
+         "--state-sharding amsp with --runtime fsdp2 is not supported"),
+        (["--model", "moe", "--ep", "2", "--runtime", "fsdp2", "--optimizer", "muon"],
+         "--optimizer muon with --runtime fsdp2 and --ep 2 is not supported: torch FSDP2 lays "
+         "out an expert-parallel stack as _StridedShard .*; pass --optimizer adamw, or pass "
+         "--runtime ours, or pass --ep 1"),
     ],
 )
 def test_bad_moe_flags_raise_naming_the_flag(argv, message):

@@ -265,6 +265,10 @@ def main() -> None:
                         help="e.g. 1,11: each job saves its full gradients after these steps "
                              "(<workdir>/<case>/<runtime>/grads/stepN.pt; grad_diff.py compares)")
     args = parser.parse_args()
+    from ragged_placement._compat import torchtitan_unsupported
+
+    if (reason := torchtitan_unsupported()) is not None:
+        sys.exit(reason)
     names = args.cases.split(",")
     unknown = [n for n in names if n not in CASES]
     if unknown:

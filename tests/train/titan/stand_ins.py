@@ -1,7 +1,9 @@
 """The CPU stand-ins torchtitan 0.3.0 needs to train on CPU/gloo, identical for both runtimes.
 
 torchtitan targets accelerators; each stand-in below replaces one piece that cannot run on a
-CPU-only machine with torch 2.13, and says why. None of them touches the FSDP runtime: the
+CPU-only machine, and says why. None stands in for a torch API: torchtitan 0.3.0 is written for
+torch 2.14, and the harness skips on a torch without the 2.14 APIs it calls
+(:func:`ragged_placement._compat.torchtitan_unsupported`). None of them touches the FSDP runtime: the
 comparison in ``tests/train/titan/compare.py`` runs torchtitan's FSDP2 and ours with the same set.
 The optional ones after :func:`install` serve the measurements of docs/torchtitan.md ("MoE with
 expert parallelism"): a reduce-scatter adding in rank order, gradient dumps, an fp64 norm.
@@ -17,11 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-# torch's gloo groups run two worker threads that race and corrupt the heap (an abort at exit,
-# seen in the HSDP run with FSDP2): importing ragged_placement gives every gloo group one
-# worker (ragged_placement._gloo), in both runtimes' jobs.
-import ragged_placement  # noqa: F401
-
 
 def _sdpa_with_block_mask(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux,
                           kernel_options):
@@ -33,6 +30,19 @@ def _sdpa_with_block_mask(q, k, v, *, score_mod, block_mask, scale, enable_gqa, 
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=enable_gqa)
     return out, None
+
+
+class _CpuWithDeviceIndex:
+    """``torch.cpu`` whose ``current_device()`` is the index 0 rather than the string ``"cpu"``:
+    torchtitan's ``set_pg_timeouts`` runs ``barrier(device_ids=[current_device()])``, and c10d's
+    ``BarrierOptions.device_ids`` takes integers only."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
 
 
 class _NoDeviceMemory:
@@ -60,10 +70,10 @@ def install(metrics_path: str | None) -> None:
     # Its device choice is `_get_available_device_type() or "cuda"`: CUDA on a CPU-only machine.
     for module in (utils, dist_utils, parallel_dims, metrics):
         module.device_type, module.device_module = "cpu", torch.cpu
+    # set_pg_timeouts' barrier takes a device index, which torch.cpu.current_device() is not.
+    dist_utils.device_module = _CpuWithDeviceIndex()
     # DeviceMemoryMonitor reads accelerator memory statistics that torch.cpu does not have.
     metrics.build_device_memory_monitor = _NoDeviceMemory
-    # set_pg_timeouts calls torch.distributed.set_timeout, which torch 2.13 does not have.
-    dist_utils.set_pg_timeouts = lambda timeout, parallel_dims: None
     # The mask is built by torch.compile(create_block_mask): on CPU a C++ build in every
     # process; the eager function builds the same BlockMask.
     decoder.create_attention_mask = create_block_mask
