@@ -42,7 +42,7 @@ import inspect
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -485,7 +485,7 @@ class FSDP2Hooks:
     register_forward_method: Callable[[object, str], None]
     sharded_by: Callable[[object], str | None]
     state_view: Callable[[object], object | None]
-    forward_tensors: Callable[[Iterable], Iterator]
+    forward_tensors: Callable[[Iterable], list]
 
 
 _fsdp2_hooks: FSDP2Hooks | None = None
@@ -595,22 +595,45 @@ def _build_forward_tensors(position: int):
     and ``stage_backward_weight`` (its 1st) map each of ``stage.submod.parameters()`` to its
     autograd accumulator and look those up in the graph the forward recorded: they get, for each
     of our sharded parameters, the unsharded one the forward computed with
-    (:mod:`ragged_placement.fsdp.fsdp2_state`). Upstream: FSDP2's module would tell pipelining
-    which tensors its forward used."""
+    (:mod:`ragged_placement.fsdp.fsdp2_state`). A weight pass over our units through a region of
+    selective activation checkpointing, which torch's checkpoint lets backward run through once
+    (the input pass did), raises ``NotImplementedError`` naming the combination and the fix
+    (FSDP2 fails there with torch's error alone). Upstream: FSDP2's module would tell
+    pipelining which tensors its forward used."""
 
     def build(original):
         @functools.wraps(original)
         def with_forward_tensors(*args, **kwargs):
+            args = list(args)
             if len(args) > position:
-                args = (*args[:position], _fsdp2_hooks.forward_tensors(args[position]),
-                        *args[position + 1:])
-            elif "weights" in kwargs:
-                kwargs["weights"] = _fsdp2_hooks.forward_tensors(kwargs["weights"])
-            return original(*args, **kwargs)
+                weights = args[position] = list(args[position])
+            else:
+                weights = kwargs["weights"] = list(kwargs["weights"])
+            tensors = _fsdp2_hooks.forward_tensors(weights)
+            ours = any(t is not w for t, w in zip(tensors, weights))
+            weights[:] = tensors
+            try:
+                return original(*args, **kwargs)
+            except RuntimeError as exc:
+                if ours and position == 0 and "backward an extra time" in str(exc):
+                    raise NotImplementedError(_SPLIT_BACKWARD_AND_SAC) from exc
+                raise
 
         return with_forward_tensors
 
     return build
+
+
+_SPLIT_BACKWARD_AND_SAC = (
+    "a zero-bubble pipeline schedule (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, "
+    "ScheduleDualPipeV: a weight-gradient pass of its own after the input pass) over a stage "
+    "with selective activation checkpointing: torch.utils.checkpoint lets backward run once "
+    "through a selectively checkpointed region, and the weight pass is the second time (torch "
+    "FSDP2 fails here too, with 'Trying to backward an extra time'). Use full activation "
+    "checkpointing (torchtitan's FullAC) or none with these schedules, or a schedule without "
+    "a separate weight pass (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleGPipe, "
+    "ScheduleLoopedBFS) with selective checkpointing"
+)
 
 
 _STAGE = "torch.distributed.pipelining.stage"

@@ -35,7 +35,7 @@ tensor parallel's module hooks and DTensor ops run unchanged.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -374,15 +374,17 @@ def record_forward_tensors(buffer) -> None:
         _FORWARD_TENSOR[k] = (ref, i)
 
 
-def forward_tensors(weights: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """``weights`` (lazily) with each sharded parameter of a ``fully_shard`` unit replaced by the
+def forward_tensors(weights: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``weights`` with each sharded parameter of a ``fully_shard`` unit replaced by the
     unsharded parameter its forward computed with, every other tensor as it is: what
     ``torch.distributed.pipelining``'s ``stage_backward_input`` and ``stage_backward_weight``
     get for ``stage.submod.parameters()`` (see :mod:`ragged_placement.fsdp.fsdp2_state`)."""
+    out = []
     for w in weights:
         entry = _FORWARD_TENSOR.get(id(w))
         buffer = entry[0]() if entry is not None else None
         if buffer is not None and buffer.sharded_params[entry[1]] is w:
-            yield buffer.unsharded_params[entry[1]]
+            out.append(buffer.unsharded_params[entry[1]])
         else:
-            yield w
+            out.append(w)
+    return out
