@@ -13,6 +13,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
     "functional_all_gather", "outside_selective_checkpoint", "DataParallelMeshDims",
     "new_group_in_order", "ShardPlacementResult", "torchtitan_unsupported",
+    "install_threaded_pg", "uninstall_threaded_pg",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -64,18 +66,40 @@ def new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:
         return _new_group_in_order(list(ranks))
 
 
+# Whether ``new_group`` keeps the given rank order on request (torch 2.13+). Read from c10d's own
+# function: ``dist.new_group`` may be wrapped (a test's recorder) and hide its parameters.
+_NEW_GROUP_SORT_RANKS = "sort_ranks" in inspect.signature(dist.distributed_c10d.new_group).parameters
+# Before 2.13: ``new_group``'s ``sorted`` is shadowed while any thread is inside one of our calls
+# (threaded ranks create their groups at once); the last one out removes the shadow.
+_unsorted_lock = threading.Lock()
+_unsorted_calls = 0
+
+
+@contextlib.contextmanager
+def _new_group_keeps_order() -> Iterator[None]:
+    global _unsorted_calls
+    c10d = dist.distributed_c10d
+    with _unsorted_lock:
+        if _unsorted_calls == 0:
+            c10d.sorted = list  # type: ignore[attr-defined]
+        _unsorted_calls += 1
+    try:
+        yield
+    finally:
+        with _unsorted_lock:
+            _unsorted_calls -= 1
+            if _unsorted_calls == 0:
+                del c10d.sorted
+
+
 def _new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:
     if ranks == sorted(ranks):
         return dist.new_group(ranks, use_local_synchronization=True)
-    if "sort_ranks" in inspect.signature(dist.new_group).parameters:
+    if _NEW_GROUP_SORT_RANKS:
         group = dist.new_group(ranks, use_local_synchronization=True, sort_ranks=False)
     else:
-        c10d = dist.distributed_c10d
-        c10d.sorted = list  # type: ignore[attr-defined]
-        try:
+        with _new_group_keeps_order():
             group = dist.new_group(ranks, use_local_synchronization=True)
-        finally:
-            del c10d.sorted
     if dist.get_process_group_ranks(group) != ranks:
         raise RuntimeError(
             f"torch {torch.__version__} created a process group over {ranks} in the order "
@@ -221,3 +245,49 @@ def torchtitan_unsupported() -> str | None:
         return None
     return (f"torchtitan 0.3.0 is written for torch 2.14: torch {torch.__version__} lacks "
             + " and ".join(missing))
+
+
+# -- torch's threaded process-group world (tests' run_threaded) ------------------------------------
+def install_threaded_pg():
+    """Install the per-thread c10d world of torch's ``threaded`` test backend
+    (``torch.testing._internal.distributed.multi_threaded_pg._install_threaded_pg``) and return it.
+
+    torch 2.11's world has no ``comms`` list, which its own ``destroy_process_group`` reads
+    (``_world.comms``, the torchcomms objects; 2.12 adds it to the threaded world): there each
+    rank's ``destroy_process_group`` raised ``AttributeError`` and its peers waited forever. On
+    such a torch the installed world is replaced by one of the same class with a per-thread
+    ``comms`` list, as 2.12's."""
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    world = multi_threaded_pg._install_threaded_pg()
+    if not hasattr(type(world), "comms"):
+        world = _threaded_world_with_comms(type(world))()
+        dist.distributed_c10d._world = world
+    return world
+
+
+def uninstall_threaded_pg() -> None:
+    """Put back the c10d world :func:`install_threaded_pg` replaced, with autograd's
+    multithreading on again: the install turned it off, and torch 2.11's uninstall leaves it off
+    for the rest of the process (2.12 restores it)."""
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    multi_threaded_pg._uninstall_threaded_pg()
+    if (ctx := getattr(multi_threaded_pg, "_ctx_manager", None)) is not None:
+        ctx.__exit__(None, None, None)
+        multi_threaded_pg._ctx_manager = None
+
+
+@functools.cache
+def _threaded_world_with_comms(world_type: type) -> type:
+    """``world_type`` (torch's ``ThreadLocalWorld``) with a per-thread ``comms`` list."""
+    import threading
+
+    comms = threading.local()
+
+    def get(self) -> list:
+        if not hasattr(comms, "list"):
+            comms.list = []
+        return comms.list
+
+    return type(world_type.__name__, (world_type,), {"comms": property(get)})

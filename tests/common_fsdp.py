@@ -15,7 +15,8 @@ data. The pieces of that check live here, once:
 * :func:`full` and :func:`full_params`: a parameter (or all of a module's) as the full tensor one
   process would hold, to compare after training.
 * :func:`fully_shard_of`: ``"ours"`` or torch FSDP2's ``fully_shard``, so one test body runs
-  both runtimes.
+  both runtimes; :func:`shard_blocks`: torchtitan's recipe with either, each block then the root.
+* :func:`mse_loss`: the regression loss of the small MLP tests, as :func:`train_steps` takes it.
 * :func:`trainer_reference`: the trainer's (``ragged_placement.train``) step in one process on
   the whole global batch: its loss, AdamW, clipping and schedule.
 
@@ -35,8 +36,8 @@ from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp import fully_shard
 
-__all__ = ["full", "full_params", "fully_shard_of", "global_loss", "rows", "train_steps",
-           "trainer_reference"]
+__all__ = ["full", "full_params", "fully_shard_of", "global_loss", "mse_loss", "rows",
+           "shard_blocks", "train_steps", "trainer_reference"]
 
 
 def fully_shard_of(runtime: str) -> Callable[..., nn.Module]:
@@ -47,6 +48,29 @@ def fully_shard_of(runtime: str) -> Callable[..., nn.Module]:
     if runtime in ("fsdp2", "torch"):
         return fsdp2_fully_shard
     raise ValueError(f"runtime={runtime!r}: expected 'ours' or 'fsdp2'")
+
+
+def shard_blocks(
+    model: nn.Module,
+    runtime: str | Callable[..., nn.Module],
+    blocks: Iterable[nn.Module] | None = None,
+    *,
+    block_kwargs: dict | None = None,
+    **kwargs,
+) -> nn.Module:
+    """torchtitan's recipe: ``fully_shard`` (of ``runtime``, :func:`fully_shard_of`, or the
+    function itself) on each of ``blocks`` (default ``model.layers``), then on ``model``, each
+    with ``kwargs`` (the blocks also with ``block_kwargs``). Returns ``model``."""
+    shard = fully_shard_of(runtime) if isinstance(runtime, str) else runtime
+    for block in model.layers if blocks is None else blocks:
+        shard(block, **kwargs, **(block_kwargs or {}))
+    shard(model, **kwargs)
+    return model
+
+
+def mse_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``F.mse_loss(model(x), y)``: :func:`train_steps`'s ``loss_fn`` for a regression model."""
+    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def rows(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import ctypes
 import os
 import queue
@@ -30,7 +31,6 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -65,28 +65,53 @@ class CollectiveCalls:
     all_to_all_bytes: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
+# recording_collectives' state, shared by every thread: the records open now, and the c10d
+# functions it replaced (one recording wrapper per name, whoever opened a record first). Rank
+# threads open records at once; each patching on its own would stack wrappers and restore the
+# wrong function on exit, leaving a wrapper installed for the rest of the process.
+_recording_lock = threading.Lock()
+_records: list[tuple[CollectiveCalls, frozenset[str]]] = []
+_replaced: dict[str, Callable[..., Any]] = {}
+
+
+def _recording(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        rank = dist.get_rank()
+        with _recording_lock:
+            for record, names in _records:
+                if name in names:
+                    record.calls.setdefault(name, []).append(rank)
+                    if name == "all_to_all_single":
+                        record.all_to_all_bytes[rank] += args[1].numel() * args[1].element_size()
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 @contextlib.contextmanager
 def recording_collectives(names: tuple[str, ...] = COLLECTIVES) -> Iterator[CollectiveCalls]:
-    """Patch ``torch.distributed.<name>`` for every ``name`` to record its calls (see
-    :class:`CollectiveCalls`) while the block runs."""
+    """Record, while the block runs, every call of ``torch.distributed.<name>`` for each of
+    ``names`` by any thread (see :class:`CollectiveCalls`). Safe to open from every rank thread
+    at once: each record sees every rank's calls, and the last record to close restores torch's
+    functions."""
     record = CollectiveCalls()
-    lock = threading.Lock()
-
-    def recording(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with lock:
-                rank = dist.get_rank()
-                record.calls.setdefault(name, []).append(rank)
-                if name == "all_to_all_single":
-                    record.all_to_all_bytes[rank] += args[1].numel() * args[1].element_size()
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    with contextlib.ExitStack() as stack:
+    entry = (record, frozenset(names))
+    with _recording_lock:
         for n in names:
-            stack.enter_context(mock.patch.object(dist, n, recording(n, getattr(dist, n))))
+            if n not in _replaced:
+                _replaced[n] = getattr(dist, n)
+                setattr(dist, n, _recording(n, _replaced[n]))
+        _records.append(entry)
+    try:
         yield record
+    finally:
+        with _recording_lock:
+            _records.remove(entry)
+            if not _records:
+                for n, fn in _replaced.items():
+                    setattr(dist, n, fn)
+                _replaced.clear()
 
 
 # One threaded world at a time: torch's threaded process group keeps its in-flight collectives in
@@ -233,11 +258,9 @@ def run_threaded(
     timeout, Ctrl-C), the world is torn down before it returns: its rank threads have exited
     and the threaded process group is uninstalled, so the next world starts clean.
     """
-    from torch.testing._internal.distributed.multi_threaded_pg import (
-        ProcessLocalGroup,
-        _install_threaded_pg,
-        _uninstall_threaded_pg,
-    )
+    from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
+
+    from ragged_placement._compat import install_threaded_pg, uninstall_threaded_pg
 
     with _THREADED_LOCK:
         _reap_stragglers(TEARDOWN_GRACE)
@@ -245,7 +268,7 @@ def run_threaded(
         results: list[Any] = [None] * world_size
         errors: queue.Queue = queue.Queue()
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
-        world = _install_threaded_pg()
+        world = install_threaded_pg()
         store = dist.HashStore()
 
         def rank_main(rank: int) -> None:
@@ -270,7 +293,7 @@ def run_threaded(
             _straggling.extend(stragglers)
             if not stragglers:
                 ProcessLocalGroup.reset()  # else the terminate event stays set for them
-            _uninstall_threaded_pg()
+            uninstall_threaded_pg()
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
         if not errors.empty():
             rank, exc, tb = errors.get()

@@ -249,17 +249,86 @@ def test_the_runtime_never_asks_which_kind_of_mesh_a_unit_holds():
 # -- Feature branches: each feature plugs in where it is chosen, not throughout the runtime --------
 
 _FEATURES = {
-    # feature: (what a branch on it names, the modules that are the feature's own)
+    # feature: (its configuration's names, the modules that are the feature's own)
     "fp8": (re.compile(r"fp8|quant|FP8", re.I), {"fp8"}),
     "offload": (re.compile(r"offload|pin_memory", re.I), {"offload"}),
     "state sharding": (re.compile(r"state_sharding|nested|StateSharded", re.I), {"nested"}),
 }
-_MAX_FEATURE_BRANCHES = 5
+# At most this many branches on each feature outside its own modules (torch FSDP2's
+# ``_fully_shard/`` has six feature branches in all). Per-state sharding: the unit and the hooks
+# still ask its mesh whether it refreshes (unit.py, state.py) and keeps the parameters unsharded.
+_MAX_FEATURE_BRANCHES = {"fp8": 5, "offload": 5, "state sharding": 6}
 
 
-def _feature_branches(tree: ast.Module, pattern: re.Pattern) -> list[str]:
+def _is_default(fn: ast.AST) -> bool:
+    """A function whose body (past its docstring) only returns a constant, passes or deletes
+    its arguments: an interface's default, which a feature overrides."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    return all(isinstance(s, (ast.Pass, ast.Delete)) or (
+        isinstance(s, ast.Return) and (s.value is None or isinstance(s.value, ast.Constant)))
+        for s in body)
+
+
+def _definitions(tree: ast.Module) -> dict[str, bool]:
+    """Every name ``tree`` defines (functions, methods, properties, classes, declared and
+    assigned ``self`` attributes), each with whether all its definitions are defaults (a hook's
+    ``return False``, a ``self.x = None``)."""
+    out: dict[str, bool] = {}
+
+    def define(name: str, default: bool) -> None:
+        out[name] = out.get(name, True) and default
+
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            define(n.name, _is_default(n))
+        elif isinstance(n, ast.ClassDef):
+            define(n.name, False)
+            for s in n.body:
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name):
+                    define(s.target.id, False)  # a declared attribute: the class's state
+        if isinstance(n, (ast.Assign, ast.AnnAssign)):
+            for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                for e in ast.walk(t):
+                    if isinstance(e, ast.Attribute) and getattr(e.value, "id", None) == "self":
+                        define(e.attr, isinstance(n.value, ast.Constant))
+    return out
+
+
+def _reads(node: ast.AST, attrs: set[str], names: set[str]) -> set[str]:
+    """The feature state ``node`` reads: attributes in ``attrs``, names in ``names``."""
+    return ({e.attr for e in ast.walk(node) if isinstance(e, ast.Attribute)} & attrs) | (
+        {e.id for e in ast.walk(node) if isinstance(e, ast.Name)} & names)
+
+
+def _feature_state(feature: str) -> tuple[set[str], set[str]]:
+    """What the code makes a feature's state, read from ``fsdp/``: the attributes, methods
+    and properties its own modules define that no other module defines but as a default (the
+    hooks only it overrides, e.g. a mesh's ``refreshes``), and those other modules set from its
+    functions or classes (``self.quantized = [is_fp8_weight(...) ...]``); and its top-level
+    functions and classes (``FP8UnitGather``)."""
+    own = _FEATURES[feature][1]
+    trees = {p.stem: ast.parse(p.read_text()) for p in (ROOT / "fsdp").glob("*.py")}
+    elsewhere = {k for stem, t in trees.items() if stem not in own
+                 for k, default in _definitions(t).items() if not default}
+    attrs = {k for stem in own for k in _definitions(trees[stem]) if k not in elsewhere}
+    names = {n.name for stem in own for n in trees[stem].body
+             if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for stem, t in trees.items():
+        for n in ast.walk(t) if stem not in own else ():
+            if isinstance(n, ast.Assign) and _reads(n.value, set(), names):
+                attrs |= {e.attr for tg in n.targets for e in ast.walk(tg)
+                          if isinstance(e, ast.Attribute) and getattr(e.value, "id", None) == "self"}
+    return attrs - {"__init__"}, names
+
+
+def _feature_branches(tree: ast.Module, feature: str,
+                      state: tuple[set[str], set[str]] | None = None) -> list[str]:
     """Conditions (``if``, ``while``, conditional expressions and comprehension filters) that
-    name the feature, except argument checks (an ``if`` whose body only raises)."""
+    read the feature's state (:func:`_feature_state`, an ``isinstance`` test against its
+    classes included) or its configuration, except argument checks (an ``if`` whose body only
+    raises)."""
+    pattern = _FEATURES[feature][0]
+    attrs, names = _feature_state(feature) if state is None else state
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and all(isinstance(s, ast.Raise) for s in node.body):
@@ -270,34 +339,53 @@ def _feature_branches(tree: ast.Module, pattern: re.Pattern) -> list[str]:
             tests = node.ifs
         else:
             continue
-        found += [ast.unparse(t) for t in tests if pattern.search(ast.unparse(t))]
+        found += [ast.unparse(t) for t in tests
+                  if _reads(t, attrs, names) or pattern.search(ast.unparse(t))]
     return found
 
 
-def test_the_branch_counter_skips_argument_checks():
+def test_the_branch_counter_skips_argument_checks_and_sees_feature_state():
     tree = ast.parse(
         "if quant is not None:\n    raise ValueError(quant)\n"
         "if self.fp8 is not None:\n    x = 1\n"
         "y = a if offloaded else b\n"
+        "if unit.dp.refreshes:\n    z = 2\n"
+        "w = [g for g in gathers if isinstance(g, BlockGather)]\n"
     )
-    assert _feature_branches(tree, _FEATURES["fp8"][0]) == ["self.fp8 is not None"]
-    assert _feature_branches(tree, _FEATURES["offload"][0]) == ["offloaded"]
+    none = (set(), set())
+    assert _feature_branches(tree, "fp8", none) == ["self.fp8 is not None"]
+    assert _feature_branches(tree, "offload", none) == ["offloaded"]
+    assert _feature_branches(tree, "state sharding", ({"refreshes"}, set())) == [
+        "unit.dp.refreshes"]
+    assert _feature_branches(tree, "fp8", (set(), {"BlockGather"})) == [
+        "self.fp8 is not None", "isinstance(g, BlockGather)"]
+
+
+def test_the_feature_state_is_read_from_the_code():
+    """A hook only per-state sharding's mesh overrides (``UnitMesh.refreshes`` returns False)
+    is its state; the FP8 gather's class and the buffer field set from ``is_fp8_weight`` are
+    FP8's; a generic attribute (the buffer's ``gather``) is no feature's."""
+    attrs, _ = _feature_state("state sharding")
+    assert {"refreshes", "keeps_params_unsharded"} <= attrs
+    attrs, names = _feature_state("fp8")
+    assert "FP8UnitGather" in names and "quantized" in attrs
+    assert all("gather" not in _feature_state(f)[0] for f in _FEATURES)
 
 
 @pytest.mark.parametrize("feature", sorted(_FEATURES))
-def test_each_feature_branches_at_most_five_times_outside_its_module(feature):
+def test_each_feature_branches_at_most_a_few_times_outside_its_module(feature):
     """FP8, CPU offload and per-state sharding are chosen once (the unit's gather, staging and
-    ``UnitMesh``); the rest of ``fsdp/`` branches on each at most five times (torch FSDP2's
-    ``_fully_shard/`` has six feature branches in all). Counted by this test on dc8caaf, before
-    the mesh abstraction: FP8 10, offload 11, state sharding 16 (now 5, 4, 2)."""
-    pattern, own = _FEATURES[feature]
-    fsdp = ROOT / "fsdp"
+    ``UnitMesh``); the rest of ``fsdp/`` branches on each at most
+    :data:`_MAX_FEATURE_BRANCHES` times, counting every condition that reads the feature's
+    state or configuration."""
+    own = _FEATURES[feature][1]
+    state = _feature_state(feature)
     branches = {
-        p.stem: b for p in sorted(fsdp.glob("*.py"))
+        p.stem: b for p in sorted((ROOT / "fsdp").glob("*.py"))
         if p.stem not in own | {"_validation"}
-        for b in [_feature_branches(ast.parse(p.read_text()), pattern)] if b
+        for b in [_feature_branches(ast.parse(p.read_text()), feature, state)] if b
     }
-    assert sum(map(len, branches.values())) <= _MAX_FEATURE_BRANCHES, branches
+    assert sum(map(len, branches.values())) <= _MAX_FEATURE_BRANCHES[feature], branches
 
 
 def test_one_registry_of_what_the_runtime_owns():
@@ -366,3 +454,18 @@ def test_the_trainer_injects_no_fault_and_uses_only_the_meters_of_testing():
             } == {"ragged_placement.testing.profiling"}
     readers = [m for m, p in _sources().items() if "RAGGED_PLACEMENT_TRAIN_FAULT" in p.read_text()]
     assert readers == []
+
+
+def test_no_test_file_imports_another():
+    """Tests share models, data, references and helpers through ``tests/common/``,
+    ``tests/common_fsdp.py`` and ``tests/dist_utils.py``, never by importing a test file."""
+    tests = ROOT.parent / "tests"
+    found = {}
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            hits = [m for m in modules if m.split(".")[-1].startswith("test_")]
+            if hits:
+                found.setdefault(str(path.relative_to(tests)), []).extend(hits)
+    assert found == {}

@@ -13,9 +13,23 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from common.compose import (
+    BATCH,
+    CFG,
+    LR,
+    SEQ,
+    STEPS,
+    full_state_of,
+    llama_batches,
+    llama_init_state,
+    llama_loss,
+    llama_model,
+    mean_over_ranks,
+    pipeline_losses,
+    train_llama,
+)
 from dist_utils import run_gloo
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -36,60 +50,10 @@ from ragged_placement.placement import RaggedShard
 
 pytestmark = pytest.mark.multiprocess
 
-CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
-STEPS, BATCH, SEQ, LR = 10, 4, 8, 1e-2
-
-
-def _batches() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
-
-
-def _init_state() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    return Llama(CFG).state_dict()
-
-
-def _model(state: dict[str, torch.Tensor]) -> Llama:
-    model = Llama(CFG)
-    model.load_state_dict(state)
-    return model
-
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
-
-
-def _train(model, batches, clip: bool) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for b in batches:
-        loss = _loss(model(b[:, :-1]), b[:, 1:])
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _mean_over(losses: list[float], group=None) -> list[float]:
-    t = torch.tensor(losses, dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return (t / dist.get_world_size(group)).tolist()
-
-
-def _full(model) -> dict[str, torch.Tensor]:
-    return {
-        k: v.full_tensor() if hasattr(v, "full_tensor") else v
-        for k, v in model.state_dict().items()
-    }
-
 
 def _tp(rank: int, state, ckpt: str) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = _model(state)
+    model = llama_model(state)
     parallelize_llama(model, mesh["tp"])
     for block in model.layers.values():
         fully_shard(block, mesh=mesh["dp"])
@@ -104,96 +68,37 @@ def _tp(rank: int, state, ckpt: str) -> dict:
         wq._local_tensor.untyped_storage().data_ptr() == flat.sharded.untyped_storage().data_ptr()
     )
     out["mesh"] = wq.device_mesh.mesh_dim_names
-    out["losses"] = _mean_over(
-        _train(model, [b[d * half : (d + 1) * half] for b in _batches()], clip=True)
+    out["losses"] = mean_over_ranks(
+        train_llama(model, [b[d * half : (d + 1) * half] for b in llama_batches()], clip=True)
     )
-    b = _batches()[0][d * half : (d + 1) * half]
-    _loss(model(b[:, :-1]), b[:, 1:]).backward()
+    b = llama_batches()[0][d * half : (d + 1) * half]
+    llama_loss(model(b[:, :-1]), b[:, 1:]).backward()
     out["grad_placements"] = tuple(wq.grad.placements)
     out["grad_view"] = (
         wq.grad._local_tensor.untyped_storage().data_ptr()
         == flat.grads.sharded.untyped_storage().data_ptr()
     )
     model.zero_grad()
-    out["full"] = _full(model)
+    out["full"] = full_state_of(model)
     dcp.save(model.state_dict(), checkpoint_id=ckpt)
     return out
 
 
 def _hsdp(rank: int, state) -> list[float]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = _model(state)
+    model = llama_model(state)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     assert isinstance(model.layers["0"].attention.wq.weight.placements[1], RaggedShard)
-    return _mean_over(_train(model, [b[rank : rank + 1] for b in _batches()], clip=True))
-
-
-def _pipeline_losses(
-    mesh, state, schedule_cls, lr: float, tp_mesh=None, deferred: bool = False,
-    first_grads: dict | None = None, counts: list | None = None,
-) -> list[float]:
-    """Two pipeline stages on ``mesh["pp"]``, each ``fully_shard``ed on ``mesh["dp"]`` (after the
-    tensor-parallel plan on ``tp_mesh``, if given); the last stage's losses, averaged over dp.
-    With ``deferred``, the micro-batches run with gradient sync off and one
-    ``reduce_gradients()`` follows each step. ``counts`` (a list) receives (reduce-scatters,
-    units) per step, ``first_grads`` the full gradients of the first step."""
-    s, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    part = pipeline_stage(_model(state), s, 2)
-    if tp_mesh is not None:
-        parallelize_llama(part, tp_mesh)
-    for block in part.layers.values():
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(part, mesh=mesh["dp"])
-    n_micro, half = 2, BATCH // 2
-    mb = half // n_micro
-    x_example = (
-        torch.zeros(mb, SEQ, dtype=torch.long)
-        if s == 0
-        else torch.zeros(mb, SEQ, CFG.dim, requires_grad=True)
-    )
-    y_example = torch.zeros(mb, SEQ, CFG.dim if s == 0 else CFG.vocab_size, requires_grad=True)
-    stage = PipelineStage(
-        part,
-        s,
-        2,
-        torch.device("cpu"),
-        input_args=(x_example,),
-        output_args=(y_example,),
-        group=mesh["pp"].get_group(),
-    )
-    schedule = schedule_cls(stage, n_micro, loss_fn=_loss)
-    opt = torch.optim.AdamW(part.parameters(), lr=lr)
-    losses = []
-    for b in _batches():
-        b = b[d * half : (d + 1) * half]
-        mb_losses: list[torch.Tensor] = []
-        before = sum(u.stats.reduce_scatters for _, u in part.fsdp_units())
-        if deferred:
-            part.set_requires_gradient_sync(False)
-        if s == 0:
-            schedule.step(b[:, :-1])
-        else:
-            schedule.step(target=b[:, 1:], losses=mb_losses)
-        if deferred:
-            part.reduce_gradients(scale=1 / n_micro)  # a no-op: the schedule reduced already
-        if counts is not None:
-            after = sum(u.stats.reduce_scatters for _, u in part.fsdp_units())
-            counts.append((after - before, len(list(part.fsdp_units()))))
-        if first_grads is not None and not first_grads:
-            first_grads.update((n, p.grad.full_tensor()) for n, p in part.named_parameters())
-        opt.step()
-        opt.zero_grad()
-        losses.append(sum(x.item() for x in mb_losses) / n_micro if s == 1 else 0.0)
-    return _mean_over(losses, mesh["dp"].get_group()) if s == 1 else []
+    return mean_over_ranks(train_llama(model, [b[rank : rank + 1] for b in llama_batches()], clip=True))
 
 
 def _pp(
     rank: int, state, schedule_cls, first_grads: dict | None = None, counts: list | None = None
 ) -> list[float]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    return _pipeline_losses(mesh, state, schedule_cls, LR, first_grads=first_grads, counts=counts)
+    return pipeline_losses(mesh, state, schedule_cls, LR, first_grads=first_grads, counts=counts)
 
 
 def _pp_deferred(rank: int, state) -> tuple[list[float], list[tuple[int, int]], dict, dict]:
@@ -201,7 +106,7 @@ def _pp_deferred(rank: int, state) -> tuple[list[float], list[tuple[int, int]], 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     counts: list[tuple[int, int]] = []
     grads: dict[str, torch.Tensor] = {}
-    losses = _pipeline_losses(
+    losses = pipeline_losses(
         mesh, state, Schedule1F1B, LR, deferred=True, first_grads=grads, counts=counts
     )
     per_micro_batch: dict[str, torch.Tensor] = {}
@@ -298,7 +203,7 @@ def _zero_bubble_with_selective_checkpointing(rank: int, state) -> dict[str, str
         shard = fully_shard if runtime == "ours" else fsdp2_fully_shard
         stages = []
         for i in (0, 1):
-            part = pipeline_stage(_model(state), i, 2)
+            part = pipeline_stage(llama_model(state), i, 2)
             for name, block in list(part.layers.items()):
                 block = checkpoint_wrapper(block, context_fn=functools.partial(
                     create_selective_checkpoint_contexts, _sac_policy))
@@ -307,9 +212,9 @@ def _zero_bubble_with_selective_checkpointing(rank: int, state) -> dict[str, str
             shard(part, mesh=mesh["dp"])
             stages.append(PipelineStage(part, i, 2, torch.device("cpu"),
                                         group=mesh["pp"].get_group()))
-        b = _batches()[0][rank : rank + 1]
+        b = llama_batches()[0][rank : rank + 1]
         with pytest.raises((NotImplementedError, RuntimeError)) as e:
-            ScheduleZBVZeroBubble(stages, 1, loss_fn=_loss).step(b[:, :-1], target=b[:, 1:])
+            ScheduleZBVZeroBubble(stages, 1, loss_fn=llama_loss).step(b[:, :-1], target=b[:, 1:])
         out[runtime] = f"{e.type.__name__}: {e.value}"
     return out
 
@@ -324,7 +229,7 @@ def _load_dp4(rank: int, ckpt: str) -> dict[str, torch.Tensor]:
     sd = model.state_dict()
     dcp.load(sd, checkpoint_id=ckpt)
     model.load_state_dict(sd)
-    return _full(model)
+    return full_state_of(model)
 
 
 def _worker(rank: int, world_size: int, state, ckpt: str) -> dict:
@@ -344,10 +249,11 @@ def _worker(rank: int, world_size: int, state, ckpt: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ckpt_dp2_tp2"))
-    state = _init_state()
-    ref_model = _model(state)
-    ref = {"clip": _train(ref_model, _batches(), clip=True), "final": ref_model.state_dict()}
-    ref["noclip"] = _train(_model(state), _batches(), clip=False)
+    state = llama_init_state()
+    ref_model = llama_model(state)
+    ref = {"clip": train_llama(ref_model, llama_batches(), clip=True),
+           "final": ref_model.state_dict()}
+    ref["noclip"] = train_llama(llama_model(state), llama_batches(), clip=False)
     torch.manual_seed(0)
     zb_model = Llama(CFG4)
     b = _zero_bubble_batch()

@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from common.compose import (
+    llama_batches,
+    llama_init_state,
+    llama_model,
+    mean_over_ranks,
+    pipeline_losses,
+    train_llama,
+)
 from dist_utils import run_gloo
-from test_compose import _batches, _init_state, _mean_over, _model, _pipeline_losses, _train
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import ScheduleGPipe
 from torch.distributed.tensor import Replicate, Shard
@@ -21,14 +28,14 @@ pytestmark = pytest.mark.multiprocess
 
 def _pp_dp_tp(rank: int, state) -> list[float]:
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    return _pipeline_losses(mesh, state, ScheduleGPipe, 1e-2, tp_mesh=mesh["tp"])
+    return pipeline_losses(mesh, state, ScheduleGPipe, 1e-2, tp_mesh=mesh["tp"])
 
 
 def _dp_tp(state, names: tuple[str, str, str], sharding: StateSharding | None) -> dict:
     """Data parallel over the first two dims of a 2x2x2 ``names`` mesh (``sharding``, or the
     default: HSDP) beside tensor parallel over the last: layout and losses."""
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
-    model = _model(state)
+    model = llama_model(state)
     parallelize_llama(model, mesh[names[2]])
     dp = mesh[names[0], names[1]]
     for block in model.layers.values():
@@ -40,7 +47,7 @@ def _dp_tp(state, names: tuple[str, str, str], sharding: StateSharding | None) -
         "placements": tuple(wq.placements),
         "mesh": wq.device_mesh.mesh_dim_names,
         # Both tp ranks of a dp rank see its sample: the world mean is the mean over dp.
-        "losses": _mean_over(_train(model, [b[r : r + 1] for b in _batches()], clip=True)),
+        "losses": mean_over_ranks(train_llama(model, [b[r : r + 1] for b in llama_batches()], clip=True)),
     }
 
 
@@ -57,9 +64,9 @@ def _worker(rank: int, world_size: int, state) -> dict:
 
 
 def test_pp_dp_tp_hsdp_tp_and_amsp_tp_equal_one_process():
-    state = _init_state()
-    ref_clip = _train(_model(state), _batches(), clip=True)
-    ref_noclip = _train(_model(state), _batches(), clip=False)
+    state = llama_init_state()
+    ref_clip = train_llama(llama_model(state), llama_batches(), clip=True)
+    ref_noclip = train_llama(llama_model(state), llama_batches(), clip=False)
     ranks = run_gloo(_worker, 8, state)
     last = [r["pp_dp_tp"] for r in ranks if r["pp_dp_tp"]]
     assert len(last) == 4  # the (dp, tp) ranks of the last stage

@@ -53,8 +53,8 @@ def _state_sharded_tp(rank: int, world_size: int, init, sharding: str | None) ->
     """4 AdamW steps of the Llama, tensor parallel over ``tp`` and ``fully_shard`` over
     ``mesh["dp"]`` with ``StateSharding.<sharding>(mesh["dp"])`` (``None``: without one):
     the losses (mean over the ranks) and the full parameters."""
-    from test_compose import CFG as TRAIN_CFG
-    from test_compose import _batches, _full, _mean_over, _train
+    from common.compose import CFG as TRAIN_CFG
+    from common.compose import full_state_of, llama_batches, mean_over_ranks, train_llama
 
     from ragged_placement.fsdp import StateSharding
 
@@ -69,8 +69,8 @@ def _state_sharded_tp(rank: int, world_size: int, init, sharding: str | None) ->
         fully_shard(block, mesh=dp, **kwargs)
     fully_shard(model, mesh=dp, **kwargs)
     d, half = dp.get_local_rank(), 2
-    losses = _train(model, [b[d * half:(d + 1) * half] for b in _batches()[:4]], clip=False)
-    return _mean_over(losses), _full(model)
+    losses = train_llama(model, [b[d * half:(d + 1) * half] for b in llama_batches()[:4]], clip=False)
+    return mean_over_ranks(losses), full_state_of(model)
 
 
 def test_zero1_and_zero2_over_dp_compose_with_tensor_parallel_exactly():
@@ -78,14 +78,14 @@ def test_zero1_and_zero2_over_dp_compose_with_tensor_parallel_exactly():
     tensor parallel over ``tp``: the losses and parameters of the plain FSDP x TP run (bitwise)
     and of one process (losses within 1e-5, parameters 1e-4: Adam's normalized update turns
     summation-order noise in near-zero gradients into ~lr*1e-3, as in tests/compose/test_compose.py)."""
-    from test_compose import CFG as TRAIN_CFG
-    from test_compose import _batches, _train
+    from common.compose import CFG as TRAIN_CFG
+    from common.compose import llama_batches, train_llama
 
     torch.manual_seed(0)
     init = Llama(TRAIN_CFG).state_dict()
     ref_model = Llama(TRAIN_CFG)
     ref_model.load_state_dict(init)
-    ref_losses = _train(ref_model, _batches()[:4], clip=False)
+    ref_losses = train_llama(ref_model, llama_batches()[:4], clip=False)
     plain = run_threaded(_state_sharded_tp, 4, init, None)
     for sharding in ("zero1", "zero2"):
         for (losses, full), (plain_losses, plain_full) in zip(

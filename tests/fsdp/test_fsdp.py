@@ -12,12 +12,10 @@ from collections import Counter
 
 import pytest
 import torch
-from common_fsdp import global_loss, train_steps
+from common_fsdp import global_loss, shard_blocks, train_steps
 from dist_utils import run_threaded
 from ragged_placement.planner import Granularity
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
-from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
 
@@ -68,18 +66,10 @@ class _LocalAdamW:
 
 
 def _shard(m: GPT, runtime: str, mesh, *, mp: bool = False, granularity=None, reshard: bool = True):
-    if runtime == "fsdp2":
-        kw = {"mp_policy": FSDP2MixedPrecision(torch.bfloat16, torch.float32)} if mp else {}
-        for block in m.layers:
-            fsdp2_fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **kw)
-        fsdp2_fully_shard(m, mesh=mesh, **kw)
-    else:
-        kw = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mp else {}
-        for block in m.layers:
-            fully_shard(
-                block, mesh=mesh, reshard_after_forward=reshard, granularity=granularity, **kw
-            )
-        fully_shard(m, mesh=mesh, granularity=granularity, **kw)
+    kw = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mp else {}
+    if runtime == "ours":
+        kw["granularity"] = granularity
+    shard_blocks(m, runtime, mesh=mesh, block_kwargs={"reshard_after_forward": reshard}, **kw)
 
 
 def _train(
@@ -435,8 +425,9 @@ def test_gradient_buffers_are_allocated_per_segment_as_backward_reaches_them():
 
 
 def test_reduce_scatter_segments_rejects_buffers_of_the_wrong_size():
-    from ragged_placement.fsdp.collectives import reduce_scatter_segments
     from ragged_placement.planner.plan import Segment
+
+    from ragged_placement.fsdp.collectives import reduce_scatter_segments
 
     segments = (Segment(0, 0, 4), Segment(4, 8, 2))
     with pytest.raises(ValueError, match="inputs must hold"):  # checked before any collective

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from common_fsdp import mse_loss, train_steps
 from dist_utils import run_gloo, run_threaded
 from ragged_placement.planner import Granularity
 from torch import nn
@@ -971,11 +972,7 @@ def test_explicit_prefetch_changes_the_gather_order_as_in_fsdp2():
 
 
 def _chain_reference(m: Chain) -> dict[str, torch.Tensor]:
-    opt = _adamw(m.parameters())
-    for s in range(STEPS):
-        F.mse_loss(m(X[s]), Y[s]).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(m, _adamw(m.parameters()), zip(X, Y), loss_fn=mse_loss)
     return {k: _full(v) for k, v in m.named_parameters()}
 
 

@@ -14,13 +14,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from common_fsdp import shard_blocks
 from dist_utils import run_gloo, run_threaded
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
-
-from ragged_placement.fsdp import fully_shard
 
 WORLD = 2
 D = 8
@@ -31,10 +29,7 @@ def _model() -> nn.Sequential:
 
 
 def _shard(m: nn.Sequential, runtime: str, ws: int) -> None:
-    fs = fully_shard if runtime == "ours" else torch_fully_shard
-    mesh = DeviceMesh("cpu", list(range(ws)))
-    fs(m[0], mesh=mesh)
-    fs(m, mesh=mesh)
+    shard_blocks(m, runtime, [m[0]], mesh=DeviceMesh("cpu", list(range(ws))))
 
 
 def _deepcopies(rank: int, ws: int) -> list[tuple[str, str, str, str]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from common_fsdp import mse_loss, train_steps
 from dist_utils import run_threaded
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -48,11 +49,8 @@ def _model() -> nn.Sequential:
 
 def _reference() -> dict[str, torch.Tensor]:
     m = _model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5)
-    for s in range(STEPS):
-        F.mse_loss(m(X[s]), Y[s]).backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5), zip(X, Y),
+                loss_fn=mse_loss)
     return {k: v.detach() for k, v in m.named_parameters()}
 
 

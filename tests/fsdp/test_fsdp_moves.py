@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common_fsdp import global_loss, rows
+from common_fsdp import global_loss, rows, shard_blocks
 from dist_utils import run_threaded
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ragged_placement.fsdp import fully_shard
@@ -30,14 +29,6 @@ INIT = GPT(CFG).state_dict()  # built once: threads must not race on the global 
 def _model() -> GPT:
     m = GPT(CFG)
     m.load_state_dict(INIT)
-    return m
-
-
-def _shard(m: GPT, runtime: str, mesh: DeviceMesh) -> GPT:
-    shard = fully_shard if runtime == "ours" else fsdp2_fully_shard
-    for block in m.layers:
-        shard(block, mesh=mesh)
-    shard(m, mesh=mesh)
     return m
 
 
@@ -97,7 +88,7 @@ CASTS = {
 def _cast_and_train(rank: int, ws: int, runtime: str, name: str):
     mesh = DeviceMesh("cpu", list(range(ws)))
     cast, _, dtype = CASTS[name]
-    m = _shard(_model(), runtime, mesh)
+    m = shard_blocks(_model(), runtime, mesh=mesh)
     params_before = list(m.parameters())
     opt = torch.optim.AdamW(params_before, lr=LR, foreach=False)  # built before the cast
     ptrs = [p._local_tensor.data_ptr() for p in params_before]
@@ -132,7 +123,7 @@ def test_cast_after_fully_shard_keeps_views_and_trains_like_one_process_and_fsdp
 
 def _grads_move_and_bad_moves(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
-    m = _shard(_model(), "ours", mesh)
+    m = shard_blocks(_model(), "ours", mesh=mesh)
     x, y = CORPUS.batch(0, 2, SEQ)
     m(x, y).backward()
     grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}

@@ -18,13 +18,23 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from common.surface import (
+    INIT,
+    Net,
+    X,
+    Y,
+    assert_matches,
+    surface_net,
+    surface_optimizer,
+    surface_reference,
+    surface_steps,
+)
 from common_fsdp import full
 from dist_utils import run_gloo, run_threaded
-from test_fsdp_surface import INIT, X, Y, Net, _assert_matches, _net, _optimizer, _reference, _steps
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp import fully_shard
@@ -47,7 +57,7 @@ def _build(runtime: str, mesh: DeviceMesh, offload: OffloadPolicy, mp: MixedPrec
         with torch.device("meta"):
             m = Net()
     else:
-        m = _net()
+        m = surface_net()
     for block in m.blocks:
         shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
     shard(m, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -85,12 +95,12 @@ def _train(rank: int, ws: int, runtime: str, offload: OffloadPolicy,
     else:
         mesh = DeviceMesh("cpu", list(range(ws)))
     m = _build(runtime, mesh, offload, mp, meta)
-    opt = _optimizer(m.parameters(), sgd=False)
+    opt = surface_optimizer(m.parameters(), sgd=False)
     checked = runtime == "ours" and isinstance(offload, CPUOffloadPolicy)
     if checked:
         for _, unit in m.fsdp_units():
             unit.stats.reset()
-    losses = _steps(m, opt, rank, ws, _check_step if checked else None)
+    losses = surface_steps(m, opt, rank, ws, _check_step if checked else None)
     if checked:  # AdamW's moments follow the parameters: on CPU
         states = [v for st in opt.state.values() for v in st.values() if isinstance(v, DTensor)]
         assert states and all(v._local_tensor.device.type == "cpu" for v in states)
@@ -120,9 +130,9 @@ def runs():
 
 
 def test_cpu_offload_trains_as_the_reference_and_fsdp2(runs):
-    ref = _reference()
-    _assert_matches(runs["ours"], ref, "ours")
-    _assert_matches(runs["fsdp2"], ref, "fsdp2")
+    ref = surface_reference()
+    assert_matches(runs["ours"], ref, "ours")
+    assert_matches(runs["fsdp2"], ref, "fsdp2")
 
 
 def test_cpu_offload_with_bf16_mixed_precision_trains_as_fsdp2(runs):
@@ -130,7 +140,7 @@ def test_cpu_offload_with_bf16_mixed_precision_trains_as_fsdp2(runs):
     assert ours[0] == pytest.approx(theirs[0], abs=BF16_TOL)
     for k, v in ours[1].items():
         torch.testing.assert_close(v, theirs[1][k], atol=BF16_TOL, rtol=0, msg=k)
-    assert ours[0] != pytest.approx(_reference()[0], abs=1e-6)  # bf16 really ran
+    assert ours[0] != pytest.approx(surface_reference()[0], abs=1e-6)  # bf16 really ran
     # the H2D copy with the cast gives what the cast without offload gives, bit for bit
     assert ours[0] == runs["ours_bf16_no_offload"][0]
     for k, v in runs["ours_bf16"][1].items():
@@ -139,25 +149,25 @@ def test_cpu_offload_with_bf16_mixed_precision_trains_as_fsdp2(runs):
 
 def test_cpu_offload_hsdp_trains_as_the_reference_and_fsdp2(runs):
     """The D2H copy follows the all-reduce over the replicas and the averaging."""
-    ref = _reference()
-    _assert_matches(runs["ours_hsdp"], ref, "ours hsdp")
-    _assert_matches(runs["fsdp2_hsdp"], ref, "fsdp2 hsdp")
+    ref = surface_reference()
+    assert_matches(runs["ours_hsdp"], ref, "ours hsdp")
+    assert_matches(runs["fsdp2_hsdp"], ref, "fsdp2 hsdp")
 
 
 def test_cpu_offload_meta_device_init_with_to_empty_cpu(runs):
-    _assert_matches(runs["ours_meta"], _reference(), "meta")
+    assert_matches(runs["ours_meta"], surface_reference(), "meta")
 
 
 def _bad_input(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
     if not torch.accelerator.is_available():  # FSDP2 raises RuntimeError from pin_memory()
         with pytest.raises(ValueError, match=r"offload_policy=.*pin_memory=True needs an accel"):
-            fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy())
+            fully_shard(surface_net(), mesh=mesh, offload_policy=CPUOffloadPolicy())
     with pytest.raises(ValueError, match="offload_policy must be a torch.distributed.fsdp"):
-        fully_shard(_net(), mesh=mesh, offload_policy="cpu")
+        fully_shard(surface_net(), mesh=mesh, offload_policy="cpu")
     with pytest.raises(ValueError, match="offload_policy.pin_memory must be a bool"):
-        fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=None))
-    m = fully_shard(_net(), mesh=mesh, offload_policy=OFFLOAD)
+        fully_shard(surface_net(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=None))
+    m = fully_shard(surface_net(), mesh=mesh, offload_policy=OFFLOAD)
     unit = m.fsdp_unit
     (flat,) = unit.buffers
     assert unit.stats.h2d_copies == 0 and flat.offload_device == torch.device("cpu")
@@ -167,7 +177,7 @@ def _bad_input(rank: int, ws: int):
     # tensor, so the unit's check is called as apply_ calls it)
     with pytest.raises(ValueError, match=r"offloads its sharded parameters \(offload_policy="):
         check_move_target(flat, torch.device("cuda", 0), torch.float32, "inp.weight")
-    plain = fully_shard(_net(), mesh=mesh).fsdp_unit.buffers[0]
+    plain = fully_shard(surface_net(), mesh=mesh).fsdp_unit.buffers[0]
     assert plain.offload_device is None and plain.sharded_device == plain.device
     return True
 

@@ -10,10 +10,14 @@ trained again.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from dist_utils import run_threaded
 from torch import nn
@@ -21,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
+import ragged_placement.quant.linear as fp8_linear_module
 from ragged_placement.fsdp import StateSharding, fully_shard
 from ragged_placement.quant import BlockFP8Config, convert_to_fp8_linear
 
@@ -100,36 +105,74 @@ def _set_frozen(m: nn.Module, frozen: bool) -> None:
         params[name].requires_grad_(not frozen)
 
 
-def _train(m: nn.Module, schedule: Schedule, rows) -> tuple:
-    """``STEPS`` AdamW steps of ``m`` on ``rows(step)``: the losses, per step the names of the
-    parameters without ``.grad`` after backward and the full ``FROZEN`` parameters after the
-    step, and the final full parameters."""
+def _train(m: nn.Module, schedule: Schedule, batches) -> tuple:
+    """``STEPS`` AdamW steps of ``m``, each on the micro-batches ``batches(step)`` (a list of
+    ``(x, y)``; each loss over their number, the gradients accumulated): the losses (the mean
+    over the micro-batches), per step the names of the parameters without ``.grad`` after
+    backward and the full ``FROZEN`` parameters after the step, and the final full
+    parameters."""
     opt = _adamw(m.parameters())
     losses, no_grad, frozen = [], [], []
     for s in range(STEPS):
         if s in schedule.changes:
             _set_frozen(m, schedule.changes[s])
-        x, y = rows(s)
-        loss = F.mse_loss(m(x), y)
-        loss.backward()
+        parts = batches(s)
+        loss = 0.0
+        for x, y in parts:
+            part = F.mse_loss(m(x), y)
+            (part / len(parts)).backward()
+            loss += part.item() / len(parts)
         no_grad.append(sorted(n for n, p in m.named_parameters() if p.grad is None))
         opt.step()
         opt.zero_grad(set_to_none=not (schedule.keep_grads and s % 2 == 1))
-        losses.append(loss.item())
+        losses.append(loss)
         params = dict(m.named_parameters())
         frozen.append({n: _full(params[n]) for n in FROZEN})
     return losses, no_grad, frozen, {n: _full(p) for n, p in m.named_parameters()}
 
 
+def _rank_rows(rank: int, ws: int) -> slice:
+    per = BATCH // ws
+    return slice(rank * per, (rank + 1) * per)
+
+
 def _reference(schedule: Schedule, fp8: bool = False):
-    """One process on the concatenated batch (with ``FP8Linear`` for ``fp8``)."""
+    """One process on the concatenated batch; for ``fp8``, with ``FP8Linear``, on the same
+    rows as ``WORLD`` micro-batches (the ranks' rows, gradients accumulated).
+
+    FP8 rounds to 3 mantissa bits, so a last-bit difference in an activation or a master
+    weight can move its FP8 value a whole step (one part in 8 to 16), and AdamW's first step
+    of a weight (``lr * g / (|g| + eps)``) turns a last-bit difference of a gradient element
+    near ``eps`` into up to ``lr`` of the parameter. On the concatenated batch the last bits
+    differ twice over: the CPU FP8 GEMMs are float32 matmuls of 8 rows instead of a rank's 4,
+    and MKL picks its sgemm kernel by the matrix sizes and the instruction set (on AVX-512 a
+    row of the 8-row product differs from the same row of the 4-row one; on other CPUs it may
+    not); and the weight and bias gradients are one sum over 8 rows instead of two partial
+    sums of 4. So the FP8 reference does the ranks' arithmetic: each micro-batch is a rank's
+    forward and backward on the same shapes, on one thread as each rank (MKL's sgemm also
+    splits its work, and with some kernels its sums, by the thread count), and the
+    accumulated ``g_0 / 2 + g_1 / 2`` is bitwise the reduce-scatter's ``(g_0 + g_1) / 2``:
+    the sharded run must match it bitwise, on every machine."""
     m = _model(fp8)
     if fp8:
         convert_to_fp8_linear(m, QUANT)
     if -1 in schedule.changes:
         _set_frozen(m, schedule.changes[-1])
     x, y = DATA[fp8]
-    return _train(m, schedule, lambda s: (x[s], y[s]))
+    rows = [_rank_rows(r, WORLD) for r in range(WORLD)] if fp8 else [slice(None)]
+    with _one_thread():
+        return _train(m, schedule, lambda s: [(x[s, r], y[s, r]) for r in rows])
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Run the block on one intra-op thread, as ``_sharded_rank`` runs each rank."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _sharded_rank(rank: int, ws: int, runtime: str, schedule: Schedule, raf: bool):
@@ -151,10 +194,9 @@ def _sharded_rank(rank: int, ws: int, runtime: str, schedule: Schedule, raf: boo
     for block in m:
         fs(block, mesh=mesh, reshard_after_forward=raf, **kwargs)
     fs(m, mesh=mesh, **kwargs)
-    per = BATCH // ws
-    rows = slice(rank * per, (rank + 1) * per)
+    rows = _rank_rows(rank, ws)
     x, y = DATA[fp8]
-    return _train(m, schedule, lambda s: (x[s, rows], y[s, rows]))
+    return _train(m, schedule, lambda s: [(x[s, rows], y[s, rows])])
 
 
 def _frozen_steps(schedule: Schedule) -> list[int]:
@@ -170,11 +212,12 @@ def _frozen_steps(schedule: Schedule) -> list[int]:
 
 def _check(ranks: list, ref, schedule: Schedule, what: str, fp8: bool = False) -> None:
     """Against the one-process reference: the ranks' mean loss (each rank's is the mean over
-    its rows), every rank's ``.grad``-less parameters and final parameters; and the frozen
-    parameters bitwise unchanged by every step that ran frozen without a ``.grad``."""
+    its rows), every rank's ``.grad``-less parameters and final parameters (for ``fp8``
+    bitwise: the reference computes what the ranks do, see :func:`_reference`); and the
+    frozen parameters bitwise unchanged by every step that ran frozen without a ``.grad``."""
     ref_losses, ref_no_grad, _, ref_params = ref
     losses = [sum(r[0][s] for r in ranks) / len(ranks) for s in range(STEPS)]
-    assert losses == pytest.approx(ref_losses, abs=TOL), what
+    assert losses == (ref_losses if fp8 else pytest.approx(ref_losses, abs=TOL)), what
     for _, no_grad, frozen, params in ranks:
         assert no_grad == ref_no_grad, what
         for s in _frozen_steps(schedule):
@@ -182,7 +225,8 @@ def _check(ranks: list, ref, schedule: Schedule, what: str, fp8: bool = False) -
             for n in FROZEN:
                 assert torch.equal(frozen[s][n], before[n]), f"{what}: step {s} moved {n}"
         for k, v in params.items():
-            torch.testing.assert_close(v, ref_params[k], atol=TOL, rtol=0, msg=f"{what} {k}")
+            tol = 0.0 if fp8 else TOL
+            torch.testing.assert_close(v, ref_params[k], atol=tol, rtol=0, msg=f"{what} {k}")
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
@@ -213,6 +257,30 @@ def test_requires_grad_changed_after_fully_shard_under_state_sharding_and_fp8(sc
     _check(ranks, ref_fp8, sched, "fp8", fp8=True)
 
 
+def test_fp8_reference_runs_every_fp8_gemm_as_a_rank_does(monkeypatch):
+    """The one-process FP8 reference computes what the ranks compute (:func:`_reference`):
+    every FP8 GEMM of its forwards and backwards has the operand shapes and the intra-op
+    thread count of one of the ranks' GEMMs, the same number of times (a reference on the
+    concatenated batch runs them on 8 rows, and MKL's sgemm rounds a row of an 8-row product
+    otherwise than of a 4-row one on AVX-512 CPUs; with more threads, otherwise too)."""
+    calls: dict[object, collections.Counter] = collections.defaultdict(collections.Counter)
+    lock = threading.Lock()
+    gemm = fp8_linear_module._gemm
+
+    def recording(a_q, a_s, b_q, b_s, b_block, cfg, out_dtype):
+        who = dist.get_rank() if dist.is_initialized() else "reference"
+        with lock:
+            calls[who][(tuple(a_q.shape), tuple(b_q.shape), torch.get_num_threads())] += 1
+        return gemm(a_q, a_s, b_q, b_s, b_block, cfg, out_dtype)
+
+    monkeypatch.setattr(fp8_linear_module, "_gemm", recording)
+    sched = SCHEDULES["mid_training"]
+    _reference(sched, fp8=True)
+    run_threaded(_sharded_rank, WORLD, "fp8", sched, True)
+    assert sum(calls[0].values()) > 0
+    assert calls["reference"] == sum((calls[r] for r in range(WORLD)), collections.Counter())
+
+
 def _accumulate_across_freeze(m: nn.Module, rows) -> dict[str, torch.Tensor]:
     """Backward on batch 0; freeze ``FROZEN`` (they keep their gradients) and drop the other
     gradients; backward on batch 1; drop the others again and unfreeze; backward on batch 2.
@@ -239,8 +307,7 @@ def _accumulate_rank(rank: int, ws: int, runtime: str) -> dict[str, torch.Tensor
     for block in m:
         fs(block, mesh=mesh)
     fs(m, mesh=mesh)
-    per = BATCH // ws
-    rows = slice(rank * per, (rank + 1) * per)
+    rows = _rank_rows(rank, ws)
     x, y = DATA[False]
     return _accumulate_across_freeze(m, lambda s: (x[s, rows], y[s, rows]))
 

@@ -8,69 +8,25 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from common.state_sharding import (
+    BATCH,
+    BOTH,
+    MLP,
+    SHARDINGS,
+    STEPS,
+    TOL,
+    mlp_adamw,
+    mlp_data,
+    mlp_reference,
+)
 from common_fsdp import train_steps
 from dist_utils import run_gloo
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 from ragged_placement.fsdp import StateSharding, fully_shard
 
-D, H, BATCH, STEPS = 24, 40, 8, 5
-TOL = 1e-5
-BOTH = ("inter", "intra")
-SHARDINGS = {
-    "zero1": StateSharding(params=(), grads=(), optim=BOTH),
-    "zero2": StateSharding(params=(), grads=BOTH, optim=BOTH),
-    "zero3": StateSharding(params=BOTH, grads=BOTH, optim=BOTH),
-    "hsdp": StateSharding(params=("intra",), grads=("intra",), optim=("intra",)),
-    "hsdp_inter": StateSharding(params=("inter",), grads=("inter",), optim=("inter",)),
-    "amsp": StateSharding(params=("intra",), grads=BOTH, optim=BOTH),
-    # optim ranks out of mesh order (params-major: intra before inter), grads replicated on inter
-    "amsp_zero1": StateSharding(params=("intra",), grads=("intra",), optim=BOTH),
-    "grads_intra": StateSharding(params=(), grads=("intra",), optim=BOTH),
-}
 AFTER_FORWARD = ("zero1", "zero2", "zero3", "hsdp", "amsp")
-
-
-class MLP(nn.Module):
-    """Three linears of shapes that do not split evenly over 4 ranks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(D, H), nn.Linear(H, H), nn.Linear(H, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
-
-
-def _data() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    torch.manual_seed(1)
-    init = MLP().state_dict()
-    x = torch.randn(STEPS + 1, BATCH, D, generator=g)
-    return init, x, torch.randn(STEPS, BATCH, D, generator=g)
-
-
-def _adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
-def _reference(
-    init: dict[str, torch.Tensor] | None = None,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """One process on the whole batch from ``init`` (default: :func:`_data`'s): the parameters
-    after ``STEPS`` steps and the eval output on ``x[STEPS]``."""
-    default, x, y = _data()
-    m = MLP()
-    m.load_state_dict(default if init is None else init)
-    opt = _adamw(m.parameters())
-    for s in range(STEPS):
-        F.mse_loss(m(x[s]), y[s]).backward()
-        opt.step()
-        opt.zero_grad()
-    with torch.no_grad():
-        return {k: v.detach().clone() for k, v in m.named_parameters()}, m(x[STEPS])
 
 
 def _shard(m: MLP, mesh, runtime: str, sharding: StateSharding | None) -> None:
@@ -87,13 +43,13 @@ def _train(rank: int, ws: int, mesh, runtime: str, sharding: StateSharding | Non
     eval output on ``x[STEPS]`` and the full state dict (both right after ``step()``). With
     ``after_forward``, the optimizer is built after a forward with grad enabled whose output
     is dropped (a validation forward: it changes nothing on one process)."""
-    init, x, y = _data()
+    init, x, y = mlp_data()
     m = MLP()
     m.load_state_dict(init)
     _shard(m, mesh, runtime, sharding)
     if after_forward:
         m(x[STEPS])
-    opt = _adamw(m.parameters())
+    opt = mlp_adamw(m.parameters())
     per = BATCH // ws
     rows = slice(rank * per, (rank + 1) * per)
     for s in range(STEPS):
@@ -119,7 +75,7 @@ def _counts(m: MLP) -> dict[tuple[str, tuple[str, ...]], int]:
 def _one_rank_touches(m: MLP, rank: int) -> torch.Tensor:
     """Rank 0 alone takes a state dict and writes a parameter (with its own value): the ranks
     agree to refresh at the next forward (no rank left waiting), whose output is returned."""
-    x = _data()[1][STEPS]
+    x = mlp_data()[1][STEPS]
     with torch.no_grad():
         m(x)  # refreshes after the state dict _train took on every rank
         if rank == 0:
@@ -187,7 +143,7 @@ def test_an_optimizer_built_after_a_forward_trains_as_one_process_on_every_point
     backward (a validation forward) holds the sharded parameters on every point, and trains
     them exactly as one process (the root kept its gather from that forward: the next forward
     re-gathers). FSDP2's HSDP holds the root's unsharded copies there and never trains them."""
-    ref, ref_out = _reference()
+    ref, ref_out = mlp_reference()
     for name in AFTER_FORWARD:
         for results in every_point:
             out, full, *_ = results[f"{name}_after_forward"]
@@ -203,7 +159,7 @@ def test_an_optimizer_built_after_a_forward_trains_as_one_process_on_every_point
 def test_every_point_matches_one_process_and_fsdp2_on_2x2(every_point):
     """Parameters after 5 AdamW steps, an eval forward and the state dict right after
     step(), the optimizer shard's size and the collectives per mesh dim, for every point."""
-    ref, ref_out = _reference()
+    ref, ref_out = mlp_reference()
     numel = sum(v.numel() for v in ref.values())
     ranks = every_point
     for results in ranks:
@@ -227,17 +183,17 @@ def test_every_point_matches_one_process_and_fsdp2_on_2x2(every_point):
 
 # -- FP8 units: the refresh and the all-gathers move FP8 blocks and scales ----------------------
 def _fp8_rank(rank: int, ws: int, steps: int) -> dict[str, tuple[list[float], dict]]:
-    from test_fsdp_fp8 import QUANT, SEQ, _corpus, _gpt
+    from common.fp8 import QUANT, SEQ, fp8_corpus, fp8_gpt
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=BOTH)
     out = {}
     for name in ("amsp", "zero2"):
-        m = _gpt()
+        m = fp8_gpt()
         for sub in (*m.layers, m):
             fully_shard(sub, mesh=mesh, quant=QUANT, state_sharding=SHARDINGS[name])
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        batches = (_corpus().batch(s, 8, SEQ) for s in range(steps))
+        batches = (fp8_corpus().batch(s, 8, SEQ) for s in range(steps))
         losses = train_steps(m, opt, batches, rank, ws)
         unit = m.layers[0]._fsdp_state.unit
         b = unit.buffers[0]
@@ -248,10 +204,10 @@ def _fp8_rank(rank: int, ws: int, steps: int) -> dict[str, tuple[list[float], di
 
 @pytest.mark.multiprocess
 def test_fp8_units_under_amsp_and_zero2_match_one_process_fp8():
-    from test_fsdp_fp8 import GRAD_TOL, LOSS_TOL, _fp8_reference
+    from common.fp8 import GRAD_TOL, LOSS_TOL, fp8_reference
 
     steps = 4
-    ref, _ = _fp8_reference(steps, 8)
+    ref, _ = fp8_reference(steps, 8)
     for results in run_gloo(_fp8_rank, 4, steps):
         for name, (losses, by_dims, nbytes, chunk) in results.items():
             assert losses[0] == pytest.approx(ref[0], abs=GRAD_TOL), name  # same FP8 weights

@@ -18,9 +18,21 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from common.state_sharding import (
+    BATCH,
+    BOTH,
+    MLP,
+    MUON_ATOL,
+    OPTIMIZERS,
+    SHAMPOO_ATOL,
+    SHARDINGS,
+    STEPS,
+    TOL,
+    B,
+    mlp_adamw,
+    mlp_data,
+)
 from dist_utils import run_gloo
-from test_fsdp_state_sharding import BATCH, BOTH, MLP, SHARDINGS, STEPS, TOL, _adamw, _data
-from test_fsdp_state_sharding_optim import MUON_ATOL, OPTIMIZERS, SHAMPOO_ATOL, B
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -79,7 +91,7 @@ def _union(states: Sequence[State]) -> State:
 
 
 def _step(m: torch.nn.Module, opt: torch.optim.Optimizer, s: int, rows: slice) -> None:
-    _, x, y = _data()
+    _, x, y = mlp_data()
     F.mse_loss(m(x[s, rows]), y[s, rows]).backward()
     opt.step()
     opt.zero_grad()
@@ -95,7 +107,7 @@ def _model(
     if sharding is not None:
         for sub in (m.a, m.b, m):
             fully_shard(sub, mesh=mesh, state_sharding=sharding)
-    return m, _adamw(m.parameters()) if optimizer == "adamw" else OPTIMIZERS[optimizer](m)
+    return m, mlp_adamw(m.parameters()) if optimizer == "adamw" else OPTIMIZERS[optimizer](m)
 
 
 def _save(m: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
@@ -113,7 +125,7 @@ def _load(m: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
 def _train_and_save(mesh, rows: slice, path: str, optimizer: str) -> tuple[State, State]:
     """zero3 trains ``SAVE_AT`` steps and saves to ``path``, then goes on to ``STEPS``
     uninterrupted: the state at the save and at the end."""
-    init, *_ = _data()
+    init, *_ = mlp_data()
     m, opt = _model(mesh, SHARDINGS["zero3"], optimizer)
     m.load_state_dict(init)
     for s in range(SAVE_AT):
@@ -170,7 +182,7 @@ def _save_and_resume(rank: int, ws: int, ckpt: str):
 
 def _one_process_save(ckpt: str) -> State:
     """One process trains ``SAVE_AT`` steps on the whole batch and saves (full state dicts)."""
-    init, *_ = _data()
+    init, *_ = mlp_data()
     m, opt = _model(None, None)
     m.load_state_dict(init)
     for s in range(SAVE_AT):

@@ -16,18 +16,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from dist_utils import run_gloo, run_threaded
-from test_fsdp_state_sharding import (
+from common.state_sharding import (
     BATCH,
     BOTH,
     MLP,
     SHARDINGS,
     STEPS,
     TOL,
-    _adamw,
-    _data,
-    _reference,
+    mlp_adamw,
+    mlp_data,
+    mlp_reference,
 )
+from dist_utils import run_gloo, run_threaded
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -44,8 +44,8 @@ from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement.fsdp import StateSharding, fully_shard
 from ragged_placement.fsdp.unit import UnitState
 
-# drawn once (threaded ranks must not race on the global RNG that _data seeds)
-INIT, X, Y = _data()
+# drawn once (threaded ranks must not race on the global RNG that mlp_data seeds)
+INIT, X, Y = mlp_data()
 ACCUMULATED = ("amsp", "zero2", "zero1")
 SEED = 11
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -113,7 +113,7 @@ def _rows(rank: int, ws: int) -> slice:
 
 def _train(m: nn.Module, rank: int, ws: int) -> torch.Tensor:
     """``STEPS`` AdamW steps on this rank's rows; the eval output on ``X[STEPS]``."""
-    opt = _adamw(m.parameters())
+    opt = mlp_adamw(m.parameters())
     rows = _rows(rank, ws)
     for s in range(STEPS):
         # .float(): a bf16 output against fp32 targets (torch 2.11's mse_loss backward refuses
@@ -135,7 +135,7 @@ def _accumulate(rank: int, ws: int, mesh: DeviceMesh, sharding: StateSharding, l
     reductions issued, the unsharded gradient elements held, whether a sharded ``.grad`` is
     set."""
     m = _sharded(mesh, sharding)
-    opt = _adamw(m.parameters())
+    opt = mlp_adamw(m.parameters())
     rows = _rows(rank, ws)
     half = (rows.stop - rows.start) // 2
     between = None
@@ -283,7 +283,7 @@ def _comm_debug(rank: int, ws: int, mesh: DeviceMesh):
         for level in (sm.params, sm.grads, sm.refresh, sm.reduce, sm.optim, sm.replicate)
         if level.group is not None
     }
-    opt = _adamw(m.parameters())
+    opt = mlp_adamw(m.parameters())
     rows = _rows(rank, ws)
     steps = []
     F.mse_loss(m(X[0, rows]), Y[0, rows]).backward()  # unmeasured: the first forward's refresh
@@ -455,7 +455,7 @@ def test_gradient_accumulation_reduces_once_per_step(every_feature):
     whole batch; every reduction once per step, none after the first micro-batch, which leaves
     the whole model's unsharded gradients held (this plan pads nothing) and no ``.grad``
     (nested.py's docstring)."""
-    ref, _ = _reference()
+    ref, _ = mlp_reference()
     numel = sum(v.numel() for v in ref.values())
     for rank in every_feature:
         for name, (full, counts, between) in rank["accumulate"].items():
@@ -481,7 +481,7 @@ def test_gradient_accumulation_reduces_once_per_step(every_feature):
 
 @pytest.mark.multiprocess
 def test_activation_checkpointing_under_amsp_equals_no_checkpointing(every_feature):
-    ref, ref_out = _reference()
+    ref, ref_out = mlp_reference()
     for rank in every_feature:
         plain = rank["checkpoint"]["none"]
         torch.testing.assert_close(plain, ref_out, atol=TOL, rtol=0)
@@ -496,7 +496,7 @@ def test_meta_init_with_reset_parameters_equals_one_process(every_feature):
     """The RNG contract on the nested layout: ``reset_parameters()`` of the sharded parameters
     draws the single-device tensors, then trains as one process."""
     init = _seeded_init()
-    ref, ref_out = _reference(init)
+    ref, ref_out = mlp_reference(init)
     for rank in every_feature:
         for name, (initialized, out, full) in rank["meta"].items():
             for k, v in init.items():
@@ -510,7 +510,7 @@ def test_bf16_mixed_precision_matches_fsdp2_hsdp(every_feature):
     """``param_dtype=bf16, reduce_dtype=fp32``: AMSP and hsdp-over-inter bitwise equal to
     FSDP2 HSDP with the same policy (sharded over intra, and over inter on the swapped mesh);
     all of them within bf16's rounding of one fp32 process."""
-    ref, ref_out = _reference()
+    ref, ref_out = mlp_reference()
     for rank in every_feature:
         theirs_out, theirs = rank["bf16"]["fsdp2_hsdp"]
         for name in ("amsp", "hsdp_inter", "fsdp2_hsdp_inter"):
@@ -620,7 +620,7 @@ def test_partial_points_on_2x2x2_match_one_process():
     out of mesh order: parameters, eval output, and 1/8 of the parameters per rank. Threaded
     ranks (2 s; 8 gloo processes take minutes on 2 busy cores): the groups and their rank
     order are what is new here, the gloo collectives are the 2x2 tests'."""
-    ref, ref_out = _reference()
+    ref, ref_out = mlp_reference()
     numel = sum(v.numel() for v in ref.values())
     ranks = run_threaded(_partial_points, 8)
     for name in PARTIAL_8:

@@ -8,47 +8,32 @@ with a granularity that keeps them whole in the optimizer shards (``Granularity.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
+from common.state_sharding import (
+    BATCH,
+    BOTH,
+    MLP,
+    MUON_ATOL,
+    OPTIMIZERS,
+    SHAMPOO_ATOL,
+    SHARDINGS,
+    STEPS,
+    B,
+    OptimizerWorkCounter,
+    mlp_data,
+)
 from dist_utils import run_gloo
 from ragged_placement.optim import Muon, Shampoo
 from ragged_placement.planner import Granularity
-from test_fsdp_state_sharding import BATCH, BOTH, MLP, SHARDINGS, STEPS, _data
-from test_optim_muon import DIST_ATOL as MUON_DIST_ATOL
-from test_optim_shampoo import ATOL as SHAMPOO_REF_ATOL
 from torch.distributed.device_mesh import init_device_mesh
 
 from ragged_placement.fsdp import fully_shard
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
-B = 8  # Shampoo's preconditioner block: slabs of 8 rows
-# Differences from one process: the gradients are averaged over 4 ranks instead of computed on
-# the whole batch (fp32 rounding), which Newton-Schulz (bf16) and Shampoo's inverse roots carry
-# into the update. Measured max |dW| after 5 steps: Muon 3.0e-8, Shampoo 6.0e-7. Bounds: Muon,
-# test_optim_muon's DIST_ATOL (1e-6, sharded vs single device); Shampoo, test_optim_shampoo's
-# ATOL (1e-5, against its fp32 reference; its DIST_ATOL of 1e-6 is for identical gradients).
-MUON_ATOL = MUON_DIST_ATOL
-SHAMPOO_ATOL = SHAMPOO_REF_ATOL
 
-
-def _muon(m: torch.nn.Module) -> Muon:
-    """Muon on the weights, its AdamW on the biases."""
-    weights = [p for p in m.parameters() if p.ndim == 2]
-    biases = [p for p in m.parameters() if p.ndim < 2]
-    return Muon([{"params": weights}, {"params": biases, "algorithm": "adamw"}], lr=0.02,
-                weight_decay=0.1, adjust_lr="match_rms_adamw")
-
-
-def _shampoo(m: torch.nn.Module) -> Shampoo:
-    return Shampoo(m.parameters(), lr=1e-2, max_preconditioner_dim=B, precondition_frequency=2,
-                   epsilon=1e-6, weight_decay=0.05)
-
-
-OPTIMIZERS = {"muon": _muon, "shampoo": _shampoo}
 # fully_shard's granularity by optimizer: the default, and one that keeps each Muon matrix and
 # each Shampoo row slab whole on one optimizer rank ("*weight": a unit's own parameter names are
 # relative to it, "weight" in m.a)
@@ -67,7 +52,7 @@ RUNS = [
 
 def _reference(optimizer: str) -> dict[str, torch.Tensor]:
     """One process on the whole batch, the same optimizer: the parameters after ``STEPS``."""
-    init, x, y = _data()
+    init, x, y = mlp_data()
     m = MLP()
     m.load_state_dict(init)
     opt = OPTIMIZERS[optimizer](m)
@@ -78,28 +63,6 @@ def _reference(optimizer: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in m.named_parameters()}
 
 
-class _Counter:
-    """Counts the matrices Muon's Newton-Schulz and Shampoo's slab updates run on this rank."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from ragged_placement.optim import muon
-
-        self.ns = 0
-        self.slabs = 0
-        ns, slab = muon.newton_schulz, Shampoo._slab_update
-
-        def counted_ns(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            self.ns += math.prod(x.shape[:-2])
-            return ns(x, *args, **kwargs)
-
-        def counted_slab(opt: Shampoo, *args, **kwargs) -> torch.Tensor:
-            self.slabs += 1
-            return slab(opt, *args, **kwargs)
-
-        monkeypatch.setattr(muon, "newton_schulz", counted_ns)
-        monkeypatch.setattr(Shampoo, "_slab_update", counted_slab)
-
-
 def _all_to_alls(opt: Muon | Shampoo) -> int:
     """The all-to-alls of the optimizer's last step."""
     if isinstance(opt, Muon):
@@ -107,12 +70,12 @@ def _all_to_alls(opt: Muon | Shampoo) -> int:
     return opt.last_step_all_to_all_calls
 
 
-def _train(rank: int, ws: int, mesh, run: tuple[str, str, str], count: _Counter):
+def _train(rank: int, ws: int, mesh, run: tuple[str, str, str], count: OptimizerWorkCounter):
     """``STEPS`` steps of ``run = (point, optimizer, layout)`` on this rank's share of the
     batch: the full parameters, the parameters' mesh dims and, per step, the work this rank's
     optimizer did (Newton-Schulz matrices, Shampoo slabs, all-to-alls)."""
     point, optimizer, layout = run
-    init, x, y = _data()
+    init, x, y = mlp_data()
     m = MLP()
     m.load_state_dict(init)
     for sub in (m.a, m.b, m):
@@ -134,7 +97,7 @@ def _train(rank: int, ws: int, mesh, run: tuple[str, str, str], count: _Counter)
 
 def _every_run(rank: int, ws: int):
     with pytest.MonkeyPatch.context() as mp:
-        count = _Counter(mp)
+        count = OptimizerWorkCounter(mp)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=BOTH)
         return {run: _train(rank, ws, mesh, run, count) for run in RUNS}
 

@@ -15,8 +15,25 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from common.surface import (
+    BATCH,
+    INIT,
+    LR,
+    STEPS,
+    TOL,
+    Net,
+    X,
+    Y,
+    assert_matches,
+    mse,
+    surface_net,
+    surface_optimizer,
+    surface_reference,
+    surface_steps,
+)
 from common_fsdp import full, fully_shard_of, train_steps
 from dist_utils import run_gloo, run_threaded
+from ragged_placement.planner import Granularity
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -29,113 +46,27 @@ from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGr
 from ragged_placement import RaggedShard
 from ragged_placement._compat import TORCH_VERSION
 from ragged_placement.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from ragged_placement.planner import Granularity
 
 WORLD = 2
-STEPS = 5
-BATCH = 8
-D = 16
-LR = 1e-2
-TOL = 1e-5
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.fc1 = nn.Linear(D, 3 * D)
-        self.fc2 = nn.Linear(3 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, n_blocks: int = 3) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
-        self.head = nn.Linear(D, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-_GEN = torch.Generator().manual_seed(0)
-with torch.random.fork_rng():
-    torch.manual_seed(0)
-    INIT = Net().state_dict()  # built once: threads must not race on the global RNG
-X = torch.randn(STEPS, BATCH, 8, generator=_GEN)
-Y = torch.randn(STEPS, BATCH, 5, generator=_GEN)
-
-
-def _net() -> Net:
-    m = Net()
-    m.load_state_dict(INIT)
-    return m
-
-
-def _optimizer(params, sgd: bool) -> torch.optim.Optimizer:
-    # SGD where the gradients' scale must show (AdamW's step nearly ignores it)
-    return torch.optim.SGD(params, lr=LR) if sgd else torch.optim.AdamW(params, lr=LR)
-
-
-def _reference(
-    grad_scale: float = 1.0, sgd: bool = False
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    m = _net()
-    opt = _optimizer(m.parameters(), sgd)
-    losses = []
-    for s in range(STEPS):
-        loss = F.mse_loss(m(X[s]), Y[s])
-        (loss * grad_scale).backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in m.named_parameters()}
 
 
 def _train(rank: int, ws: int, runtime: str, shard, after_backward=None, sgd: bool = False):
     """``STEPS`` AdamW steps on this rank's part of the batch; ``shard(m, mesh, fully_shard)``
     applies ``runtime``'s fully_shard. Returns the global losses and the full parameters."""
-    m = _net()
+    m = surface_net()
     mesh = DeviceMesh("cpu", list(range(ws)))
     shard(m, mesh, fully_shard_of(runtime))
-    opt = _optimizer(m.parameters(), sgd)
-    return _steps(m, opt, rank, ws, after_backward), {k: full(v) for k, v in m.named_parameters()}
-
-
-def _steps(m: nn.Module, opt: torch.optim.Optimizer, rank: int, ws: int,
-           after_backward=None) -> list[float]:
-    """``STEPS`` steps of the sharded ``m`` on this rank's part of each batch
-    (``after_backward(m)`` between backward and the optimizer step): the global mean losses."""
-    return train_steps(m, opt, zip(X, Y), rank, ws, loss_fn=_mse, after_backward=after_backward)
-
-
-def _mse(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(m(x), y)
-
-
-def _assert_matches(result, ref, what: str) -> None:
-    """``result`` and ``ref``, each ``(losses, full parameters)``, agree within ``TOL``."""
-    losses, params = result
-    ref_losses, ref_params = ref
-    assert losses == pytest.approx(ref_losses, abs=TOL), what
-    assert params.keys() == ref_params.keys()
-    for k, v in params.items():
-        torch.testing.assert_close(v, ref_params[k], atol=TOL, rtol=0, msg=f"{what} {k}")
+    opt = surface_optimizer(m.parameters(), sgd)
+    return surface_steps(m, opt, rank, ws, after_backward), {k: full(v) for k, v in m.named_parameters()}
 
 
 def _assert_matches_reference_and_fsdp2(
     shard, after_backward=None, grad_scale: float = 1.0, sgd: bool = False
 ) -> None:
-    ref = _reference(grad_scale, sgd)
+    ref = surface_reference(grad_scale, sgd)
     for runtime in ("ours", "fsdp2"):
         for result in run_threaded(_train, WORLD, runtime, shard, after_backward, sgd):
-            _assert_matches(result, ref, runtime)
+            assert_matches(result, ref, runtime)
 
 
 # -- MixedPrecisionPolicy ----------------------------------------------------------------------
@@ -153,7 +84,7 @@ def _bf16_step(rank: int, ws: int, runtime: str):
 def test_torch_mixed_precision_policy_trains_as_in_fsdp2():
     ours = run_threaded(_bf16_step, WORLD, "ours")[0]
     theirs = run_threaded(_bf16_step, WORLD, "fsdp2")[0]
-    ref = _reference()[0]
+    ref = surface_reference()[0]
     assert ours == pytest.approx(theirs, abs=2e-3)
     assert ours != pytest.approx(ref, abs=1e-6)  # bf16 really ran
 
@@ -198,7 +129,7 @@ def _counting(name: str, fn):
 def _count_collectives(
     rank: int, ws: int, runtime: str, shard, by_group: bool
 ) -> dict[str, int] | dict[tuple[str, int], int]:
-    m = _net()
+    m = surface_net()
     fs = fully_shard_of(runtime)
     shard(m, DeviceMesh("cpu", list(range(ws))), fs)
     F.mse_loss(m(X[0, :2]), Y[0, :2]).backward()  # warm-up: records the order for prefetching
@@ -242,11 +173,11 @@ def _reshard_values(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
     for bad in (3, 0, 8, -2):
         with pytest.raises(ValueError, match=f"reshard_after_forward={bad} must be a factor of"):
-            fully_shard(_net().blocks[0], mesh=mesh, reshard_after_forward=bad)
+            fully_shard(surface_net().blocks[0], mesh=mesh, reshard_after_forward=bad)
     for bad in ("yes", 2.0):
         with pytest.raises(ValueError, match="reshard_after_forward must be a bool, None or an int"):
-            fully_shard(_net().blocks[0], mesh=mesh, reshard_after_forward=bad)
-    m = _net()
+            fully_shard(surface_net().blocks[0], mesh=mesh, reshard_after_forward=bad)
+    m = surface_net()
     fully_shard(m.blocks[0], mesh=mesh, reshard_after_forward=None)
     fully_shard(m.blocks[1], mesh=mesh, reshard_after_forward=2)
     fully_shard(m.blocks[2], mesh=mesh, reshard_after_forward=2)
@@ -321,10 +252,10 @@ def _train_pairs_on_gloo(rank: int, ws: int):
 
 @pytest.mark.multiprocess
 def test_reshard_after_forward_2_on_4_gloo_ranks_trains_as_one_process_and_fsdp2():
-    ref = _reference()
+    ref = surface_reference()
     for ours, theirs, pair_gathers in run_gloo(_train_pairs_on_gloo, 4):
-        _assert_matches(ours, ref, "ours")
-        _assert_matches(theirs, ref, "fsdp2")
+        assert_matches(ours, ref, "ours")
+        assert_matches(theirs, ref, "fsdp2")
         # every step, each block gathers once over its pair in backward: its whole buffer
         assert len(pair_gathers) == STEPS
         for step in pair_gathers:
@@ -390,7 +321,7 @@ def test_reshard_after_forward_2_with_tensor_parallel_and_hsdp_trains_as_true():
 def _held_between_forward_and_backward(rank: int, ws: int, value):
     """Per block after a forward: (bytes of its unsharded buffer, of its post-forward shard,
     whether the modules show the sharded parameters); then the backward's gathers by group."""
-    m = _net()
+    m = surface_net()
     _per_block(reshard_after_forward=value)(m, DeviceMesh("cpu", list(range(ws))), fully_shard)
     blocks = [b.fsdp_unit for b in m.blocks]
     loss = F.mse_loss(m(X[0, :2]), Y[0, :2])
@@ -464,11 +395,11 @@ def _grouped_from_meta(rank: int, ws: int) -> list[float]:
     _grouped(m, DeviceMesh("cpu", list(range(ws))), fully_shard)
     m.to_empty(device="cpu")  # moves the group's one unit once per module of the group
     m.load_state_dict(INIT)
-    return train_steps(m, torch.optim.AdamW(m.parameters(), lr=LR), zip(X, Y), rank, ws, loss_fn=_mse)
+    return train_steps(m, torch.optim.AdamW(m.parameters(), lr=LR), zip(X, Y), rank, ws, loss_fn=mse)
 
 
 def test_list_of_modules_built_on_meta_matches_reference():
-    ref = _reference()[0]
+    ref = surface_reference()[0]
     for losses in run_threaded(_grouped_from_meta, WORLD):
         assert losses == pytest.approx(ref, abs=TOL)
 
@@ -489,11 +420,11 @@ def _grouped_checkpointed(rank: int, ws: int, runtime: str) -> list[float]:
     m = CheckpointedNet()
     m.load_state_dict(INIT)
     _grouped(m, DeviceMesh("cpu", list(range(ws))), fully_shard_of(runtime))
-    return train_steps(m, torch.optim.AdamW(m.parameters(), lr=LR), zip(X, Y), rank, ws, loss_fn=_mse)
+    return train_steps(m, torch.optim.AdamW(m.parameters(), lr=LR), zip(X, Y), rank, ws, loss_fn=mse)
 
 
 def test_list_of_modules_under_activation_checkpointing_matches_reference_and_fsdp2():
-    ref = _reference()[0]
+    ref = surface_reference()[0]
     for runtime in ("ours", "fsdp2"):
         for losses in run_threaded(_grouped_checkpointed, WORLD, runtime):
             assert losses == pytest.approx(ref, abs=TOL), runtime
@@ -539,7 +470,7 @@ def test_list_of_modules_with_a_chunked_head_matches_reference_and_fsdp2():
 
 
 def _group_layout(rank: int, ws: int):
-    m = _net()
+    m = surface_net()
     mesh = DeviceMesh("cpu", list(range(ws)))
     matrices = {"1.*": Granularity.matrix()}
     out = fully_shard([m.blocks[0], m.blocks[1]], mesh=mesh, granularity=matrices)
@@ -587,13 +518,13 @@ def test_ignored_params_are_unsharded_and_unmanaged_as_in_fsdp2():
 
 
 def _ignored_layout(rank: int, ws: int):
-    m = _net()
+    m = surface_net()
     _shard_ignoring(m, DeviceMesh("cpu", list(range(ws))), fully_shard)
     managed = {id(p) for _, u in m.fsdp_units() for p in u.sharded_params}
     assert all(id(p) not in managed for p in _ignored(m))
     assert isinstance(m.blocks[1].fc2.weight, DTensor)
     with pytest.raises(ValueError, match="ignored_params must be a set of nn.Parameters"):
-        fully_shard(_net(), mesh=DeviceMesh("cpu", list(range(ws))), ignored_params={"head.bias"})
+        fully_shard(surface_net(), mesh=DeviceMesh("cpu", list(range(ws))), ignored_params={"head.bias"})
     return True
 
 
@@ -626,19 +557,19 @@ def _placement_fn_errors(rank: int, ws: int):
     expected = r"Shard\(d > 0\) for parameter 'fc1.weight' and granularity=.*pass one of them"
     with pytest.raises(ValueError, match=expected):
         fully_shard(
-            _net().blocks[0], mesh=mesh, shard_placement_fn=_last_dim,
+            surface_net().blocks[0], mesh=mesh, shard_placement_fn=_last_dim,
             granularity=Granularity.row(),
         )
     with pytest.raises(ValueError, match="shard_placement_fn must be callable"):
-        fully_shard(_net().blocks[0], mesh=mesh, shard_placement_fn=Shard(0))
+        fully_shard(surface_net().blocks[0], mesh=mesh, shard_placement_fn=Shard(0))
     with pytest.raises(ValueError, match=r"takes None, Shard\(dim\) or FSDP2.s ShardPlacementResult"):
-        fully_shard(_net().blocks[0], mesh=mesh, shard_placement_fn=lambda p: "rows")
+        fully_shard(surface_net().blocks[0], mesh=mesh, shard_placement_fn=lambda p: "rows")
     with pytest.raises(ValueError, match="cuts inside dim-0 rows"):
         fully_shard(
-            _net().blocks[0], mesh=mesh, shard_placement_fn=lambda p: Shard(0),
+            surface_net().blocks[0], mesh=mesh, shard_placement_fn=lambda p: Shard(0),
             granularity=Granularity.element(),
         )
-    block = _net().blocks[0]
+    block = surface_net().blocks[0]
     last_if_1d = lambda p: Shard(-1) if p.ndim == 1 else Shard(0)  # noqa: E731
     fully_shard(block, mesh=mesh, shard_placement_fn=last_if_1d)
     return True
@@ -664,12 +595,12 @@ class _Bf16GatherWeight(torch.Tensor):
 
 def _all_gather_extension_errors(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
-    net = _net()
+    net = surface_net()
     net.blocks[0].fc1.weight = nn.Parameter(net.blocks[0].fc1.weight.as_subclass(_Bf16GatherWeight))
     with pytest.raises(NotImplementedError, match=r"'fc1.weight' .*fsdp_pre_all_gather"):
         fully_shard(net.blocks[0], mesh=mesh)
     # set on a local tensor after fully_shard (FSDP2's monkey-patching idiom): the first forward
-    model = fully_shard(_net(), mesh=mesh)
+    model = fully_shard(surface_net(), mesh=mesh)
     local = model.blocks[0].fc1.weight._local_tensor
     local.fsdp_pre_all_gather = _Bf16GatherWeight.fsdp_pre_all_gather.__get__(local)
     with pytest.raises(NotImplementedError, match=r"'blocks.0.fc1.weight' .*fsdp_pre_all_gather"):
@@ -688,23 +619,23 @@ def _surface_checks(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
     # CPUOffloadPolicy: the sharded chunk on CPU, staged through the mesh's device (see
     # tests/fsdp/test_fsdp_offload.py); pinned memory needs an accelerator, as in FSDP2
-    m = fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    m = fully_shard(surface_net(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     assert isinstance(m, FSDPModule) and isinstance(m, TorchFSDPModule)
     assert m.fsdp_unit.buffers[0].offload_device == torch.device("cpu")
     if not torch.accelerator.is_available():
         with pytest.raises(ValueError, match="pin_memory=True needs an accelerator"):
-            fully_shard(_net(), mesh=mesh, offload_policy=CPUOffloadPolicy())
-    fully_shard(_net(), mesh=mesh, offload_policy=OffloadPolicy())
+            fully_shard(surface_net(), mesh=mesh, offload_policy=CPUOffloadPolicy())
+    fully_shard(surface_net(), mesh=mesh, offload_policy=OffloadPolicy())
     with pytest.raises(ValueError, match="offload_policy must be"):
-        fully_shard(_net(), mesh=mesh, offload_policy="cpu")
+        fully_shard(surface_net(), mesh=mesh, offload_policy="cpu")
     with pytest.raises(ValueError, match="mp_policy must be"):
-        fully_shard(_net(), mesh=mesh, mp_policy=torch.bfloat16)
+        fully_shard(surface_net(), mesh=mesh, mp_policy=torch.bfloat16)
     with pytest.raises(ValueError, match="non-empty list"):
         fully_shard([], mesh=mesh)
     with pytest.raises(ValueError, match="got Tensor"):
-        fully_shard([_net(), torch.zeros(1)], mesh=mesh)
+        fully_shard([surface_net(), torch.zeros(1)], mesh=mesh)
     with pytest.raises(ValueError, match="already applied to this FSDPNet"):
-        fully_shard([_net(), m], mesh=mesh)
+        fully_shard([surface_net(), m], mesh=mesh)
     return True
 
 
@@ -722,7 +653,7 @@ def test_fsdp_module_answers_every_method_of_torchs():
 
 def _fsdp_module_methods(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
-    m = _net()
+    m = surface_net()
     fully_shard(m.blocks[0], mesh=mesh)
     fully_shard(m, mesh=mesh)
     m.set_is_last_backward(False)
@@ -764,7 +695,7 @@ def test_gradient_divide_factor_matches_fsdp2():
 
 def _mixed_with_torch(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
-    m = _net()
+    m = surface_net()
     torch_fully_shard(m.blocks[1], mesh=mesh)
     by_torch = r"submodule 'blocks\.1' \(FSDPBlock\) was sharded by torch"
     with pytest.raises(ValueError, match=by_torch):
@@ -778,7 +709,7 @@ def _mixed_with_torch(rank: int, ws: int):
     # call's state on the module). On the module itself, torch's own composable-API check
     # refuses first: ours records "fully_shard" in the module's registry, as FSDP2 does, so that
     # torch's replicate() leaves our units' parameters alone.
-    ours = _net()
+    ours = surface_net()
     fully_shard(ours.blocks[0], mesh=mesh)
     with pytest.raises(AssertionError, match="fully_shard has already been applied"):
         torch_fully_shard(ours.blocks[0], mesh=mesh)
@@ -787,7 +718,7 @@ def _mixed_with_torch(rank: int, ws: int):
         r"torch.distributed.fsdp.fully_shard reached parameter 'weight' of LayerNorm, which "
         r"ragged_placement.fsdp.fully_shard sharded already \(as part of FSDPBlock\)"
     )
-    ours = _net()
+    ours = surface_net()
     fully_shard(ours.blocks[0], mesh=mesh)
     with pytest.raises(ValueError, match=reached):
         torch_fully_shard(ours, mesh=mesh)
@@ -810,7 +741,7 @@ def _load_full_state_dict(rank: int, ws: int):
     out = {}
     for runtime, fs in (("ours", fully_shard), ("fsdp2", torch_fully_shard)):
         for broadcast in (True, False):
-            m = _net()
+            m = surface_net()
             _per_block()(m, DeviceMesh("cpu", list(range(ws))), fs)
             sd = {k: v.clone() for k, v in source.items()} if rank == 0 or not broadcast else {}
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
@@ -838,7 +769,7 @@ def _load_optimizer_state_from_rank0(rank: int, ws: int):
     for runtime, fs in (("ours", fully_shard), ("fsdp2", torch_fully_shard)):
         models = []
         for step in (0, 1):  # two models whose AdamW states differ after one step each
-            m = _net()
+            m = surface_net()
             _per_block()(m, DeviceMesh("cpu", list(range(ws))), fs)
             opt = torch.optim.AdamW(m.parameters(), lr=LR)
             x, y = X[step, rank * per : (rank + 1) * per], Y[step, rank * per : (rank + 1) * per]

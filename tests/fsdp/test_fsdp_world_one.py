@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from common_fsdp import shard_blocks
 from dist_utils import run_gloo
 
 pytestmark = pytest.mark.multiprocess
@@ -20,15 +21,6 @@ def _batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(rank)
     return [(torch.randint(256, (2, 16), generator=g), torch.randint(256, (2, 16), generator=g))
             for _ in range(steps)]
-
-
-def _shard(model, mesh, runtime: str, **kwargs) -> None:
-    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-
-    from ragged_placement.fsdp import fully_shard
-
-    for m in [*model.layers, model]:
-        (fully_shard if runtime == "ours" else fsdp2_fully_shard)(m, mesh=mesh, **kwargs)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -94,11 +86,11 @@ def _in_place_checks(model) -> dict:
 
 
 def _one_rank(rank: int, ws: int) -> dict:
+    from ragged_placement.optim import Muon
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from ragged_placement.models import GPT, GPTConfig
-    from ragged_placement.optim import Muon
 
     mesh = init_device_mesh("cpu", (1,))
     torch.manual_seed(0)
@@ -112,18 +104,18 @@ def _one_rank(rank: int, ws: int) -> dict:
                                   "algorithm": "adamw"}], lr=1e-2),
     }.items():
         ref, ours = copy.deepcopy(plain), copy.deepcopy(plain)
-        _shard(ours, mesh, "ours")
+        shard_blocks(ours, "ours", mesh=mesh)
         out[name] = (_train(ref, make_opt(list(ref.parameters())), batches),
                      _train(ours, make_opt(list(ours.parameters())), batches))
     ours = copy.deepcopy(plain)
-    _shard(ours, mesh, "ours")
+    shard_blocks(ours, "ours", mesh=mesh)
     out["in_place"] = _in_place_checks(ours)
     # mixed precision (bf16 compute, fp32 reduction) against FSDP2 on the same one-rank mesh
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     runs = {}
     for runtime in ("ours", "fsdp2"):
         model = copy.deepcopy(plain)
-        _shard(model, mesh, runtime, mp_policy=mp)
+        shard_blocks(model, runtime, mesh=mesh, mp_policy=mp)
         runs[runtime] = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches)
     out["mixed"] = runs
     return out
@@ -156,11 +148,11 @@ def test_one_rank_issues_no_collective_and_trains_exactly_as_a_plain_module():
 
 
 def _size_one_dims(rank: int, ws: int) -> dict:
+    from ragged_placement.optim import Muon
     from torch.distributed.device_mesh import init_device_mesh
 
     from ragged_placement.fsdp import StateSharding
     from ragged_placement.models import GPT, GPTConfig
-    from ragged_placement.optim import Muon
 
     torch.manual_seed(0)
     plain = GPT(GPTConfig(**CFG))
@@ -170,18 +162,19 @@ def _size_one_dims(rank: int, ws: int) -> dict:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard"))
         for runtime in ("ours", "fsdp2"):
             model = copy.deepcopy(plain)
-            _shard(model, mesh, runtime)
+            shard_blocks(model, runtime, mesh=mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             out[(shape, runtime)] = _train(model, opt, batches)
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))
     for sharding in (StateSharding(params=("b",), grads=("b",), optim=("a", "b")),
                      StateSharding(params=(), grads=("b",), optim=("a", "b"))):
         model = copy.deepcopy(plain)
-        _shard(model, mesh, "ours", state_sharding=sharding)
+        shard_blocks(model, "ours", mesh=mesh, state_sharding=sharding)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         out[str(sharding)] = _train(model, opt, batches)
     model = copy.deepcopy(plain)
-    _shard(model, init_device_mesh("cpu", (2, 1), mesh_dim_names=("rep", "shard")), "ours")
+    hsdp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("rep", "shard"))
+    shard_blocks(model, "ours", mesh=hsdp)
     ps = list(model.parameters())
     opt = Muon([{"params": [p for p in ps if p.ndim == 2]},
                 {"params": [p for p in ps if p.ndim != 2], "algorithm": "adamw"}], lr=1e-2)

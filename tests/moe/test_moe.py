@@ -11,27 +11,24 @@ statistical.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from common.moe import AMSP, BATCH, CFG, STEPS, WORLD, batches, full_state, loss_of, make_model
 from common_fsdp import global_loss
 from dist_utils import recording_collectives, run_gloo, run_threaded
 from torch import nn
+from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.distributed._composable import checkpoint
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 from ragged_placement.fsdp import StateSharding
 from ragged_placement.fsdp import fully_shard as ours_fully_shard
-from ragged_placement.testing.profiling import CollectiveMeter
-from ragged_placement.quant import BlockFP8Config, convert_to_fp8_linear, fp8_linear
 from ragged_placement.models.moe import (
     GroupedExperts,
     MoE,
@@ -43,16 +40,11 @@ from ragged_placement.models.moe import (
     update_expert_bias,
 )
 from ragged_placement.parallelize import parallelize_moe
+from ragged_placement.quant import BlockFP8Config, convert_to_fp8_linear, fp8_linear
+from ragged_placement.testing.profiling import CollectiveMeter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
-CFG = MoEConfig(
-    vocab_size=64, dim=32, n_layers=3, n_dense_layers=1, n_heads=4, hidden_dim=48,
-    moe_hidden_dim=16, num_experts=8, top_k=2, num_shared_experts=1,
-)
-WORLD = 4
-BATCH, SEQ = 8, 8
-STEPS = 5
 LR, WD = 3e-3, 0.1
 # AdamW moves an entry by lr * err / (|g| + eps) for a gradient error err: with torch's eps=1e-8
 # entries whose gradient is numerically zero (about 1e-9, its sign set by rounding) move by up to
@@ -61,33 +53,6 @@ EPS = 1e-6
 MARGIN = 1e-4  # smallest gap between the k-th and (k+1)-th router score the reference allows
 ATOL = 1e-5
 GRAD_ATOL = 1e-7  # the first step's gradients (the largest is about 1e-2)
-
-
-def make_model(cfg: MoEConfig = CFG, seed: int = 0) -> MoETransformer:
-    """The model with a router whose scores are far apart (gate std 0.3 instead of 0.02; seeds
-    chosen for the routing margin, asserted by :func:`train_reference`)."""
-    torch.manual_seed(seed)
-    model = MoETransformer(cfg)
-    for m in model.modules():
-        if isinstance(m, TopKRouter):
-            nn.init.normal_(m.gate.weight, std=0.3)
-    return model
-
-
-def batches(steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g),
-            torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g),
-        )
-        for _ in range(steps)
-    ]
-
-
-def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
 def _record_margins(model: nn.Module) -> list[float]:
@@ -168,13 +133,6 @@ def train_reference(variant: str = "plain") -> tuple[list[float], dict]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, model.first_grads
 
 
-def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-        for k, v in model.state_dict().items()
-    }
-
-
 def _sharded_model(mesh, runtime: str, variant: str, ac: bool, meta: bool, **kw) -> nn.Module:
     """The model of :func:`make_model` under EP x FSDP on ``mesh`` (2-D ``(dp_mod_ep, ep)``):
     ``ac`` checkpoints every block, ``meta`` builds it on the meta device and copies the
@@ -223,10 +181,6 @@ def _ep_runs(rank: int, ws: int, runs: list[tuple]) -> list:
     return out
 
 
-# 2x2 (inter, intra), EP over intra: AMSP for the dense units (parameters over intra, gradients
-# and optimizer state over both), its projection for the experts (ZeRO-2 over inter), and ZeRO-1
-# / ZeRO-3 over inter for the experts beside it.
-AMSP = StateSharding(params=("intra",), grads=("inter", "intra"), optim=("inter", "intra"))
 EXPERT_SHARDINGS = {
     "projected": None,
     "zero1": StateSharding(params=(), grads=(), optim=("inter",)),

@@ -21,14 +21,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from common.moe import AMSP, BATCH, WORLD, batches, full_state, loss_of, make_model
+from common.state_sharding import OptimizerWorkCounter  # Newton-Schulz matrices, Shampoo slabs
 from dist_utils import run_gloo
-from test_fsdp_state_sharding_optim import _Counter  # Newton-Schulz matrices, Shampoo slabs
-from test_moe import AMSP, BATCH, WORLD, batches, full_state, loss_of, make_model
+from ragged_placement.optim import Muon, Shampoo
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 from ragged_placement.parallelize import parallelize_moe
-from ragged_placement.optim import Muon, Shampoo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -58,7 +58,7 @@ def _optimizers(model: torch.nn.Module, name: str) -> tuple[torch.optim.Optimize
     return opt, torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.1, eps=1e-6, foreach=False)
 
 
-def _train(model: torch.nn.Module, name: str, rank: int, ws: int, count: _Counter) -> tuple:
+def _train(model: torch.nn.Module, name: str, rank: int, ws: int, count: OptimizerWorkCounter) -> tuple:
     """``STEPS`` steps on this rank's rows: the global losses, the full state and, per step,
     the work of the experts' optimizer (matrices or slabs done here, its collectives by op,
     Muon's bytes and matrices moved by redistribution)."""
@@ -97,7 +97,7 @@ def _slab_keys(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
 
 def _reference(name: str) -> tuple:
     with pytest.MonkeyPatch.context() as mp:
-        return _train(make_model(), name, 0, 1, _Counter(mp))
+        return _train(make_model(), name, 0, 1, OptimizerWorkCounter(mp))
 
 
 def _runs(rank: int, ws: int, name: str) -> list:
@@ -105,7 +105,7 @@ def _runs(rank: int, ws: int, name: str) -> list:
     AMSP on 2x2 ``(inter, intra)`` with EP over ``intra`` (experts ZeRO-2 over ``inter``)."""
     out = []
     with pytest.MonkeyPatch.context() as mp:
-        count = _Counter(mp)
+        count = OptimizerWorkCounter(mp)
         for run in RUNS:
             model = make_model()
             if run == "amsp":

@@ -10,33 +10,32 @@ from __future__ import annotations
 
 import pytest
 import torch
+from common.muon import DIST_ATOL as MUON_DIST_ATOL
+from common.muon import LR, REF_ATOL, WD, dist_muon, gather_results, max_diff, single_device_results
+from common.muon import SHAPES as MUON_SHAPES
+from common.shampoo import ATOL, OPTS, dist_shampoo, make_problem, reference_shampoo, single_shampoo
+from common.shampoo import DIST_ATOL as SHAMPOO_DIST_ATOL
+from common.shampoo import SHAPES as SHAMPOO_SHAPES
 from dist_utils import run_gloo
-from test_optim_muon import DIST_ATOL as MUON_DIST_ATOL
-from test_optim_muon import LR, REF_ATOL, WD, _dist_muon, _single_device_results, gather_results
-from test_optim_muon import SHAPES as MUON_SHAPES
-from test_optim_shampoo import ATOL, OPTS, _dist_shampoo, _single, make_problem, reference_shampoo
-from test_optim_shampoo import DIST_ATOL as SHAMPOO_DIST_ATOL
-from test_optim_shampoo import SHAPES as SHAMPOO_SHAPES
-from test_optim_muon import max_diff
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _both(rank: int, ws: int):
     muon = {
-        kind: _dist_muon(
+        kind: dist_muon(
             rank, ws, kind, dict(lr=LR, weight_decay=WD, adjust_lr="match_rms_adamw"), 10
         )
         for kind in ("uneven",)
     }
-    shampoo = _dist_shampoo(rank, ws, "flat", 10, OPTS)
+    shampoo = dist_shampoo(rank, ws, "flat", 10, OPTS)
     return muon, shampoo
 
 
 @pytest.mark.multiprocess
 def test_gloo_four_ranks_match_single_device():
     results = run_gloo(_both, 4)
-    single, reference = _single_device_results()
+    single, reference = single_device_results()
     for kind in ("uneven",):
         per_rank = [r[0][kind] for r in results]
         full = gather_results(per_rank, MUON_SHAPES)
@@ -48,7 +47,7 @@ def test_gloo_four_ranks_match_single_device():
         torch.cat([r[0][i].reshape(-1) for r in shampoo]).view(s)
         for i, s in enumerate(SHAMPOO_SHAPES)
     ]
-    assert max_diff(full, _single()) <= SHAMPOO_DIST_ATOL
+    assert max_diff(full, single_shampoo()) <= SHAMPOO_DIST_ATOL
     params, grads = make_problem(0)
     assert max_diff(full, reference_shampoo(params, grads, **OPTS)) < ATOL
     assert all(r[1] == 2 for r in shampoo)

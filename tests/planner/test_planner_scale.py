@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from common.planner import block_shard0_padding, ref_cut_ok, ref_dims, resolvable, units
+from dist_utils import run_threaded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from dist_utils import run_threaded
-from ragged_placement.fsdp.collectives import all_gather_segments, reduce_scatter_segments
 from ragged_placement.planner import (
     Granularity,
     SegmentedPlan,
@@ -25,8 +24,8 @@ from ragged_placement.planner import (
     shard0_padding,
 )
 from ragged_placement.planner.models import fsdp_units
-from test_planner import _resolvable, ref_cut_ok, ref_dims, units
-from test_planner_segments import block_shard0_padding
+
+from ragged_placement.fsdp.collectives import all_gather_segments, reduce_scatter_segments
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 _BLOCK, _ELEMENT = Granularity.block(128, 128), Granularity.element()
@@ -79,7 +78,7 @@ def check_uneven(p: UnevenPlan, shapes, grans) -> None:
 @given(units(), st.integers(1, 40))
 def test_uneven_plan_invariants(unit, world):
     shapes, grans = unit
-    if not _resolvable(shapes, grans):
+    if not resolvable(shapes, grans):
         return
     p = plan_uneven(shapes, world, granularity=grans, dtype=torch.float32)
     check_uneven(p, shapes, grans)
@@ -95,7 +94,7 @@ def test_segmented_uneven_never_pads_more_than_shard0(unit, world):
     """The guarantee kept at any size: never more padding than per-parameter Shard(0) that
     keeps blocks whole, and 1% at most unless that baseline pads more."""
     shapes, grans = unit
-    if not _resolvable(shapes, grans):
+    if not resolvable(shapes, grans):
         return
     p = plan_segmented(shapes, world, granularity=grans, dtype=torch.float32, uneven=True)
     total = sum(math.prod(s) for s in shapes.values())

@@ -7,25 +7,12 @@ import math
 
 import pytest
 import torch
+from common.planner import block_shard0_padding, check_plan, resolvable, units
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from ragged_placement.planner import Granularity, Plan, SegmentedPlan, plan, plan_segmented
-from test_planner import _resolvable, check_plan, units
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-
-
-def block_shard0_padding(shapes: dict[str, tuple[int, ...]], grans: dict[str, Granularity], world: int) -> int:
-    """Per-parameter Shard(0) that keeps blocks whole: dim 0 padded to a multiple of
-    ``world * band_rows`` (band rows 1 for element and row granularities)."""
-    pad = 0
-    for name, s in shapes.items():
-        g = grans[name]
-        band = g.band_rows if g.kind in ("rows", "block") else 1
-        step = world * band
-        pad += (-(-s[0] // step) * step - s[0]) * math.prod(s[1:])
-    return pad
 
 
 def check_segmented(p: Plan | SegmentedPlan, shapes, grans) -> None:
@@ -71,7 +58,7 @@ def gather_round_trip(p: Plan | SegmentedPlan, shapes) -> None:
 @given(unit=units(), world=st.integers(1, 9))
 def test_segmented_plan_invariants_round_trip_and_padding(unit, world):
     shapes, grans = unit
-    if not _resolvable(shapes, grans):
+    if not resolvable(shapes, grans):
         return
     policy = lambda name, shape: grans[name]  # noqa: E731
     p = plan_segmented(shapes, world, policy, torch.float32)
@@ -111,7 +98,7 @@ def test_one_segment_wins_returns_a_plain_plan_and_bad_arguments():
 @given(unit=units(), world=st.integers(1, 9), data=st.data())
 def test_submodule_groups_never_pad_more_and_are_followed_on_ties(unit, world, data):
     shapes, grans = unit
-    if not _resolvable(shapes, grans):
+    if not resolvable(shapes, grans):
         return
     names = list(shapes)
     # a random partition of the names into consecutive groups (submodules hold consecutive names)

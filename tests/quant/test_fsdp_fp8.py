@@ -7,13 +7,24 @@ bf16 under ``fully_shard``, and the planner's plan for the byte count of the all
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
-from common_fsdp import rows as _rows
+from common.fp8 import (
+    GRAD_TOL,
+    LOSS_TOL,
+    QUANT,
+    SEQ,
+    fp8_corpus,
+    fp8_gpt,
+    fp8_init_state,
+    fp8_mesh,
+    fp8_reference,
+    shard_fp8,
+)
 from common_fsdp import global_loss, train_steps
+from common_fsdp import rows as _rows
 from dist_utils import run_gloo, run_threaded
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,57 +36,17 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
 from ragged_placement.fsdp.fp8 import fp8_granularity
-from ragged_placement.testing.profiling import CollectiveMeter
-from ragged_placement.models import GPT, GPTConfig, StdlibCorpus
+from ragged_placement.models import GPTConfig
 from ragged_placement.quant import (
     BlockFP8Config,
     FP8Linear,
     convert_to_fp8_linear,
     quantize_blockwise,
 )
+from ragged_placement.testing.profiling import CollectiveMeter
 
 WORLD = 4
-QUANT = BlockFP8Config(block=(128, 128))
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-SEQ = 64
-# Width 128: every Linear of the blocks is [k * 128, 128] or [128, 512] (whole 128x128 blocks,
-# what scaled_mm needs on GPU). Ragged shapes are covered by RaggedMLP below (CPU emulation).
-CFG = GPTConfig(n_layer=1, n_embd=128, n_head=4, block_size=SEQ)
-
-
-@functools.cache
-def _corpus() -> StdlibCorpus:
-    return StdlibCorpus(max_bytes=1 << 20)  # loaded on first use, not in spawned gloo ranks
-
-
-def _init(cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)  # built once per process: threads must not race on the global RNG
-    return GPT(cfg).state_dict()
-
-
-INIT = _init(CFG)
-
-
-def _gpt(cfg: GPTConfig = CFG, init: dict[str, torch.Tensor] = INIT) -> GPT:
-    m = GPT(cfg)
-    m.load_state_dict(init)
-    return m
-
-
-FP32 = MixedPrecisionPolicy()
-
-
-def _shard(m: GPT, mesh, quant=QUANT, mp=FP32, granularity=None, reshard=True) -> None:
-    for block in m.layers:
-        fully_shard(
-            block, mesh=mesh, quant=quant, mp_policy=mp, granularity=granularity,
-            reshard_after_forward=reshard,
-        )
-    fully_shard(m, mesh=mesh, quant=quant, mp_policy=mp, granularity=granularity)
-
-
-def _mesh(ws: int) -> DeviceMesh:
-    return DeviceMesh("cpu", list(range(ws)))
 
 
 # -- the all-gather: bitwise FP8, byte count, one collective per unit per pass (gloo) ---------
@@ -163,9 +134,9 @@ def _expected_gather_nbytes(unit, ws: int) -> int:
 
 def _gather_rank(rank: int, ws: int):
     torch.set_num_threads(1)
-    mesh = _mesh(ws)
-    gpt = _gpt(GATHER_CFG, _init(GATHER_CFG))
-    _shard(gpt, mesh, mp=BF16)
+    mesh = fp8_mesh(ws)
+    gpt = fp8_gpt(GATHER_CFG, fp8_init_state(GATHER_CFG))
+    shard_fp8(gpt, mesh, mp=BF16)
     mlp = RaggedMLP()
     mlp.load_state_dict(_ragged_init())
     fully_shard(mlp, mesh=mesh, quant=QUANT, mp_policy=BF16)
@@ -225,7 +196,7 @@ def _gather_rank(rank: int, ws: int):
 @pytest.mark.multiprocess
 def test_fp8_all_gather_is_bitwise_single_device_quantization_and_counted_bytes():
     results = run_gloo(_gather_rank, WORLD)
-    init = {f"gpt.{k}": v for k, v in _init(GATHER_CFG).items()}
+    init = {f"gpt.{k}": v for k, v in fp8_init_state(GATHER_CFG).items()}
     init |= {f"mlp.{k}": v for k, v in _ragged_init().items()}
     init |= {f"seg.{k}": v for k, v in _segmented_init().items()}
     init |= {f"une.{k}": v for k, v in _uneven_init().items()}
@@ -283,28 +254,10 @@ def test_fp8_all_gather_is_bitwise_single_device_quantization_and_counted_bytes(
 # -- training: equal to the one-process FP8 model; within tolerance of bf16 ------------------
 
 
-def _fp8_reference(steps: int, batch: int):
-    torch.set_num_threads(1)
-    m = _gpt()
-    convert_to_fp8_linear(m.layers, QUANT)  # the tied head (an embedding) stays fp32
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    losses, grads = [], {}
-    for s in range(steps):
-        x, y = _corpus().batch(s, batch, SEQ)
-        loss = m(x, y)
-        loss.backward()
-        if s == 0:
-            grads = {n: p.grad.clone() for n, p in m.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
-
-
 def _fp8_train_rank(rank: int, ws: int, steps: int, batch: int):
     torch.set_num_threads(1)
-    m = _gpt()
-    _shard(m, _mesh(ws))
+    m = fp8_gpt()
+    shard_fp8(m, fp8_mesh(ws))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     losses, grads, zero_copy = [], {}, []
 
@@ -319,7 +272,7 @@ def _fp8_train_rank(rank: int, ws: int, steps: int, batch: int):
         for i, p in enumerate(unit.unsharded_params)
     ]
     for s in range(steps):
-        x, y = _corpus().batch(s, batch, SEQ)
+        x, y = fp8_corpus().batch(s, batch, SEQ)
         loss = m(_rows(x, rank, ws), _rows(y, rank, ws))
         loss.backward()
         if s == 0:
@@ -335,18 +288,9 @@ def _fp8_train_rank(rank: int, ws: int, steps: int, batch: int):
     return losses, grads, zero_copy, kinds
 
 
-# Measured (torch 2.13 CPU, 20 steps, batch 8): step-0 gradients agree to 1.2e-7 (fp32 reduction
-# order); the losses agree bitwise for two steps, then drift to 1.9e-4 at most over 20 steps as
-# reduction-order differences in the master weights flip the rounding of single FP8 elements.
-# The blocks now plan on uneven chunks (uneven sends): gradients within 1.8e-7, losses 1.7e-4.
-# Bounds: 1e-6 (gradients, first loss) and 1e-3 (losses).
-GRAD_TOL = 1e-6
-LOSS_TOL = 1e-3
-
-
 def test_fp8_training_under_fully_shard_matches_one_process_fp8():
     steps, batch = 20, 8
-    ref_losses, ref_grads = _fp8_reference(steps, batch)
+    ref_losses, ref_grads = fp8_reference(steps, batch)
     for rank, (losses, grads, zero_copy, kinds) in enumerate(
         run_threaded(_fp8_train_rank, WORLD, steps, batch)
     ):
@@ -382,15 +326,15 @@ def _fp8_pairs_rank(rank: int, ws: int, reshard) -> tuple[list[float], list[floa
     post-forward shard, of this rank's place in the gathered sends), and the gathers over the
     pair. The blocks' FP8 sends are uneven (asserted)."""
     torch.set_num_threads(1)
-    m = _gpt()
-    _shard(m, _mesh(ws), reshard=reshard)
+    m = fp8_gpt()
+    shard_fp8(m, fp8_mesh(ws), reshard=reshard)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     units = [block.fsdp_unit for block in m.layers]
     # an uneven all-gather
     assert all(b.fp8.segment.rank_starts is not None for u in units for b in u.buffers)
     losses, held = [], []
     for s in range(3):
-        x, y = _corpus().batch(s, 8, SEQ)
+        x, y = fp8_corpus().batch(s, 8, SEQ)
         loss = m(_rows(x, rank, ws), _rows(y, rank, ws))
         held.append([
             (0 if b.post_forward_shard is None else b.post_forward_shard.untyped_storage().nbytes(),
@@ -510,21 +454,21 @@ def test_fp8_units_on_uneven_chunks_train_as_one_process_fp8_on_gloo():
 def _val_loss_rank(rank: int, ws: int, quant, steps: int) -> tuple[float, str]:
     """The validation loss after ``steps`` steps, and the block unit's plan and gather kind."""
     torch.set_num_threads(1)
-    m = _gpt()
-    _shard(m, _mesh(ws), quant=quant, mp=BF16)
+    m = fp8_gpt()
+    shard_fp8(m, fp8_mesh(ws), quant=quant, mp=BF16)
     (flat,) = m.layers[0].fsdp_unit.buffers
     uneven_sends = flat.fp8 is not None and flat.fp8.segment.rank_starts is not None
     kind = f"{type(flat.plan).__name__}{', uneven sends' if uneven_sends else ''}"
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
     for s in range(steps):
-        x, y = _corpus().batch(s, 8, SEQ)
+        x, y = fp8_corpus().batch(s, 8, SEQ)
         m(_rows(x, rank, ws), _rows(y, rank, ws)).backward()
         opt.step()
         opt.zero_grad()
     total = torch.zeros(())
     with torch.no_grad():
         for i in range(4):
-            x, y = _corpus().batch(10_000 + i, 32, SEQ, split="val")
+            x, y = fp8_corpus().batch(10_000 + i, 32, SEQ, split="val")
             total += m(_rows(x, rank, ws), _rows(y, rank, ws)).float()
     torch.distributed.all_reduce(total)
     return total.item() / (4 * ws), kind
@@ -549,7 +493,7 @@ def test_gpt_fp8_under_fully_shard_within_tolerance_of_bf16():
 
 
 def _bad_input_rank(rank: int, ws: int):
-    mesh = _mesh(ws)
+    mesh = fp8_mesh(ws)
     cuts = [
         ("attn.proj.weight", {"attn.proj.weight": Granularity.row()}),
         ("mlp.fc.weight", {"*.fc.weight": Granularity.rows(64)}),
@@ -557,18 +501,18 @@ def _bad_input_rank(rank: int, ws: int):
     ]
     for name, policy in cuts:
         with pytest.raises(ValueError, match=name.replace(".", r"\.")):
-            fully_shard(_gpt().layers[0], mesh=mesh, quant=QUANT, granularity=policy)
+            fully_shard(fp8_gpt().layers[0], mesh=mesh, quant=QUANT, granularity=policy)
     # coarser than a block is fine: whole matrices, or 256-row bands
     ok = []
     for policy in ({"*.weight": Granularity.rows(256)}, {"*.fc.weight": Granularity.matrix()}):
-        block = _gpt().layers[0]
+        block = fp8_gpt().layers[0]
         fully_shard(block, mesh=mesh, quant=QUANT, granularity=policy)
         ok.append(block.fsdp_unit.buffers[0].fp8 is not None)
     with pytest.raises(ValueError, match="quant"):
-        fully_shard(_gpt().layers[0], mesh=mesh, quant=(128, 128))
+        fully_shard(fp8_gpt().layers[0], mesh=mesh, quant=(128, 128))
     with pytest.raises(ValueError, match="bare nn.Linear"):
         fully_shard(nn.Linear(128, 128), mesh=mesh, quant=QUANT)
-    other = _gpt().layers[0]
+    other = fp8_gpt().layers[0]
     convert_to_fp8_linear(other, BlockFP8Config(block=(64, 64)))
     with pytest.raises(ValueError, match="attn.qkv.weight"):
         fully_shard(other, mesh=mesh, quant=QUANT)

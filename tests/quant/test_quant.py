@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from common.quant import FP8, TINY, formula
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,25 +18,6 @@ from ragged_placement.quant import (
     quantize_blockwise_into,
     quantize_tiles,
 )
-
-FP8 = torch.float8_e4m3fn
-TINY = torch.finfo(torch.float32).tiny
-
-
-def formula(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's block formula, one block at a time (no padding, no reshapes)."""
-    m, n = w.shape
-    bm, bn = block
-    w = w.float()
-    q = torch.empty(m, n, dtype=FP8)
-    s = torch.empty(math.ceil(m / bm), math.ceil(n / bn))
-    for i in range(0, m, bm):
-        for j in range(0, n, bn):
-            blk = w[i : i + bm, j : j + bn]
-            scale = torch.clamp_min(blk.abs().max() / torch.tensor(448.0), TINY)
-            s[i // bm, j // bn] = scale
-            q[i : i + bm, j : j + bn] = torch.clamp(blk / scale, -448.0, 448.0).to(FP8)
-    return q, s
 
 
 def bits(q: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_quant import formula
+from common.quant import formula
 
 from ragged_placement.quant import (
     BlockFP8Config,

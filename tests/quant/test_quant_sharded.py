@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from common.quant import PARAMS, WORLD, S
 from dist_utils import run_gloo, run_threaded
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,19 +17,6 @@ from ragged_placement.placement import RaggedShard
 from ragged_placement.quant import FlatParam, FP8GatherLayout, quantize_blockwise, quantize_run
 
 FP8 = torch.float8_e4m3fn
-S, WORLD = 65536, 4
-# A unit as a 128-row-granularity planner would lay it out (S = 65536 elements per rank):
-#   w1 [384, 256] at 0        -> rank 0 rows [0, 256), rank 1 rows [256, 384)
-#   w2 [200, 256] at 98304    -> rank 1 rows [0, 128), rank 2 rows [128, 200) (ragged edge block)
-#   norm [256] at 149504      -> rank 2 (gathered in bf16)
-#   w3 [384, 128] at 196608   -> rank 3, then a bias [300] and 16084 elements of padding
-PARAMS = [
-    FlatParam("w1", (384, 256), 0, True),
-    FlatParam("w2", (200, 256), 98304, True),
-    FlatParam("norm", (256,), 149504, False),
-    FlatParam("w3", (384, 128), 196608, True),
-    FlatParam("bias", (300,), 245760, False),
-]
 
 
 def full_params(seed: int = 0) -> list[torch.Tensor]:

@@ -148,7 +148,8 @@ else:
         assert int(q_buf.count_nonzero()) == int(bits(q_r).count_nonzero())
 
     def test_gather_layout_pack_with_triton_equals_torch():
-        from test_quant_sharded import PARAMS, S, WORLD as world  # the unit test_quant_sharded lays out
+        from common.quant import PARAMS, S  # the unit test_quant_sharded lays out
+        from common.quant import WORLD as world
 
         layout = FP8GatherLayout(PARAMS, S, world)
         flat = torch.randn(S * world, generator=torch.Generator().manual_seed(6))

@@ -24,6 +24,8 @@ import pytest
 import torch
 import torch.distributed.tensor as dtensor
 import torch.nn.functional as F
+from common.placement import reference_local
+from dist_utils import run_gloo, run_threaded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed import _state_dict_utils
@@ -31,9 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dist_utils import run_gloo, run_threaded
 from ragged_placement import RaggedShard
-from test_placement_properties import reference_local
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", message=".*DTensor random operators may not have complete support.*")

@@ -92,6 +92,24 @@ def test_failed_rank_is_named_and_the_next_world_is_clean():
     _assert_next_world_is_clean()
 
 
+def _sum_of_ranks(rank: int, ws: int) -> float:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_threaded_world_ends_with_torchs_world_and_autograd_as_they_were():
+    """``run_threaded`` returns each rank's result, and afterwards c10d's world is the one before
+    it and autograd's multithreading is on again (torch 2.11's own uninstall leaves it off;
+    its threaded world lacks the ``comms`` its ``destroy_process_group`` reads:
+    ``_compat.install_threaded_pg``)."""
+    world = dist.distributed_c10d._world
+    assert torch.autograd.is_multithreading_enabled()
+    assert run_threaded(_sum_of_ranks, 3) == [3.0, 3.0, 3.0]
+    assert dist.distributed_c10d._world is world
+    assert torch.autograd.is_multithreading_enabled()
+
+
 class _Interrupted(Exception):
     pass
 
@@ -181,3 +199,30 @@ def test_gloo_hang_report_names_the_rank_the_collective_and_the_stack(tmp_path):
     rank_1 = report.split("rank 1: blocked in ")[1].splitlines()[0]
     assert rank_1.endswith("in _gloo_rank_0_waits") and "test_dist_utils.py" in rank_1, report
     assert report.split("rank 1:")[1].splitlines()[1].endswith("in _rank_main")  # trimmed stack
+
+
+def _record_on_every_rank(rank: int, ws: int) -> tuple[list[int], bool]:
+    """Every rank opens its own record at once, creates an out-of-order group (the path
+    ``state_sharding`` takes) and all-reduces on it."""
+    from ragged_placement import _compat
+
+    with dist_utils.recording_collectives(("all_reduce", "new_group")) as record:
+        group = _compat.new_group_in_order([ws - 1 - r for r in range(ws)])
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)
+        dist.barrier()
+    return dist.get_process_group_ranks(group), sorted(record.calls["all_reduce"]) == list(range(ws))
+
+
+def test_records_opened_by_every_rank_thread_leave_torch_as_it_was():
+    """Rank threads opening ``recording_collectives`` at once record every rank's calls and,
+    once all closed, leave torch's functions in place (each patching on its own stacked
+    wrappers and restored the wrong one, so a wrapper outlived the test, hid ``new_group``'s
+    ``sort_ranks`` from :func:`ragged_placement._compat.new_group_in_order` and a later 8-rank
+    world hung in a group's store barrier)."""
+    before = {n: getattr(dist, n) for n in ("all_reduce", "new_group")}
+    for _ in range(3):
+        results = run_threaded(_record_on_every_rank, 4)
+        assert results == [([3, 2, 1, 0], True)] * 4
+    assert {n: getattr(dist, n) for n in before} == before
+    _assert_next_world_is_clean()

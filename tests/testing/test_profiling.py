@@ -60,8 +60,8 @@ def _one_step_counted(rank: int, cfg, init: dict, mesh, runtime: str, sharding) 
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     from ragged_placement.fsdp import fully_shard
-    from ragged_placement.testing.profiling import CollectiveMeter
     from ragged_placement.models import GPT
+    from ragged_placement.testing.profiling import CollectiveMeter
 
     model = GPT(cfg)
     model.load_state_dict(init)
@@ -93,8 +93,8 @@ def _counters_on_2x2(rank: int, ws: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from ragged_placement.fsdp import StateSharding
-    from ragged_placement.testing.profiling import CollectiveMeter
     from ragged_placement.models import GPT, GPTConfig
+    from ragged_placement.testing.profiling import CollectiveMeter
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
     flat = init_device_mesh("cpu", (4,))
@@ -148,14 +148,15 @@ def _uneven_fp8_metered(rank: int, ws: int) -> list[tuple[int, int, int]]:
     """One step of the FP8 GPT, whose blocks gather uneven FP8 sends, under the meter: as the
     runtime issues it, and with the uneven all-gather behind a ``*args`` wrapper (a benchmark's
     stand-in, a tracer). Per way: (meter's all-gather bytes, the units' own count, gathers)."""
-    from test_fsdp_fp8 import SEQ, _corpus, _gpt, _mesh, _rows, _shard
+    from common.fp8 import SEQ, fp8_corpus, fp8_gpt, fp8_mesh, shard_fp8
+    from common_fsdp import rows as _rows
 
     from ragged_placement.fsdp import collectives
     from ragged_placement.testing.profiling import CollectiveMeter
 
     torch.set_num_threads(1)
-    m = _gpt()
-    _shard(m, _mesh(ws))
+    m = fp8_gpt()
+    shard_fp8(m, fp8_mesh(ws))
     units = [u for _, u in m.fsdp_units()]
     assert any(b.fp8 is not None and b.fp8.segment.rank_starts is not None
                for u in units for b in u.buffers)
@@ -167,7 +168,7 @@ def _uneven_fp8_metered(rank: int, ws: int) -> list[tuple[int, int, int]]:
         before = sum(u.stats.all_gather_bytes for u in units)
         try:
             with CollectiveMeter() as meter:
-                x, y = _corpus().batch(0, 8, SEQ)
+                x, y = fp8_corpus().batch(0, 8, SEQ)
                 m(_rows(x, rank, ws), _rows(y, rank, ws)).backward()
         finally:
             collectives._all_gather_uneven = real
