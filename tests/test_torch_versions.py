@@ -72,3 +72,26 @@ def test_torchtitan_runs_on_torch_2_14_and_later_and_says_why_not_before():
     else:
         assert reason is not None and reason.startswith("torchtitan 0.3.0 is written for torch 2.14")
         assert "torch.distributed.set_timeout" in reason and "arg_mbs/kwarg_mbs" in reason
+
+
+def test_patch_targets_reads_every_replaced_target_and_finds_none_changed_against_itself():
+    """``scripts/patch_targets.py`` (docs/upstream.md's table of what another torch changes)
+    reads the source of every row's target; compared with itself it lists every row, no
+    difference, and a changed body is reported as changed."""
+    import importlib.util
+
+    from ragged_placement import _install
+
+    spec = importlib.util.spec_from_file_location("patch_targets", REPO / "scripts" / "patch_targets.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ours = script.dump()
+    rows = [p for p in (*_install.PATCHES, *_install.FSDP2_PATCHES,
+                        *getattr(_install, "PIPELINING_PATCHES", ())) if p.expected is not None]
+    out = script.report(ours, ours)
+    for p in rows:
+        assert f"  same     {p.owner}.{p.name}\n" in out, (p, out)
+    assert f"0 of {len(rows)} replaced targets differ" in out
+    row = f"{rows[0].owner}.{rows[0].name}"
+    edited = dict(ours, **{row: ours[row] + "    pass\n"})
+    assert f"  changed  {row}: +1 -0 lines\n" in script.report(ours, edited)
