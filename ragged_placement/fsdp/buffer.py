@@ -241,7 +241,7 @@ class FlatBuffer:
     unsharded_specs: list[DTensorSpec | None]
     sharded_params: list[nn.Parameter]
     unsharded_params: list[nn.Parameter]
-    registration: Registration  # what the owning modules give for the parameters
+    registration: Registration | None  # what the owning modules give (None: hidden)
     # the all-gather output and the unsharded tensors (None on the meta device), of the kind
     # chosen once by whether the buffer holds FP8 weights (fsdp/gather.py)
     gather: PlainGather | FP8UnitGather | None
@@ -476,6 +476,7 @@ class FlatBuffer:
         for slot in self.slots:
             for module, attr in slot.owners:
                 module._parameters[attr] = None
+        self.registration = None
 
     # -- moves and casts ---------------------------------------------------------------------
     def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -570,13 +571,6 @@ class FlatBuffer:
         ``params=()``)."""
         if not self.dp.keeps_params_unsharded:
             self.gather.free()
-
-    def expose_sharded(self, how: Registration = Registration.SHARDED) -> None:
-        """Register the sharded parameters (``how``: alone, or with the unsharded ones shown to
-        attribute reads) once a CPU-offload staging copy still reading the host chunk has
-        finished: from here on the host may write it (an optimizer step)."""
-        self.staging.wait_to_device()
-        self.register(how)
 
     def wait_offload_copies(self) -> None:
         """Block the host until the asynchronous staging copies are complete (see
