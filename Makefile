@@ -8,7 +8,7 @@ VENV ?= $(if $(filter $(DEFAULT_TORCH),$(TORCH)),.venv,.venv-torch$(TORCH))
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow install bench titan conformance clean
+.PHONY: demo test test-slow install bench titan titan-integration titan-bench conformance clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,18 @@ test-slow: $(STAMP)
 # `make test` runs its FSDP case only.
 titan: $(STAMP)
 	$(VPY) tests/train/titan/compare.py
+
+# ragged_placement.integrations.torchtitan under torchtitan's own trainer (`torchrun -m
+# torchtitan.train`): the long comparisons (AMSP and the partitioner against FSDP2's HSDP, Muon
+# and block FP8 against one process); `make test` runs the short one.
+titan-integration: $(STAMP)
+	$(VPY) -m pytest -q -m slow tests/train/test_titan_integration.py
+
+# torchtitan's tokens/s and memory, ours against FSDP2 (FSDP, HSDP, PP, AMSP), then FSDP2 HSDP
+# against the partitioner's choice on two emulated nodes (root; docs/torchtitan.md).
+titan-bench: $(STAMP)
+	$(VPY) benchmarks/titan.py
+	$(VPY) benchmarks/titan.py --two-nodes
 
 bench: $(STAMP)
 	$(VPY) -m pip install -q -e '.[dev,bench]'

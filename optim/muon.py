@@ -45,7 +45,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from ragged_placement.optim._adamw import adamw_update
+from ragged_placement.optim._adamw import adamw_math, adamw_update
+from ragged_placement.optim._flat import (
+    LOCAL,
+    FlatStep,
+    NotFlat,
+    flat_step_enabled,
+    flat_view,
+    run_candidates,
+)
 from ragged_placement.optim._mesh_nd import (
     assign_nd_owners,
     gather_to_owner,
@@ -253,8 +261,15 @@ class Muon(ShardedStateOptimizer):
             for p in g["params"]
             if p.grad is not None
         ]
-        # 1. momentum, locally; U in ns_dtype (what NS consumes) is what travels.
-        updates = [self._momentum(p, g) for p, g in entries]
+        # 1. momentum, locally; U in ns_dtype (what NS consumes) is what travels. On runs of
+        #    flat shards (a unit's matrices back to back) one op per run; weight decay (6.)
+        #    runs on the same runs.
+        flat = flat_step_enabled()
+        decays: list[tuple[list[torch.Tensor], float]] = []
+        if flat:
+            updates, decayed = self._flat_momenta(entries, decays)
+        else:
+            updates, decayed = [self._momentum(p, g) for p, g in entries], set()
 
         # 2. split parameters into unsharded ones (plain / Replicate: every rank computes them)
         #    and one exchange per process group.
@@ -317,8 +332,11 @@ class Muon(ShardedStateOptimizer):
             returns.append(back)
 
         # 6. meanwhile: weight decay, unsharded parameters, AdamW groups.
-        for p, g in entries:
-            if g["weight_decay"]:
+        for tensors, factor in decays:
+            for t in tensors:
+                t.mul_(factor)
+        for j, (p, g) in enumerate(entries):
+            if g["weight_decay"] and j not in decayed:
                 local_flat(p).mul_(1 - g["lr"] * g["weight_decay"])
         for i in unsharded:
             self._apply(entries[i], unsharded_out[i])
@@ -326,27 +344,126 @@ class Muon(ShardedStateOptimizer):
             self._apply(entries[i], out)
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
-                for p in g["params"]:
-                    if p.grad is not None:
-                        check_grad_placement(p)
-                        adamw_update(
-                            local_tensor(p),
-                            local_tensor(p.grad),
-                            self.state[p],
-                            lr=g["lr"],
-                            betas=g["betas"],
-                            eps=g["adamw_eps"],
-                            weight_decay=g["weight_decay"],
-                        )
+                params = [p for p in g["params"] if p.grad is not None]
+                rest = self._flat_adamw(params, g) if flat and params else params
+                for p in rest:
+                    check_grad_placement(p)
+                    adamw_update(
+                        local_tensor(p),
+                        local_tensor(p.grad),
+                        self.state[p],
+                        lr=g["lr"],
+                        betas=g["betas"],
+                        eps=g["adamw_eps"],
+                        weight_decay=g["weight_decay"],
+                    )
 
-        # 7. land the returned pieces.
+        # 7. land the returned pieces (flat: one foreach add per learning rate).
         for (idx, ex, flats, _), res, back in zip(exchanges, results, returns):
             outs = [torch.empty_like(f) for f in flats]
             ex.finish_scatter(back, res, outs)
-            for j, i in enumerate(idx):
-                self._apply(entries[i], outs[j])
+            if flat:
+                self._apply_all([entries[i] for i in idx], outs)
+            else:
+                for j, i in enumerate(idx):
+                    self._apply(entries[i], outs[j])
         self.last_step_info = info
         return loss
+
+    def _flat_momenta(
+        self,
+        entries: list[tuple[torch.Tensor, dict[str, Any]]],
+        decays: list[tuple[list[torch.Tensor], float]],
+    ) -> tuple[list[torch.Tensor], set[int]]:
+        """Step 1 on runs of flat shards, per param group: the momentum buffers adopted into
+        one buffer per run (:class:`~._flat.FlatStep`), ``lerp`` and the cast once per run,
+        each matrix's ``U`` a view of its run's. Appends each group's weight decay on the same
+        runs to ``decays``; returns the updates (1-D, as :meth:`_momentum`'s) and the entries
+        that decay there."""
+        updates: list[torch.Tensor | None] = [None] * len(entries)
+        decayed: set[int] = set()
+        by_group: dict[int, tuple[dict[str, Any], list[int]]] = {}
+        for j, (_, g) in enumerate(entries):
+            by_group.setdefault(id(g), (g, []))[1].append(j)
+        for group, idx in by_group.values():
+            params = [entries[j][0] for j in idx]
+            grads = [p.grad for p in params]
+            cand, rest = run_candidates(params, [grads])
+            for k in rest:
+                updates[idx[k]] = self._momentum(params[k], group)
+            if not cand:
+                continue
+            ps = [params[k] for k in cand]
+            states = [self.state[p] for p in ps]
+            try:
+                step = FlatStep(
+                    [list(map(LOCAL, ps)), [grads[k]._local_tensor for k in cand],
+                     [st.get("momentum_buffer") for st in states]],
+                    2, None, lambda _, i, view: states[i].__setitem__("momentum_buffer", view),
+                )
+            except NotFlat:
+                for k in cand:
+                    updates[idx[k]] = self._momentum(params[k], group)
+                continue
+            m = group["momentum"]
+            for run, g, buf in zip(step.runs, step.tensors[1], step.tensors[2]):
+                buf.lerp_(g, 1 - m)
+                u = (g.lerp(buf, m) if group["nesterov"] else buf).to(self.ns_dtype).view(-1)
+                offset = 0
+                for i in run.members:
+                    numel = ps[i]._local_tensor.numel()
+                    updates[idx[cand[i]]] = u[offset : offset + numel]
+                    offset += numel
+            if group["weight_decay"]:
+                decays.append((step.tensors[0], 1 - group["lr"] * group["weight_decay"]))
+                decayed.update(idx[k] for k in cand)
+        return updates, decayed
+
+    def _flat_adamw(self, params: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
+        """An ``"adamw"`` group's step on runs of flat shards (:class:`~._flat.FlatStep`):
+        :func:`~._adamw.adamw_math` once per run with its step count. Returns the parameters
+        left to the per-parameter update."""
+        grads = [p.grad for p in params]
+        cand, rest = run_candidates(params, [grads])
+        if not cand:
+            return params
+        ps = [params[k] for k in cand]
+        states = [self.state[p] for p in ps]
+        fresh = ["step" not in st for st in states]
+        keys = ("exp_avg", "exp_avg_sq")
+        lists = [list(map(LOCAL, ps)), [grads[k]._local_tensor for k in cand],
+                 *([None if new else st[key] for st, new in zip(states, fresh)] for key in keys)]
+        steps = [torch.tensor(0.0) if new else st["step"] for st, new in zip(states, fresh)]
+        try:
+            step = FlatStep(lists, 2, steps, lambda k, i, view: states[i].__setitem__(keys[k - 2], view))
+        except NotFlat:
+            return params
+        for st, new, count in zip(states, fresh, steps):
+            if new:
+                st["step"] = count
+        torch._foreach_add_(step.steps, 1)
+        for p, g, exp_avg, exp_avg_sq, count in zip(*step.tensors, step.steps):
+            adamw_math(p, g, exp_avg, exp_avg_sq, int(count.item()), lr=group["lr"],
+                       betas=group["betas"], eps=group["adamw_eps"],
+                       weight_decay=group["weight_decay"])
+        step.finish()
+        return [params[k] for k in rest]
+
+    @staticmethod
+    def _apply_all(entries: list[tuple[torch.Tensor, dict[str, Any]]], updates: list[torch.Tensor]) -> None:
+        """:meth:`_apply` of every entry, as one foreach add per learning rate."""
+        by_lr: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for (p, group), update in zip(entries, updates):
+            rows, cols = p.shape[-2:]
+            lr = adjusted_lr(group["lr"], group["adjust_lr"], rows, cols)
+            local = local_tensor(p)
+            if not local.is_contiguous():
+                raise ValueError(f"local tensor of shape {tuple(local.shape)} must be contiguous")
+            params, outs = by_lr.setdefault(lr, ([], []))
+            params.append(flat_view(local, local.numel()))
+            outs.append(update.reshape(-1))
+        for lr, (params, outs) in by_lr.items():
+            torch._foreach_add_(params, outs, alpha=-lr)
 
     def _step_nd(
         self, entries: list[tuple[torch.Tensor, dict[str, Any]]], updates: list[torch.Tensor], nd: list[int]

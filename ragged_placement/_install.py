@@ -11,7 +11,8 @@ exactly as before.
 (owner, name, the torch original we expect there, the replacement). :data:`FSDP2_PATCHES` holds
 the rows for torch's FSDP2 (its ``register_fsdp_forward_method`` reaches ours for our modules,
 its ``fully_shard.state`` returns our units' view for pipelining; a clear error when its
-``fully_shard`` meets a RaggedShard parameter).
+``fully_shard`` meets a RaggedShard parameter); :data:`OPTIM_PATCHES` the rows for torch's
+Adam and AdamW, which step our units' parameters as runs of their flat shards.
 
 Nothing is patched when the package is imported. :func:`install` runs the first time a
 :class:`~ragged_placement.RaggedShard` is made (nothing reaches a patched path without one), and
@@ -48,7 +49,7 @@ from ragged_placement import placement as _placement
 from ragged_placement.placement import RaggedShard
 
 __all__ = [
-    "FSDP2Hooks", "FSDP2_PATCHES", "PATCHES", "Patch", "changed_rows", "install", "install_fsdp2", "installed",
+    "FSDP2Hooks", "FSDP2_PATCHES", "OPTIM_PATCHES", "PATCHES", "Patch", "changed_rows", "install", "install_fsdp2", "installed",
     "uninstall", "warn_if_untested",
 ]
 
@@ -581,6 +582,26 @@ FSDP2_PATCHES: tuple[Patch, ...] = (
           _build_fsdp2_state_lookup),
 )
 
+# -- torch.optim's Adam and AdamW --------------------------------------------------------------
+def _build_flat_adam(original):
+    from ragged_placement.optim._flat_adam import flat_adam
+
+    return flat_adam(original)
+
+
+_ADAM = "torch.optim.adam"
+_ADAM_PARAMS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps",
+                "grad_scale", "found_inf")
+
+#: The rows for torch's optimizers, applied with :data:`FSDP2_PATCHES`: ``torch.optim.Adam`` and
+#: ``AdamW`` (``foreach``, ``fused`` or the per-tensor loop torch picks for DTensors by default)
+#: step the parameters of our units as runs of their flat shards
+#: (:mod:`ragged_placement.optim._flat_adam`); every other call reaches torch's function.
+OPTIM_PATCHES: tuple[Patch, ...] = tuple(
+    Patch(_ADAM, name, f"{_ADAM}.{name}", _build_flat_adam, _ADAM_PARAMS)
+    for name in ("_single_tensor_adam", "_multi_tensor_adam", "_fused_adam")
+)
+
 # (patch, owner, original raw value) of every applied row, in install order
 _applied: list[tuple[Patch, object, object]] = []
 _applied_fsdp2: list[tuple[Patch, object, object]] = []
@@ -624,9 +645,9 @@ def _mismatch(patch: Patch) -> str | None:
 
 def changed_rows(rows: tuple[Patch, ...] | None = None) -> list[tuple[str, str]]:
     """``(row, what changed)`` for every row of ``rows`` (default: :data:`PATCHES` and
-    :data:`FSDP2_PATCHES`) whose target in this torch is not what the row expects. Reads torch,
+    :data:`FSDP2_PATCHES`, :data:`OPTIM_PATCHES`) whose target in this torch is not what the row expects. Reads torch,
     patches nothing."""
-    rows = (*PATCHES, *FSDP2_PATCHES) if rows is None else rows
+    rows = (*PATCHES, *FSDP2_PATCHES, *OPTIM_PATCHES) if rows is None else rows
     return [(f"{p.owner}.{p.name}", why) for p in rows if (why := _mismatch(p)) is not None]
 
 
@@ -673,7 +694,7 @@ def install() -> None:
 
 
 def install_fsdp2(hooks: FSDP2Hooks) -> None:
-    """Apply :data:`FSDP2_PATCHES` after :data:`PATCHES`, calling into the runtime through
+    """Apply :data:`FSDP2_PATCHES` and :data:`OPTIM_PATCHES` after :data:`PATCHES`, calling into the runtime through
     ``hooks`` (idempotent; our ``fully_shard`` calls it). ``RuntimeError`` naming the rows if
     torch's FSDP2 is not what they expect."""
     global _fsdp2_hooks
@@ -683,7 +704,7 @@ def install_fsdp2(hooks: FSDP2Hooks) -> None:
     with _LOCK:
         if not _applied_fsdp2:
             _fsdp2_hooks = hooks
-            _apply(FSDP2_PATCHES, _applied_fsdp2)
+            _apply((*FSDP2_PATCHES, *OPTIM_PATCHES), _applied_fsdp2)
 
 
 def _apply(patches: tuple[Patch, ...], applied: list[tuple[Patch, object, object]]) -> None:

@@ -29,7 +29,7 @@ def _rows() -> list:
     from ragged_placement import _install
 
     extra = getattr(_install, "PIPELINING_PATCHES", ())
-    return [*_install.PATCHES, *_install.FSDP2_PATCHES, *extra]
+    return [*_install.PATCHES, *_install.FSDP2_PATCHES, *_install.OPTIM_PATCHES, *extra]
 
 
 def _target_source(patch) -> str | None:

@@ -2,7 +2,7 @@
 # Two emulated nodes on one machine: a training job over a slow link.
 #
 #   scripts/two_nodes.sh [--rate 1gbit] [--latency 0.1ms] [--queue 10ms] [--nproc-per-node 2]
-#                        [--script FILE] [--] TRAIN_ARGS...
+#                        [--script FILE | --module MODULE] [--] TRAIN_ARGS...
 #
 # Creates two network namespaces joined by a veth pair (10.231.N.1 <-> 10.231.N.2, addresses
 # only inside them) and shapes each direction of the link (loopback inside each namespace stays
@@ -17,7 +17,8 @@
 #              (sch_netem); where it has not, the script says so and adds none.
 # Then starts `torchrun --nnodes 2 --node-rank i --nproc-per-node P` with c10d rendezvous in
 # each, gloo bound to the namespace's veth (GLOO_SOCKET_IFNAME), running
-# `python -m ragged_placement.train TRAIN_ARGS` (or `python FILE TRAIN_ARGS` with --script).
+# `python -m ragged_placement.train TRAIN_ARGS` (or `python FILE TRAIN_ARGS` with --script,
+# `python -m MODULE TRAIN_ARGS` with --module: e.g. torchtitan.train).
 # Everything it created (processes, namespaces,
 # the veth pair) is removed when it exits, also on Ctrl-C or failure. Needs root or
 # CAP_NET_ADMIN; without, it says so and exits 1. The exit status is the first failing node's
@@ -39,6 +40,7 @@ while [[ $# -gt 0 ]]; do
     --queue) QUEUE=$2; shift 2 ;;
     --nproc-per-node) NPROC=$2; shift 2 ;;
     --script) ENTRY=("$2"); shift 2 ;;
+    --module) ENTRY=(-m "$2"); shift 2 ;;
     --) shift; break ;;
     *) break ;;
   esac

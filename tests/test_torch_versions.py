@@ -86,7 +86,7 @@ def test_patch_targets_reads_every_replaced_target_and_finds_none_changed_agains
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     ours = script.dump()
-    rows = [p for p in (*_install.PATCHES, *_install.FSDP2_PATCHES,
+    rows = [p for p in (*_install.PATCHES, *_install.FSDP2_PATCHES, *_install.OPTIM_PATCHES,
                         *getattr(_install, "PIPELINING_PATCHES", ())) if p.expected is not None]
     out = script.report(ours, ours)
     for p in rows:

@@ -54,11 +54,12 @@ _FUSED_OPTIMIZER_OPS = ("aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fus
 
 def _is_list_op(op) -> bool:
     """Whether ``op`` takes lists of tensors and works element ``i`` of each list together."""
-    return op.name().startswith("aten::_foreach_") or op.name() in _FUSED_OPTIMIZER_OPS
+    name = op._schema.name  # without the overload: ``_fused_adamw_.tensor_lr`` is a fused kernel
+    return name.startswith("aten::_foreach_") or name in _FUSED_OPTIMIZER_OPS
 
 
 def is_pointwise(op) -> bool:
-    name = op.name()
+    name = op._schema.name
     if name in _FUSED_OPTIMIZER_OPS:
         return True
     if name.startswith("aten::_foreach_"):

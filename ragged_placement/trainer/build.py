@@ -30,11 +30,13 @@ from ragged_placement.models.llama import Llama, LlamaConfig
 from ragged_placement.models.moe import MoEConfig, MoETransformer
 from ragged_placement.parallelize import parallelize_hf_moe, parallelize_moe
 from ragged_placement.planner import StateShardingPlan, plan_state_sharding
+from ragged_placement.planner.sharding import mesh_dims
 from ragged_placement.trainer.config import MOE_DIMS, VOCAB, TrainConfig, bandwidths, dim_names
 from ragged_placement.trainer.hf import hf_model
 
-__all__ = ["TokenData", "build_mesh", "build_model", "build_optimizer", "build_scheduler",
-           "loss_fn", "moe_config", "new_model"]
+__all__ = ["NAMED_STATE_SHARDINGS", "TokenData", "build_mesh", "build_model", "build_optimizer",
+           "build_scheduler", "default_memory_budget", "is_muon_matrix", "loss_fn", "moe_config",
+           "muon", "new_model"]
 
 
 def moe_config(cfg: TrainConfig) -> MoEConfig:
@@ -102,15 +104,32 @@ def _shard_fn(cfg: TrainConfig) -> tuple[Callable, dict]:
     return fully_shard, {"mp_policy": MixedPrecisionPolicy(param_dtype, torch.float32)}
 
 
-def _memory_budget(cfg: TrainConfig, device: torch.device) -> float:
-    """``--memory-budget``, or (0) this rank's share of the device's memory: the GPU's, or on
-    CPU the machine's divided by the ranks on it."""
-    if cfg.memory_budget:
-        return cfg.memory_budget
+def default_memory_budget(device: torch.device) -> float:
+    """This rank's share of the device's memory (the partitioner's default budget): the GPU's,
+    or on CPU the machine's divided by the ranks on it (``LOCAL_WORLD_SIZE``)."""
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
+
+
+def amsp(mesh: DeviceMesh | dict[str, int]) -> StateSharding:
+    """AMSP on a ``(inter, intra)`` mesh: parameters sharded over the last dim, gradients and
+    optimizer state over every dim."""
+    dims = tuple(mesh_dims(mesh))
+    return StateSharding(params=dims[-1:], grads=dims, optim=dims)
+
+
+def hsdp(mesh: DeviceMesh | dict[str, int]) -> StateSharding:
+    """HSDP: every state sharded over the last dim, replicated over the others."""
+    return StateSharding.hsdp(mesh, tuple(mesh_dims(mesh))[-1])
+
+
+# The named points of --state-sharding (but auto) on a mesh: a DeviceMesh or {dim name: size}.
+NAMED_STATE_SHARDINGS: dict[str, Callable[[Any], StateSharding]] = {
+    "zero1": StateSharding.zero1, "zero2": StateSharding.zero2, "zero3": StateSharding.zero3,
+    "hsdp": hsdp, "amsp": amsp,
+}
 
 
 def state_sharding(cfg: TrainConfig, mesh: DeviceMesh, model: nn.Module, device: torch.device
@@ -119,17 +138,13 @@ def state_sharding(cfg: TrainConfig, mesh: DeviceMesh, model: nn.Module, device:
     ``--state-sharding``, and the partitioner's plan for ``auto`` (collective with
     ``--bandwidth profile``). Empty for zero3 and hsdp, which are ``fully_shard``'s default on
     the mesh of :func:`build_mesh`."""
-    names = tuple(mesh.mesh_dim_names)
-    if cfg.state_sharding == "zero1":
-        return {"state_sharding": StateSharding.zero1(mesh)}, None
-    if cfg.state_sharding == "zero2":
-        return {"state_sharding": StateSharding.zero2(mesh)}, None
-    if cfg.state_sharding == "amsp":
-        return {"state_sharding": StateSharding(params=names[-1:], grads=names, optim=names)}, None
+    if cfg.state_sharding in ("zero1", "zero2", "amsp"):
+        return {"state_sharding": NAMED_STATE_SHARDINGS[cfg.state_sharding](mesh)}, None
     if cfg.state_sharding != "auto":
         return {}, None
     plan = plan_state_sharding(
-        model, mesh, memory_budget=_memory_budget(cfg, device), bandwidth=bandwidths(cfg),
+        model, mesh, memory_budget=cfg.memory_budget or default_memory_budget(device),
+        bandwidth=bandwidths(cfg),
         optimizer=cfg.optimizer, param_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
         **_routing(cfg))
     return {"state_sharding": plan.sharding,
@@ -199,15 +214,29 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     if cfg.optimizer == "shampoo":
         from ragged_placement.optim import Shampoo
         return Shampoo(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    from ragged_placement.optim import Muon
     in_blocks = {id(p) for p in _blocks(model).parameters()}
-    # 2-D matrices, and 3-D stacks of expert matrices (each expert its own Newton-Schulz)
-    is_matrix = [p.ndim in (2, 3) and id(p) in in_blocks for p in params]
-    matrices = [p for p, m in zip(params, is_matrix) if m]
-    others = [p for p, m in zip(params, is_matrix) if not m]
-    return Muon([{"params": matrices},
-                 {"params": others, "algorithm": "adamw", "lr": cfg.lr}],
-                lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr="match_rms_adamw")
+    matrices = [p for p in params if is_muon_matrix(p, id(p) in in_blocks)]
+    others = [p for p in params if not is_muon_matrix(p, id(p) in in_blocks)]
+    return muon([{"params": matrices}, {"params": others, "algorithm": "adamw"}],
+                lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def is_muon_matrix(param: torch.Tensor, in_blocks: bool) -> bool:
+    """Whether Muon steps ``param`` (else the AdamW group of :func:`muon`): the 2-D matrices and
+    the 3-D stacks of expert matrices (each expert its own Newton-Schulz) of the transformer
+    blocks; the embeddings, the output head, norms and biases step with AdamW."""
+    return in_blocks and param.ndim in (2, 3)
+
+
+def muon(param_groups: list[dict[str, Any]], *, lr: float, weight_decay: float, **kwargs: Any):
+    """The trainer's :class:`~ragged_placement.optim.Muon` over ``param_groups`` (those with
+    ``"algorithm": "adamw"`` hold what :func:`is_muon_matrix` leaves out): one learning rate
+    for both algorithms (a group's own ``"lr"`` wins), Muon's update scaled to AdamW's RMS (``adjust_lr="match_rms_adamw"``)
+    unless ``kwargs`` say otherwise; the other ``kwargs`` are Muon's."""
+    from ragged_placement.optim import Muon
+
+    return Muon(param_groups, lr=lr, weight_decay=weight_decay,
+                **{"adjust_lr": "match_rms_adamw", **kwargs})
 
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:

@@ -46,6 +46,9 @@ SMALL: dict[str, list[str]] = {
     "redistribute.py": ["--rows", "256", "--cols", "64", "--runs", "1"],
     "shampoo.py": ["--world", "2", "--layers", "1", "--block", "64", "--steps", "1",
                    "--runs", "1"],
+    # 9 torchtitan jobs of 2-4 ranks (a seed, then FSDP2 and ours per row): its own slow test
+    # below; 2 steps, the fewest with a timed one (the first is not timed)
+    "titan.py": ["--runs", "1", "--steps", "2", "--seq", "32"],
     # no default mode: it asks for one of --runtime, --planner, --timing, --profile
     "state_sharding.py": ["--runtime", "--seq", "8", "--batch", "1", "--warmup", "0",
                           "--steps", "1"],
@@ -75,7 +78,7 @@ def _check_runs(script: str) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("script", sorted(set(SMALL) - {"two_nodes.py"}))
+@pytest.mark.parametrize("script", sorted(set(SMALL) - {"two_nodes.py", "titan.py"}))
 def test_benchmark_runs_in_its_default_mode_at_a_small_size(script):
     _check_runs(script)
 
@@ -86,3 +89,29 @@ def test_two_nodes_benchmark_runs_at_a_small_size():
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("needs root and iproute2 (ip, tc): network namespaces")
     _check_runs("two_nodes.py")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_titan_benchmark_runs_at_a_small_size():
+    """Its default mode is 9 torchtitan jobs (minutes on 2 cores): opt-in with ``make test-slow``."""
+    pytest.importorskip("torchtitan", reason="make test installs the titan extra")
+    _check_runs("titan.py")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.two_nodes
+def test_titan_benchmark_on_two_nodes_runs_at_a_small_size():
+    pytest.importorskip("torchtitan", reason="make test installs the titan extra")
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("needs root and iproute2 (ip, tc): network namespaces")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "titan.py"), "--two-nodes", *SMALL["titan.py"]],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, f"titan.py --two-nodes exited with {proc.returncode}:\n" \
+                                 f"{proc.stdout[-4000:]}"
+    assert "the partitioner chose" in proc.stdout

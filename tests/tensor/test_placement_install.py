@@ -30,7 +30,7 @@ from ragged_placement import _install
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-ALL_PATCHES = (*_install.PATCHES, *_install.FSDP2_PATCHES)
+ALL_PATCHES = (*_install.PATCHES, *_install.FSDP2_PATCHES, *_install.OPTIM_PATCHES)
 
 
 def _torch_names() -> dict[tuple[str, str], str | None]:
@@ -100,7 +100,7 @@ try:
     fully_shard(torch.nn.Linear(2, 2), mesh="not a mesh")
 except (TypeError, ValueError):
     pass
-assert len(_install._applied_fsdp2) == len(_install.FSDP2_PATCHES)
+assert len(_install._applied_fsdp2) == len(_install.FSDP2_PATCHES) + len(_install.OPTIM_PATCHES)
 print("ok", len(TARGETS))
 """
 
@@ -146,7 +146,7 @@ def test_uninstall_restores_torch_exactly_and_install_again_works(one_torch_thre
     finally:
         _installed_everything()
     assert _install.installed()
-    assert [p for p, _, _ in _install._applied_fsdp2] == list(_install.FSDP2_PATCHES)
+    assert [p for p, _, _ in _install._applied_fsdp2] == [*_install.FSDP2_PATCHES, *_install.OPTIM_PATCHES]
     results = run_threaded(_stock_and_ragged, 2)
     assert all(r["stock"] is True and r["ragged"] is True for r in results)
 

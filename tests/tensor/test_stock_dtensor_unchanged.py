@@ -214,7 +214,7 @@ def _use_the_package(rank: int) -> None:
     assert torch.equal(d.full_tensor(), torch.arange(12.0).reshape(6, 2))
     model = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
     model(torch.ones(2, 4)).sum().backward()
-    assert _install.installed() and len(_install._applied_fsdp2) == len(_install.FSDP2_PATCHES)
+    assert _install.installed() and len(_install._applied_fsdp2) == len(_install.FSDP2_PATCHES) + len(_install.OPTIM_PATCHES)
     dist.barrier()
     _compat.clear_sharding_caches()  # the script records the caches' statistics
 

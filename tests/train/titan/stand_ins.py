@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 
 import torch
 import torch.distributed as dist
@@ -45,15 +46,18 @@ class _CpuWithDeviceIndex:
         return 0
 
 
-class _NoDeviceMemory:
-    """torchtitan's ``DeviceMemoryMonitor`` interface with nothing to measure on CPU."""
+class _HostMemory:
+    """torchtitan's ``DeviceMemoryMonitor`` interface on CPU: the step line's memory is this
+    process's peak resident set size (``getrusage``'s ``ru_maxrss``; the peak since the process
+    started, torch's import included, so a reset does not lower it), with no capacity."""
 
     device_name, device_capacity_gib = "cpu", 0.0
 
     def get_peak_stats(self):
         from torchtitan.components.metrics import DeviceMemStats
 
-        return DeviceMemStats(0.0, 0.0, 0.0, 0.0, 0, 0)
+        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        return DeviceMemStats(peak_gib, 0.0, peak_gib, 0.0, 0, 0)
 
     def reset_peak_stats(self) -> None:
         pass
@@ -72,8 +76,9 @@ def install(metrics_path: str | None) -> None:
         module.device_type, module.device_module = "cpu", torch.cpu
     # set_pg_timeouts' barrier takes a device index, which torch.cpu.current_device() is not.
     dist_utils.device_module = _CpuWithDeviceIndex()
-    # DeviceMemoryMonitor reads accelerator memory statistics that torch.cpu does not have.
-    metrics.build_device_memory_monitor = _NoDeviceMemory
+    # DeviceMemoryMonitor reads accelerator memory statistics that torch.cpu does not have: the
+    # process's peak RSS stands in.
+    metrics.build_device_memory_monitor = _HostMemory
     # The mask is built by torch.compile(create_block_mask): on CPU a C++ build in every
     # process; the eager function builds the same BlockMask.
     decoder.create_attention_mask = create_block_mask
@@ -156,21 +161,36 @@ def dump_gradients(folder: str, steps: set[int]) -> None:
 
 
 def record_exact_grad_norm(path: str) -> None:
-    """After each train step, rank 0 appends the norm of the full gradients summed in fp64 to
-    ``path``: a norm that does not depend on how the gradients are sharded (torchtitan's logged
-    norm is an fp32 sum of squares over each rank's shard, whose rounding depends on the cuts)."""
+    """At each train step's clipping (torchtitan's ``clip_grad_norm_``), rank 0 appends to
+    ``path`` the norm of the full gradients it clips, summed in fp64: the norm torchtitan logs,
+    without its dependence on the shards (it sums fp32 squares over each rank's shard, whose
+    rounding depends on the cuts), and the gradients' before any clipping."""
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.trainer import Trainer
 
-    def record(trainer) -> None:
+    current: dict[str, int] = {}
+    train_step, clip = Trainer.train_step, dist_utils.clip_grad_norm_
+
+    def train_step_numbered(self, *args, **kwargs):
+        current["step"] = self.step
+        return train_step(self, *args, **kwargs)
+
+    def clip_recording(parameters, *args, **kwargs):
+        parameters = list(parameters)
         total = torch.zeros((), dtype=torch.float64)
-        for _, g in _full_gradients(trainer):
+        for p in parameters:
+            g = p.grad
             if g is not None:
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g
                 total += g.double().pow(2).sum()
         if dist.get_rank() == 0:
             with open(path, "a") as f:
-                f.write(json.dumps({"step": trainer.step,
+                f.write(json.dumps({"step": current["step"],
                                     "grad_norm_fp64": total.sqrt().item()}) + "\n")
+        return clip(parameters, *args, **kwargs)
 
-    _after_train_step(record)
+    Trainer.train_step = train_step_numbered
+    dist_utils.clip_grad_norm_ = clip_recording
 
 
 def _with_sum_reductions(disable_division):
