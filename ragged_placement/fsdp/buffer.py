@@ -554,12 +554,6 @@ class FlatBuffer:
         if not self.dp.keeps_params_unsharded:
             self.gather.free()
 
-    def expose_sharded(self) -> None:
-        """Register the sharded parameters once a CPU-offload staging copy still reading the
-        host chunk has finished: from here on the host may write it (an optimizer step)."""
-        self.staging.wait_to_device()
-        self.register(sharded=True)
-
     def wait_offload_copies(self) -> None:
         """Block the host until the asynchronous staging copies are complete (see
         :meth:`~ragged_placement.fsdp.offload.OffloadStaging.wait`)."""

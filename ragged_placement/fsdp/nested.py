@@ -295,6 +295,12 @@ class StateShardedMesh(UnitMesh):
         """None: :meth:`NestedBuffer.start_rest` all-reduces over ``R`` itself."""
         return None
 
+    @property
+    def reduces_over_all_ranks(self) -> bool:
+        """False: the reductions past the reduce-scatter run over other groups, in
+        :meth:`NestedBuffer.start_rest`."""
+        return False
+
     def attach(self, unit: FSDPUnit) -> None:
         """Where the parameter chunks are refreshed (:attr:`refreshes`) and ``unit`` holds
         parameters: refresh it after every optimizer step over them, and mark it stale when a

@@ -204,10 +204,13 @@ def _group_in_order_without_sort_ranks(rank: int, ws: int) -> tuple[list[int], l
         return real(ranks, use_local_synchronization=use_local_synchronization)
 
     dist.new_group = old_new_group
+    keeps_order = _compat._NEW_GROUP_SORT_RANKS  # read from c10d's own new_group, not this one
+    _compat._NEW_GROUP_SORT_RANKS = False
     try:
         group = _compat.new_group_in_order([0, 2, 1, 3])
     finally:
         dist.new_group = real
+        _compat._NEW_GROUP_SORT_RANKS = keeps_order
     out = [torch.zeros(1) for _ in range(ws)]
     dist.all_gather(out, torch.tensor([float(rank)]), group=group)
     return dist.get_process_group_ranks(group), [int(x) for x in out]

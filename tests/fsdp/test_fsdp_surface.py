@@ -143,14 +143,21 @@ def _count_collectives(
 
 @pytest.fixture
 def count_collectives(monkeypatch):
-    # the single-tensor forms (equal chunks) and the list forms (uneven per-rank chunks)
+    # the single-tensor forms (equal chunks), the list forms (uneven per-rank chunks) and the
+    # coalesced forms (a unit's parts: one collective, as CollectiveMeter counts it; the
+    # threaded PG runs them one part after the other)
     for method, name in (
         ("all_gather_single", "all_gather"), ("allgather", "all_gather"),
         ("reduce_scatter_single", "reduce_scatter"), ("reduce_scatter", "reduce_scatter"),
+        ("all_gather_single_coalesced", "all_gather"),
+        ("allgather_into_tensor_coalesced", "all_gather"),
+        ("reduce_scatter_single_coalesced", "reduce_scatter"),
+        ("reduce_scatter_tensor_coalesced", "reduce_scatter"),
     ):
-        monkeypatch.setattr(
-            ProcessLocalGroup, method, _counting(name, getattr(ProcessLocalGroup, method))
-        )
+        if method in vars(ProcessLocalGroup):
+            monkeypatch.setattr(
+                ProcessLocalGroup, method, _counting(name, getattr(ProcessLocalGroup, method))
+            )
     def count(runtime, shard, world: int = WORLD, by_group: bool = False):
         """Per rank: collectives of one step by name, or by ``(name, group size)``."""
         return run_threaded(_count_collectives, world, runtime, shard, by_group)
