@@ -41,7 +41,7 @@ class FSDPModule(TorchFSDPModule):
     container sliced into a new one builds the original class) applies, with this class one
     more step down the method resolution order. ``torch.compile``'s package pickler
     (``torch._dynamo.package``) does not know these classes (it looks FSDP2's class table up)
-    and fails on them, as it did before this class derived from torch's.
+    and fails on them.
     """
 
     # Index in the MRO of the original class: [FSDP<Orig>, FSDPModule, torch's FSDPModule,
@@ -68,7 +68,7 @@ class FSDPModule(TorchFSDPModule):
         """``copy.deepcopy`` of a sharded module (or of a module holding one) raises
         ``NotImplementedError``, as FSDP2's ``AssertionError`` does: its parameters are views of
         flat buffers that the unit frees and re-gathers over process groups, which a copy
-        cannot share (copying them used to kill the process with a segfault)."""
+        cannot share (copying them crashes the process)."""
         raise NotImplementedError(
             f"copy.deepcopy of {type(self).__name__} after fully_shard is not supported (nor "
             f"is it by torch FSDP2): its parameters are views of flat buffers gathered over "
