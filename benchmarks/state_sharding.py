@@ -258,19 +258,24 @@ def timing(expert_units: int) -> None:
     meshes = [({"inter": 2048, "intra": 8}, BANDWIDTH),
               ({"nodes": 2048, "groups": 2, "gpus": 4},
                {"nodes": 50e9, "groups": 450e9, "gpus": 450e9})]
-    for label, units in layouts:
+    ep_search = {"ep": "auto", "tokens_per_rank": MOE_TOKENS_PER_RANK, "top_k": MOE_TOP_K}
+    runs = [(label, units, mesh, bw, {}) for label, units in layouts for mesh, bw in meshes]
+    runs.append(("one unit per layer, stacked experts, ep='auto'", layouts[0][1], *meshes[0],
+                 ep_search))
+    for label, units, mesh, bw, kwargs in runs:
         params = sum(math.prod(s) for _, ps in units for _, s in ps)
-        for mesh, bw in meshes:
-            times = []
-            for _ in range(3):
-                _clear_caches()
-                t0 = time.perf_counter()
-                plan = plan_state_sharding(units, mesh, GPU_BYTES * 100, bandwidth=bw,
-                                           granularity=block_policy)
-                times.append(time.perf_counter() - t0)
-            print(f"kimi-k2 ({params / 1e12:.3f} T parameters, {len(units)} units, {label}) on "
-                  f"{mesh}: {len(plan.candidates)} candidates, cold plan median "
-                  f"{statistics.median(times):.3f} s (runs {', '.join(f'{t:.3f}' for t in times)})")
+        tensors = sum(len(ps) for _, ps in units)
+        times = []
+        for _ in range(3):
+            _clear_caches()
+            t0 = time.perf_counter()
+            plan = plan_state_sharding(units, mesh, GPU_BYTES * 100, bandwidth=bw,
+                                       granularity=block_policy, **kwargs)
+            times.append(time.perf_counter() - t0)
+        print(f"kimi-k2 ({params / 1e12:.3f} T parameters, {tensors:,} tensors, {len(units)} "
+              f"units, {label}) on {mesh}: {len(plan.candidates)} candidates, choice "
+              f"{plan.sharding} raf={plan.reshard_after_forward} ep={plan.ep}, cold plan median "
+              f"{statistics.median(times):.3f} s (runs {', '.join(f'{t:.3f}' for t in times)})")
 
 
 def _group(mesh, dims):

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,9 +141,35 @@ def layout_of(tensor: torch.Tensor) -> Layout:
     full tensor (``Shard(d)`` with ``d > 0``, strided shards, partial) and for other tensors
     sharded over more than one mesh dim (those go through :mod:`._mesh_nd`).
     """
-    shape = tuple(int(s) for s in tensor.shape)
     if not isinstance(tensor, DTensor):
-        return _whole(shape)
+        return _whole(tuple(int(s) for s in tensor.shape))
+    spec = tensor._spec
+    with _LAYOUTS_LOCK:
+        hit = _LAYOUTS.get(id(spec))
+        if (hit is not None and hit[0] is spec and hit[1] is spec.mesh and hit[2] == spec.placements
+                and hit[3] == spec.shape):
+            _LAYOUTS.move_to_end(id(spec))
+            return hit[4]
+    layout = _layout_of_dtensor(tensor)
+    with _LAYOUTS_LOCK:
+        _LAYOUTS[id(spec)] = (spec, spec.mesh, spec.placements, spec.shape, layout)
+        while len(_LAYOUTS) > _LAYOUTS_CAPACITY:
+            _LAYOUTS.popitem(last=False)
+    return layout
+
+
+# id(spec) -> (spec, its mesh, placements and shape, its Layout): a DTensor's layout is a function
+# of its spec's mesh (this thread's rank on it), placements and shape, and a RaggedShard's row
+# ranges cost a walk of its units, so a step reads each spec's layout here, not derives it again.
+# The spec is held, so that its id stays its own; the hit is checked against its fields, which a
+# spec's owner may reassign.
+_LAYOUTS: OrderedDict[int, tuple] = OrderedDict()
+_LAYOUTS_LOCK = threading.Lock()
+_LAYOUTS_CAPACITY = 1 << 16
+
+
+def _layout_of_dtensor(tensor: DTensor) -> Layout:
+    shape = tuple(int(s) for s in tensor.shape)
     sharded = _sharded_mesh_dims(tensor)
     if not sharded:
         return _whole(shape)

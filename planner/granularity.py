@@ -153,6 +153,28 @@ def resolve_policy(policy: GranularityPolicy, name: str, shape: tuple[int, ...])
     )
 
 
+def policy_resolver(policy: GranularityPolicy) -> Callable[[str, tuple[int, ...]], Granularity]:
+    """``resolve_policy(policy, ...)`` as a function of ``(name, shape)``, with the kind of
+    ``policy`` decided once (a planner call resolves tens of thousands of parameters)."""
+    if policy is None:
+        return lambda name, shape: default_granularity(shape)
+    if isinstance(policy, Granularity):
+        return lambda name, shape: policy
+    if callable(policy) and not isinstance(policy, Mapping):
+
+        def call(name: str, shape: tuple[int, ...]) -> Granularity:
+            gran = policy(name, shape)
+            if not isinstance(gran, Granularity):
+                raise ValueError(
+                    f"granularity policy returned {gran!r} for {name!r} {shape}, not a "
+                    f"Granularity"
+                )
+            return gran
+
+        return call
+    return lambda name, shape: resolve_policy(policy, name, shape)
+
+
 @dataclass(frozen=True)
 class CutSpec:
     """The cut structure of one parameter.

@@ -96,7 +96,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from ragged_placement.planner.granularity import GranularityPolicy, resolve_policy
+from ragged_placement.planner.granularity import GranularityPolicy, policy_resolver
 from ragged_placement.planner.profile import profile_mesh
 from ragged_placement.planner.segments import plan_segmented
 from ragged_placement.planner.sharding import StateSharding, mesh_dims
@@ -285,9 +285,13 @@ def _module_units(model: nn.Module, units: Sequence[nn.Module] | None) -> list[l
 def _entry(e: object, dtype: torch.dtype) -> Entry:
     if (isinstance(e, (tuple, list)) and len(e) in (2, 3) and isinstance(e[0], str)
             and isinstance(e[1], (tuple, list, torch.Size))
-            and all(isinstance(d, int) and d >= 0 for d in e[1])
             and (len(e) == 2 or isinstance(e[2], torch.dtype))):
-        return e[0], tuple(e[1]), e[2] if len(e) == 3 else dtype
+        shape = tuple(e[1])
+        for d in shape:  # (a loop, not all(...): ~70,000 tensors for a 1T MoE)
+            if not isinstance(d, int) or d < 0:
+                break
+        else:
+            return e[0], shape, e[2] if len(e) == 3 else dtype
     raise ValueError(
         f"model_or_named_shapes: each parameter must be (name, shape) or (name, shape, dtype), "
         f"got {e!r}"
@@ -341,14 +345,14 @@ class _Part:
         return sum(math.prod(s) for s in self.shapes)
 
 
-def _parts(unit: list[Entry], granularity: GranularityPolicy) -> tuple[_Part, ...]:
-    by_dtype: dict[torch.dtype, list[Entry]] = {}
-    for e in unit:
-        by_dtype.setdefault(e[2], []).append(e)
-    return tuple(
-        _Part(tuple(e[1] for e in es), tuple(resolve_policy(granularity, e[0], e[1]) for e in es), d)
-        for d, es in by_dtype.items()
-    )
+def _parts(unit: list[Entry], grans: Sequence[Any]) -> tuple[_Part, ...]:
+    """The unit's parts, one per dtype, ``grans`` giving each entry's granularity."""
+    by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+    for e, g in zip(unit, grans):
+        shapes, gs = by_dtype.setdefault(e[2], ([], []))
+        shapes.append(e[1])
+        gs.append(g)
+    return tuple(_Part(tuple(shapes), tuple(gs), d) for d, (shapes, gs) in by_dtype.items())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -558,10 +562,13 @@ _EXPERT_NAME = re.compile(r"(^|\.)experts\.")
 _SEPARATE_EXPERT = re.compile(r"(^|\.)experts\.\d+(\.|$)")
 
 
-def _expert_split(unit: list[Entry]) -> tuple[list[Entry], list[Entry], int, int]:
-    """``(dense, stacked expert entries, E, hidden)`` of a unit (``E = 0``: no stacked experts)."""
-    named = [e for e in unit if _EXPERT_NAME.search(e[0]) and not _SEPARATE_EXPERT.search(e[0])]
-    stacked = [e for e in named if len(e[1]) == 3]
+def _expert_split(unit: list[Entry]) -> tuple[list[int], list[int], int, int]:
+    """``(dense, stacked expert entries, E, hidden)`` of a unit, the entries by their index in
+    it (``E = 0``: no stacked experts)."""
+    named = [i for i, e in enumerate(unit)  # the substring test first: most names have none
+             if "experts." in e[0] and not _SEPARATE_EXPERT.search(e[0])
+             and _EXPERT_NAME.search(e[0])]
+    stacked = [unit[i] for i in named if len(unit[i][1]) == 3]
     counts = {e[1][0] for e in stacked}
     if len(counts) > 1:
         raise ValueError(
@@ -569,11 +576,11 @@ def _expert_split(unit: list[Entry]) -> tuple[list[Entry], list[Entry], int, int
             f"(dim 0): {[(e[0], e[1]) for e in stacked]}"
         )
     if not counts:
-        return unit, [], 0, 0
+        return list(range(len(unit))), [], 0, 0
     experts = counts.pop()
-    expert = [e for e in named if len(e[1]) >= 2 and e[1][0] == experts]
-    ids = {id(e) for e in expert}
-    return [e for e in unit if id(e) not in ids], expert, experts, _hidden(stacked)
+    expert = [i for i in named if len(unit[i][1]) >= 2 and unit[i][1][0] == experts]
+    taken = set(expert)
+    return [i for i in range(len(unit)) if i not in taken], expert, experts, _hidden(stacked)
 
 
 _INPUT_PROJ = re.compile(r"(^|\.)(w1|w3|gate_proj|up_proj|gate_up_proj)(\.weight)?$")
@@ -588,9 +595,17 @@ def _hidden(stacked: list[Entry]) -> int:
 
 
 def _unit(unit: list[Entry], granularity: GranularityPolicy) -> _Unit:
+    resolve = policy_resolver(granularity)
+    grans = [resolve(e[0], e[1]) for e in unit]  # once per tensor
     dense, expert, experts, hidden = _expert_split(unit)
-    return _Unit(_parts(unit, granularity), _parts(dense, granularity) if dense else (),
-                 _parts(expert, granularity) if expert else (), experts, hidden)
+    whole = _parts(unit, grans)
+    if not expert:  # the dense parts are the whole unit's
+        return _Unit(whole, whole, (), 0, 0)
+
+    def parts(indices: list[int]) -> tuple[_Part, ...]:
+        return _parts([unit[i] for i in indices], [grans[i] for i in indices]) if indices else ()
+
+    return _Unit(whole, parts(dense), parts(expert), experts, hidden)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ragged_placement._gloo import coalescing, one_worker_gloo, reduce_scatter_by_all_to_all, sums_by_all_to_all
 
 __all__ = [
-    "all_gather_single", "reduce_scatter_single",
+    "all_gather_single", "reduce_scatter_single", "all_gather_coalesced", "reduce_scatter_coalesced",
     "NormPartial", "TORCH_VERSION", "SUPPORTED_TORCH", "clear_sharding_caches", "rng_offset_helpers",
     "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
     "functional_all_gather", "outside_selective_checkpoint", "DataParallelMeshDims",
@@ -53,6 +53,51 @@ def reduce_scatter_single(
     if sums_by_all_to_all(op, group) and not coalescing(group):
         return reduce_scatter_by_all_to_all(output, input, group=group, async_op=async_op)
     return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+# ProcessGroup's coalesced collectives: torch 2.13 renames ``allgather_into_tensor_coalesced`` /
+# ``reduce_scatter_tensor_coalesced`` to ``all_gather_single_coalesced`` /
+# ``reduce_scatter_single_coalesced`` (2.11 has only the old names).
+_PG = dist.ProcessGroup
+_pg_all_gather_coalesced = (getattr(_PG, "all_gather_single_coalesced", None)
+                            or _PG.allgather_into_tensor_coalesced)
+_pg_reduce_scatter_coalesced = (getattr(_PG, "reduce_scatter_single_coalesced", None)
+                                or _PG.reduce_scatter_tensor_coalesced)
+
+
+def all_gather_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group,
+                         async_op: bool = False):
+    """Gather each ``inputs[i]`` (equal-sized on every rank) into ``outputs[i]`` as one
+    coalesced collective over ``group`` (a process group, not ``None``): the call torch's
+    coalescing manager makes for several ``all_gather_single`` calls (one NCCL group, one gloo
+    ``allgather_into_tensor_coalesced``), without the manager's per-call Python."""
+    from torch.distributed.distributed_c10d import AllgatherOptions
+
+    opts = AllgatherOptions()
+    opts.asyncOp = async_op
+    work = _pg_all_gather_coalesced(group, outputs, inputs, opts)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def reduce_scatter_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], op, group,
+                             async_op: bool = False):
+    """Reduce each ``inputs[i]`` over ``group`` (a process group, not ``None``) and keep this
+    rank's equal chunk in ``outputs[i]``, as one coalesced collective: the call torch's
+    coalescing manager makes for several ``reduce_scatter_single`` calls (not gloo's sums,
+    which :func:`reduce_scatter_single` runs as all-to-alls)."""
+    from torch.distributed.distributed_c10d import ReduceScatterOptions
+
+    opts = ReduceScatterOptions()
+    opts.reduceOp = op
+    opts.asyncOp = async_op
+    work = _pg_reduce_scatter_coalesced(group, outputs, inputs, opts)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:

@@ -18,19 +18,21 @@ differences only).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+import ragged_placement._compat as _compat
 from ragged_placement._compat import all_gather_single, reduce_scatter_single
 from ragged_placement._gloo import coalesces_all_gathers, sums_by_all_to_all
 from ragged_placement.fsdp.common import CommStats
 from ragged_placement.planner.plan import Segment
 
 __all__ = [
-    "Gather", "Reduction", "Works", "all_gather_parts", "all_gather_segments", "issue_all_gather",
+    "Gather", "Reduction", "Works", "all_gather_parts", "coalesces_requests", "all_gather_segments", "issue_all_gather",
     "issue_reduce_scatter", "reduce_scatter_parts", "reduce_scatter_segments",
 ]
 
@@ -355,6 +357,32 @@ def _reduce_locally(reductions: list[Reduction]) -> Works:
     return Works([])
 
 
+# (id(group), device type, all-gathers) -> (a weak reference to the group, whether a unit's equal
+# segments run as one coalesced c10d call over it; a group's backend never changes)
+_COALESCES: dict[tuple[int, str, bool], tuple[weakref.ref, bool]] = {}
+
+
+def coalesces_requests(requests: list, group, *, all_gathers: bool) -> bool:
+    """Whether ``requests`` (one unit's :class:`Gather` or :class:`Reduction` shares, over
+    ``group``) are equal segments that the backend runs as one coalesced collective: then
+    :func:`issue_all_gather` / :func:`issue_reduce_scatter` call c10d's coalesced collective
+    directly (what :func:`all_gather_parts` / :func:`reduce_scatter_parts` issue for them, less
+    the coalescing manager's per-call Python). Not for uneven segments, nor on gloo's
+    reduce-scatter sums (all-to-alls, packed), nor for all-gathers of CUDA tensors on gloo."""
+    if group is None or any(s.rank_starts is not None for r in requests for s in r.segments):
+        return False
+    device = (requests[0].output if all_gathers else requests[0].inputs[0]).device
+    key = (id(group), device.type, all_gathers)
+    cached = _COALESCES.get(key)
+    if cached is None or cached[0]() is not group:
+        if all_gathers:
+            ok = coalesces_all_gathers(group, device)
+        else:
+            ok = not sums_by_all_to_all(dist.ReduceOp.SUM, group)
+        cached = _COALESCES[key] = (weakref.ref(group), ok)
+    return cached[1]
+
+
 def issue_all_gather(gathers: list[Gather], stats: CommStats, gather=None):
     """Issue ``gathers`` (the flat buffers of one unit) as one coalesced all-gather (or through
     a user's ``gather``, see :func:`all_gather_parts`), counted once in ``stats`` (bytes: all
@@ -369,6 +397,20 @@ def issue_all_gather(gathers: list[Gather], stats: CommStats, gather=None):
     if any(g.post_forward for g in gathers):
         stats.post_forward_all_gathers += 1
         stats.post_forward_all_gather_bytes += nbytes
+    if gather is None and coalesces_requests(gathers, group, all_gathers=True):
+        outputs, inputs = [], []
+        as_bytes = len({g.input.dtype for g in gathers}) > 1
+        for g in gathers:
+            for s in g.segments:
+                out = g.output[s.buffer_offset:s.buffer_offset + world_size * s.chunk_numel]
+                inp = g.input[s.chunk_offset:s.chunk_offset + s.chunk_numel]
+                if as_bytes:
+                    out, inp = out.view(torch.uint8), inp.view(torch.uint8)
+                outputs.append(out)
+                inputs.append(inp)
+        if len(outputs) == 1:
+            return all_gather_single(outputs[0], inputs[0], group=group, async_op=True)
+        return _compat.all_gather_coalesced(outputs, inputs, group, async_op=True)
     return all_gather_parts(
         [(g.output, g.input, g.segments) for g in gathers], world_size, group=group,
         async_op=True, gather=gather,
@@ -387,6 +429,18 @@ def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats, scatter=
     stats.reduce_scatter_bytes += sum(
         g.numel() * g.element_size() for r in reductions for g in r.inputs
     )
+    if scatter is None and coalesces_requests(reductions, group, all_gathers=False):
+        outputs, inputs = [], []
+        for r in reductions:
+            _check_reduce_inputs(r.inputs, r.segments, world_size)
+            for s, x in zip(r.segments, r.inputs):
+                outputs.append(r.output[s.chunk_offset:s.chunk_offset + s.chunk_numel])
+                inputs.append(x)
+        if len(outputs) == 1:
+            return reduce_scatter_single(outputs[0], inputs[0], op=dist.ReduceOp.SUM,
+                                         group=group, async_op=True)
+        return _compat.reduce_scatter_coalesced(outputs, inputs, dist.ReduceOp.SUM, group,
+                                                async_op=True)
     return reduce_scatter_parts(
         [(r.output, r.inputs, r.segments) for r in reductions], world_size,
         op=dist.ReduceOp.SUM, group=group, async_op=True, scatter=scatter,

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,11 +24,35 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp.collectives import Reduction
+from ragged_placement.fsdp.mesh import BufferComm, ShardComm
+from ragged_placement.fsdp.param import ParamSlot
 
 if TYPE_CHECKING:
     from ragged_placement.fsdp.buffer import FlatBuffer
 
 __all__ = ["FlatGrads"]
+
+_FLAT_REFS: list[int] = []
+
+
+def _flat_refs() -> int:
+    """``sys.getrefcount`` of a tensor that one attribute and one local name hold while views
+    of it exist (each view's autograd metadata keeps the base, which may keep its Python object
+    alive once more): what :meth:`FlatGrads._spare_of` sees when nothing else holds the flat
+    gradient. Measured once, on this torch."""
+    if not _FLAT_REFS:
+        holder = type("Holder", (), {})()
+        holder.sharded = torch.empty(1)
+        view = holder.sharded.as_strided((1,), (1,), 0)
+        flat = holder.sharded
+        _FLAT_REFS.append(sys.getrefcount(flat))
+        del view, flat
+    return _FLAT_REFS[0]
+
+
+# BufferComm.start_rest as the base class defines it: the reduction's output is the summed
+# chunk that lands (a state_sharding's reductions beyond ``params`` give another)
+_LANDS_OUTPUT = BufferComm.start_rest
 
 
 class FlatGrads:
@@ -42,8 +67,24 @@ class FlatGrads:
     accumulated: list[torch.Tensor | None]  # per plan segment, in reduce_dtype
     sharded: torch.Tensor | None
     segment_of: list[int]  # slot index -> plan segment
+    # slot index -> (shape, stride, offset) of its local view in this rank's chunk
+    _local_views: list[tuple[torch.Size, tuple[int, ...], int]]
     _buffer: FlatBuffer
     _reduction: Reduction | None  # the reduce-scatter in flight, until it lands
+    # per slot, the ``.grad`` DTensor that views ``sharded`` (None: none does), set at landing
+    _landed: list[DTensor | None] | None
+    # a flat sharded gradient that zero_grad() dropped, its storage freed, with the ``.grad``
+    # DTensors that viewed it, while nothing else references them: the next reduction lands in
+    # it and hands out the same DTensors (see _spare_of); ``_lending`` while it is in flight
+    _spare: tuple[torch.Tensor, list[DTensor | None]] | None
+    _lending: tuple[torch.Tensor, list[DTensor | None]] | None
+    # per plan segment, where the buffer's communication is a ShardComm (its reduce-scatter
+    # reads the inputs only until it is waited on): the gradient buffer, its storage allocated
+    # from the first gradient of a backward until the reduce-scatter is waited on, and the
+    # ``.grad`` each trainable parameter of the segment gets (views of it, built once)
+    _kept: list[tuple[torch.Tensor, list[tuple[ParamSlot, torch.Tensor, torch.Tensor]]] | None]
+    _keeps: bool
+    _reducing: list[torch.Tensor]  # the kept buffers the reduce-scatter in flight reads
     # FSDPModule.set_separate_reduce_scatter_group: the reduce-scatter's own group over the
     # shard ranks; None: the shard group (the all-gather's)
     reduce_group: dist.ProcessGroup | None
@@ -52,7 +93,21 @@ class FlatGrads:
         self._buffer = buffer
         self.reduce_group = None
         self.segment_of = [buffer.plan.segment_index(slot.fqn) for slot in buffer.slots]
+        self._keeps = type(buffer.comm) is ShardComm
+        views = buffer.plan.local_views(torch.empty(buffer.plan.chunk_numel, device="meta"),
+                                        buffer.rank)
+        self._local_views = [
+            (v.shape, v.stride(), v.storage_offset())
+            for v in (views[slot.fqn] for slot in buffer.slots)
+        ]
         self.reset()
+
+    def local_views(self, chunk: torch.Tensor) -> list[torch.Tensor]:
+        """Each slot's view of this rank's flat ``chunk`` (a sharded gradient), in slot order:
+        the plan's ``local_views``, computed once."""
+        base = chunk.storage_offset()
+        return [chunk.as_strided(shape, stride, base + offset)
+                for shape, stride, offset in self._local_views]
 
     def reset(self) -> None:
         """No gradients (new buffers: each segment's is allocated at its first gradient)."""
@@ -60,6 +115,9 @@ class FlatGrads:
         self.accumulated = [None] * len(self._buffer.plan.segments)
         self.sharded = None
         self._reduction = None
+        self._landed = self._spare = self._lending = None
+        self._kept = [None] * len(self._buffer.plan.segments)
+        self._reducing = []
 
     def release_dropped(self) -> None:
         """Free the flat sharded gradient once ``zero_grad()`` has dropped every ``.grad`` viewing
@@ -68,12 +126,40 @@ class FlatGrads:
         if self.sharded is not None and all(
             p.grad is None or not p.requires_grad for p in b.sharded_params
         ):
+            self._spare = self._spare_of()
+            self._landed = None
             self.sharded = None
+
+    def _spare_of(self) -> tuple[torch.Tensor, list[DTensor | None]] | None:
+        """The dropped flat gradient ``sharded`` and its ``.grad`` DTensors (``_landed``), its
+        storage freed, if nothing but this object references them (AccumulateGrad's rule for
+        stealing a gradient): no DTensor, no local tensor, no view of the storage is held
+        elsewhere, so handing them out again after the next reduction wrote the storage is
+        indistinguishable from new ones, and saves a view and a DTensor per parameter."""
+        landed, flat = self._landed, self.sharded
+        if landed is None or self._buffer.offload_device is not None:
+            return None
+        views = 0
+        for d in landed:  # references: the list's, ``d``, getrefcount's argument
+            if d is None:
+                continue
+            if sys.getrefcount(d) != 3 or sys.getrefcount(d._local_tensor) != 2:
+                return None
+            views += 1
+        # ``flat``: as many references as a tensor with views held by one attribute (_FLAT_REFS);
+        # its storage: ``flat``, each view, the temporary storage object
+        storage = flat.untyped_storage()
+        if (sys.getrefcount(flat) != _flat_refs()
+                or torch._C._storage_Use_Count(storage._cdata) != 2 + views):
+            return None
+        storage.resize_(0)
+        return flat, landed
 
     @property
     def pending(self) -> bool:
         """Whether backward has produced gradients that are not reduced yet."""
-        return any(g is not None for g in (*self.unsharded, *self.accumulated))
+        return (any(g is not None for g in self.unsharded)
+                or any(g is not None for g in self.accumulated))
 
     @property
     def reducing(self) -> bool:
@@ -91,24 +177,51 @@ class FlatGrads:
         """Called before slot ``index``'s first gradient of a backward lands: allocate its
         segment's zeroed flat buffer and preset the ``.grad`` of each parameter in the segment
         to its view of it, so that AccumulateGrad adds into the buffer in place."""
-        b = self._buffer
         k = self.segment_of[index]
         if self.unsharded[k] is not None:
             return  # allocated by an earlier parameter, or accumulating micro-batches
         self.release_dropped()
+        kept = self._kept[k]
+        if kept is None:
+            kept = self._segment_grads(k)
+            if self._keeps:
+                self._kept[k] = kept
+        else:
+            buf = kept[0]
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            buf.zero_()
+        buf, grads = kept
+        self.unsharded[k] = buf
+        for slot, p, g in grads:
+            if slot.requires_grad:
+                p.grad = g
+
+    def _segment_grads(self, k: int) -> tuple[torch.Tensor, list]:
+        """Segment ``k``'s zeroed gradient buffer and, per parameter of the segment, the
+        ``.grad`` its unsharded parameter gets: its view of the buffer (a DTensor on the
+        tensor-parallel mesh for a tensor-parallel parameter)."""
+        b = self._buffer
         seg = b.plan.segments[k]
         buf = torch.zeros(seg.buffer_numel(b.world_size), dtype=b.param_dtype, device=b.device)
-        self.unsharded[k] = buf
+        grads = []
         for i, (slot, p, tp) in enumerate(zip(b.slots, b.unsharded_params, b.unsharded_specs)):
-            if slot.requires_grad and self.segment_of[i] == k:
+            if self.segment_of[i] == k:
                 o = b.plan.offsets[slot.fqn] - seg.buffer_offset
                 g = buf[o : o + slot.shape.numel()].view(slot.shape)
                 if tp is not None and b.spmd is not None:
                     tp = b.spmd.grad_spec(tp)
-                p.grad = g if tp is None else DTensor(g, tp, requires_grad=False)
+                grads.append((slot, p, g if tp is None else DTensor(g, tp, requires_grad=False)))
+        return buf, grads
+
+    def _free_kept(self, buffers) -> None:
+        """Release the storage of those of ``buffers`` that are kept segment buffers."""
+        for k, kept in enumerate(self._kept):
+            if kept is not None and any(kept[0] is x for x in buffers):
+                kept[0].untyped_storage().resize_(0)
 
     def drop_unreduced(self) -> None:
         """Forget the gradients not reduced yet (``reset_iter_state`` after an exception)."""
+        self._free_kept(self.unsharded)
         self.unsharded = [None] * len(self.unsharded)
         self.accumulated = [None] * len(self.accumulated)
 
@@ -140,28 +253,51 @@ class FlatGrads:
         assert self.pending and self._reduction is None
         for p in b.unsharded_params:
             p.grad = None
+        grads = self.unsharded
         rs_in = [
             (acc.add_(g) if g is not None else acc) if acc is not None
             else g if g is not None else torch.zeros(
                 seg.buffer_numel(b.world_size), dtype=b.reduce_dtype, device=b.device
             )
-            for g, acc, seg in zip(self.unsharded, self.accumulated, b.plan.segments)
+            for g, acc, seg in zip(grads, self.accumulated, b.plan.segments)
         ]
         self.unsharded = [None] * len(rs_in)
         self.accumulated = [None] * len(rs_in)
         rs_in = [g.to(b.reduce_dtype) for g in rs_in]  # the mixed-precision cast, if any
-        self._reduction = b.comm.reduction(rs_in, self.reduce_group)
-        return self._reduction
+        reduction = b.comm.reduction(rs_in, self.reduce_group)
+        for k, kept in enumerate(self._kept):
+            if kept is not None and kept[0] is reduction.output:
+                self._kept[k] = None  # one rank: the gradient buffer lands as the .grad
+        self._reducing = [x for x in grads if x is not None and any(x is y for y in rs_in)]
+        self._free_kept([x for x in grads if x is not None and all(x is not y for y in rs_in)])
+        spare, self._spare = self._spare, None
+        out = reduction.output
+        if (spare is not None and self.sharded is None and out is not None
+                and b.reduce_dtype == b.orig_dtype and type(b.comm).start_rest is _LANDS_OUTPUT
+                and all(out is not x for x in rs_in)
+                and (out.shape, out.dtype, out.device) == (spare[0].shape, spare[0].dtype,
+                                                           spare[0].device)):
+            # the reduction's output is what lands: write it into the spare instead
+            flat = spare[0]
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            reduction = Reduction(flat, reduction.inputs, reduction.segments,
+                                  reduction.world_size, reduction.group)
+            self._lending = spare
+        self._reduction = reduction
+        return reduction
 
     def take_reduced(self) -> Reduction | None:
         """The reduce-scatter (its ``output`` holds the result) once the unit waited on it
         (``None`` if this buffer had no gradients to reduce)."""
         out, self._reduction = self._reduction, None
+        self._free_kept(self._reducing)
+        self._reducing = []
         return out
 
-    def land(self, out: torch.Tensor, scale: float, divisor: float) -> None:
+    def land(self, out: torch.Tensor, scale: float, divisor: float, *, shared: bool) -> None:
         """Average the summed reduction ``out`` (times ``scale``, over ``divisor``) and land it
-        in the sharded gradients (through the host under CPU offload)."""
+        in the sharded gradients (through the host under CPU offload). ``shared``: code outside
+        the runtime saw ``out`` (an all-reduce hook), so it is never landed in again."""
         b = self._buffer
         if scale == 1.0 and divisor != 1:  # a division: bitwise what FSDP2's averaging gives
             out.div_(divisor)
@@ -171,31 +307,40 @@ class FlatGrads:
             out = out.to(b.orig_dtype)
         self.release_dropped()
         out = b.staging.to_host(out, landing=self.sharded is None)
+        lending, self._lending = self._lending, None
         if self.sharded is None:
             self.sharded = out
-            views = b.plan.local_views(out, b.rank)
-            for slot, spec, p in zip(b.slots, b.specs, b.sharded_params):
-                if not slot.requires_grad:
-                    continue
-                if p.grad is None:
-                    p.grad = DTensor(views[slot.fqn], spec, requires_grad=False)
-                else:  # kept while it was frozen (released with the old buffer): accumulate
-                    p.grad._local_tensor.add_(views[slot.fqn])
+            spare = lending[1] if lending is not None and lending[0] is out else None
+            views = None
+            landed: list[DTensor | None] = []
+            for i, (slot, spec, p) in enumerate(zip(b.slots, b.specs, b.sharded_params)):
+                d = None
+                if slot.requires_grad and p.grad is None:
+                    d = spare[i] if spare is not None else None
+                    if d is None:
+                        views = views or self.local_views(out)
+                        d = DTensor(views[i], spec, requires_grad=False)
+                    p.grad = d
+                elif slot.requires_grad:  # kept while it was frozen (released with the old
+                    views = views or self.local_views(out)  # buffer): accumulate
+                    p.grad._local_tensor.add_(views[i])
+                landed.append(d)
+            self._landed = None if shared else landed
         else:
             self._accumulate(out)
 
     def _accumulate(self, new: torch.Tensor) -> None:
         b = self._buffer
-        views = b.plan.local_views(new, b.rank)
-        own = b.plan.local_views(self.sharded, b.rank)
-        for slot, spec, p in zip(b.slots, b.specs, b.sharded_params):
+        self._landed = None  # the DTensors viewing ``sharded`` are not tracked here
+        for slot, spec, p, view, own in zip(b.slots, b.specs, b.sharded_params,
+                                            self.local_views(new), self.local_views(self.sharded)):
             if not slot.requires_grad:
                 continue
             if p.grad is None:
-                own[slot.fqn].copy_(views[slot.fqn])
-                p.grad = DTensor(own[slot.fqn], spec, requires_grad=False)
+                own.copy_(view)
+                p.grad = DTensor(own, spec, requires_grad=False)
             else:
-                p.grad._local_tensor.add_(views[slot.fqn])
+                p.grad._local_tensor.add_(view)
 
     def land_moved(self, grads: list[torch.Tensor | None]) -> None:
         """Copy gradients mapped by :meth:`apply_` into a new flat sharded gradient."""
@@ -203,11 +348,11 @@ class FlatGrads:
         if all(g is None for g in grads):
             return
         self.sharded = b.new_sharded(b.orig_dtype)
-        views = b.plan.local_views(self.sharded, b.rank)
-        for slot, spec, p, g in zip(b.slots, b.specs, b.sharded_params, grads):
+        self._landed = None
+        for spec, p, g, view in zip(b.specs, b.sharded_params, grads,
+                                    self.local_views(self.sharded)):
             if g is None:
                 continue
-            view = views[slot.fqn]
             if "meta" not in (b.device.type, g._local_tensor.device.type):
                 view.copy_(g._local_tensor.to(b.orig_dtype))
             p.grad = DTensor(view, spec, requires_grad=False)

@@ -28,6 +28,7 @@ shard of its unsharded parameters over groups of ``N`` consecutive ranks of the 
 from __future__ import annotations
 
 import abc
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -140,6 +141,13 @@ class UnitMesh(abc.ABC):
         return self.replicate_group if self.replicate_size > 1 else None
 
     @property
+    def reduces_over_all_ranks(self) -> bool:
+        """Whether the unit's reduce-scatter over the shard ranks, then its all-reduce over
+        :attr:`replicas_group`, sums over every data-parallel rank of more than one (so one
+        more part of it can carry an agreement among them)."""
+        return self.shard_size > 1
+
+    @property
     def agreement_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """The groups an agreement among all the data-parallel ranks runs over (the shard
         ranks', then the replicas'): those of more than one rank, so that a mesh dim of size 1
@@ -238,29 +246,39 @@ class DataParallelMesh(UnitMesh):
         """The user's data-parallel mesh (``mesh`` itself)."""
         return self.mesh
 
-    @property
+    # Read by every hook: computed once per mesh (a DeviceMesh's groups, ranks and sizes never
+    # change; cached_property writes the instance dict, which a frozen dataclass allows).
+    @functools.cached_property
     def hsdp(self) -> bool:
         return self.mesh.ndim == 2
 
-    @property
+    @functools.cached_property
+    def shard_dim(self) -> int:
+        return self.mesh.ndim - 1
+
+    @functools.cached_property
     def shard_group(self):
         return self.mesh.get_group(self.shard_dim)
 
-    @property
+    @functools.cached_property
     def shard_rank(self) -> int:
         return self.mesh.get_local_rank(self.shard_dim)
 
-    @property
+    @functools.cached_property
     def shard_size(self) -> int:
         return self.mesh.size(self.shard_dim)
 
-    @property
+    @functools.cached_property
     def replicate_group(self):
         return self.mesh.get_group(0) if self.hsdp else None
 
-    @property
+    @functools.cached_property
     def replicate_size(self) -> int:
         return self.mesh.size(0) if self.hsdp else 1
+
+    @functools.cached_property
+    def agreement_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        return UnitMesh.agreement_groups.fget(self)
 
     def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
         return concatenate_meshes([self.mesh, tp_mesh])
@@ -285,13 +303,14 @@ class ShardComm(BufferComm):
     def __init__(self, buffer: FlatBuffer, mesh: DataParallelMesh) -> None:
         self._buffer = buffer
         self._mesh = mesh
+        plan = buffer.plan
+        self._one = (mesh.shard_size == 1 and plan.buffer_numel <= plan.chunk_numel
+                     and all(s.chunk_offset == s.buffer_offset for s in plan.segments))
 
     def _one_rank(self) -> bool:
         """Whether the buffer is sharded over one rank with the chunk laid out as the
         unsharded buffer (every segment at the same offset in both)."""
-        plan = self._buffer.plan
-        return (self._mesh.shard_size == 1 and plan.buffer_numel <= plan.chunk_numel
-                and all(s.chunk_offset == s.buffer_offset for s in plan.segments))
+        return self._one
 
     def shared_unsharded(self) -> torch.Tensor | None:
         b = self._buffer

@@ -154,9 +154,8 @@ def _refresh_after_step(optimizer, args, kwargs) -> None:
              for p in group["params"] if id(p) in owner}
     for unit in units.values():
         unit.refresh_after_step()
-    # All in flight at once (one all-gather per unit: 188 -> 248 tokens/s on the two-node
-    # benchmark against one at a time), each waited on at its unit's next unshard, so the
-    # refreshes run while the next forward starts.
+    # All in flight at once (one all-gather per unit), each waited on at its unit's next
+    # unshard, so the refreshes overlap the next forward instead of running one at a time.
 
 
 register_optimizer_step_post_hook(_refresh_after_step)
@@ -295,6 +294,12 @@ class StateShardedMesh(UnitMesh):
     def replicas_group(self) -> None:
         """None: :meth:`NestedBuffer.start_rest` all-reduces over ``R`` itself."""
         return None
+
+    @property
+    def reduces_over_all_ranks(self) -> bool:
+        """False: the reductions past the reduce-scatter run over other groups, in
+        :meth:`NestedBuffer.start_rest`."""
+        return False
 
     def attach(self, unit: FSDPUnit) -> None:
         """Where the parameter chunks are refreshed (:attr:`refreshes`) and ``unit`` holds

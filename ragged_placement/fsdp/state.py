@@ -28,12 +28,12 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
   first); with a :class:`~ragged_placement.fsdp.mesh.PostForwardMesh` (an ``int``
   ``reshard_after_forward``) keep this rank's ``1/N`` of the gathered buffer first, which
-  backward all-gathers over the ``N``-rank group. Registered after forward, as FSDP2's: the
-  unsharded parameters where the unit keeps them for FSDP2's reasons (``reshard_after_forward=
-  False``, the root at the default ``None``; an optimizer built from them then refuses to step,
-  :mod:`~ragged_placement.fsdp.unsharded_guard`), else the sharded ones (the root, which keeps
-  its buffer whatever the setting, with its unsharded ones reachable as attributes until its
-  post-backward for a loss computed after forward: ``FSDPState._show_unsharded``). Hook the
+  backward all-gathers over the ``N``-rank group. Registered after forward: the sharded
+  parameters (``model.parameters()``, so that an optimizer built now steps them); a unit that
+  keeps its gathered buffer (``reshard_after_forward=False``, and the root whatever the
+  setting, as FSDP2's) shows its unsharded ones to attribute reads until its backward, for a
+  loss computed after forward from them
+  (:attr:`~ragged_placement.fsdp.common.Registration.SHARDED_UNSHARDED_ATTRIBUTES`). Hook the
   outputs.
 * pre-backward (a hook on ``u``'s outputs; -> PRE_BACKWARD, once per backward of ``u``):
   re-gather, register the unsharded parameters (a recomputed forward reads them from the module)
@@ -71,7 +71,9 @@ gathers there, the recomputation does not.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,12 +84,12 @@ from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_placement._compat import outside_selective_checkpoint
+from ragged_placement._install import install_pipelining
 from ragged_placement.fsdp._dynamo import dynamo_disable
 from ragged_placement.fsdp._validation import check_no_all_gather_extension, unmatched_patterns
-from ragged_placement.fsdp.common import TrainingState
+from ragged_placement.fsdp.common import Registration, TrainingState
 from ragged_placement.fsdp.mesh import PostForwardMesh
 from ragged_placement.fsdp.unit import FSDPUnit
-from ragged_placement.fsdp.unsharded_guard import mark as mark_unsharded
 
 __all__ = ["FSDPState", "RootContext", "drop_unused_grads"]
 
@@ -97,12 +99,23 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_NO_MODES = contextlib.nullcontext()
+
+
+def _hook_ops():
+    """The context of the hooks' own tensor ops: outside selective checkpointing's dispatch
+    modes (:func:`~ragged_placement._compat.outside_selective_checkpoint`) where any dispatch
+    mode is active, else nothing to leave."""
+    return outside_selective_checkpoint() if torch._C._len_torch_dispatch_stack() else _NO_MODES
+
+
 class RootContext:
     """What the root unit shares with the units below it during one iteration."""
 
     def __init__(self, states: list[FSDPState]) -> None:
         self.states = states  # root first, then the others in module order
         self.forward_order: list[FSDPState] = []  # non-root units, last forward's order
+        self._position: dict[int, int] = {}  # id(state) -> its index in forward_order
         self._recording: list[FSDPState] = []
         self.pending_reduce: FSDPUnit | None = None
         self.callback_queued = False
@@ -150,6 +163,8 @@ class RootContext:
     def end_forward(self) -> None:
         """The root's forward ended: its recording is the order used to prefetch."""
         self.forward_order = self._recording
+        # a unit run twice in a forward (a head called per chunk) prefetches from its first run
+        self._position = {id(s): i for i, s in reversed(list(enumerate(self.forward_order)))}
         self._recording = []  # a unit run on its own later must not extend forward_order
 
     def reset(self) -> None:
@@ -163,10 +178,10 @@ class RootContext:
                 buffer.grads.drop_unreduced()
             s.unit.unreplicated_grads = [None] * len(s.unit.buffers)
             s.unit.reshard()
-            s._show_unsharded(False)
             s.training_state = TrainingState.IDLE
             s._to_run.clear()
             s.got_grad, s.had_grad = set(), None
+            s.unit.used_counts = None
         self._recording = []
         self.callback_queued = False
 
@@ -178,20 +193,15 @@ class RootContext:
     def next_in_forward(self, state: FSDPState) -> FSDPState | None:
         if state.is_root:
             return self.forward_order[0] if self.forward_order else None
+        i = self._position.get(id(state))  # its first place, as list.index would find
         order = self.forward_order
-        if state in order:
-            i = order.index(state)
-            return order[i + 1] if i + 1 < len(order) else None
-        return None
+        return order[i + 1] if i is not None and i + 1 < len(order) else None
 
     def next_in_backward(self, state: FSDPState) -> FSDPState | None:
         # The root's pre-backward runs at the loss, when activations peak: prefetching there
         # would add a unit's parameters to the peak, so the last unit gathers on its own hook.
-        order = self.forward_order
-        if state in order:
-            i = order.index(state)
-            return order[i - 1] if i > 0 else None
-        return None
+        i = self._position.get(id(state))
+        return self.forward_order[i - 1] if i else None
 
 
 class _PostBackward(torch.autograd.Function):
@@ -255,9 +265,6 @@ class FSDPState:
         self._to_run: set[int] = set()  # ids of the group's modules yet to run in this pass
         self.unit = unit
         self.reshard_after_forward = reshard_after_forward
-        # fully_shard's reshard_after_forward=None (FSDP2's default): True, but at the root
-        # False for registration (keeps_unsharded_registered); set_reshard_after_forward clears it
-        self.reshard_by_default = False
         self.mp_policy = mp_policy
         self.requires_gradient_sync = True
         # patterns of the ``granularity`` mapping that matched no parameter of this unit's tree
@@ -278,8 +285,19 @@ class FSDPState:
         self.root: RootContext | None = None
         self.is_root = False
         self.training_state = TrainingState.IDLE
+        # what the hooks read at every call, decided once: the forward-input cast, the bound
+        # pre-backward hook
+        mp = mp_policy
+        self._input_dtype = mp.param_dtype if mp.cast_forward_inputs else None
+        self._pre_backward_hook = self._pre_backward
         for m in self.modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        # per slot: its buffer's gradients, its index there and its plan segment (_on_grad)
+        self._grad_slots = []
+        for i in range(len(unit.slots)):
+            grads, j = unit.slot_grads(i)
+            self._grad_slots.append((grads, j, grads.segment_of[j]))
+        self._spmd = unit.buffers[0].spmd if unit.buffers else None
         self._grad_hooked: set[int] = set()  # slots whose unsharded parameter has _on_grad
         self._hook_grads([i for i, slot in enumerate(unit.slots) if slot.requires_grad])
         for m in self.modules:
@@ -290,9 +308,10 @@ class FSDPState:
         """Register :meth:`_on_grad` on the unsharded parameters of the slots ``indices`` (at
         wrap time the trainable ones, later those unfrozen), once per slot."""
         params = self.unit.unsharded_params
+        on_grad = type(self)._on_grad  # the disabled function itself, called with (self, i)
         for i in indices:
             if i not in self._grad_hooked:
-                params[i].register_hook(lambda grad, i=i: self._on_grad(i, grad))
+                params[i].register_hook(functools.partial(on_grad, self, i))
                 self._grad_hooked.add(i)
 
     # -- lazy root init ----------------------------------------------------------------------
@@ -330,8 +349,9 @@ class FSDPState:
             return self._pre_forward_recompute(args, kwargs)
         ctx = self.root
         first = self._first_in_pass(module)
-        with outside_selective_checkpoint():
+        with _hook_ops():
             if self.is_root and first:
+                install_pipelining()  # a pipeline stage's split backward follows (_install)
                 if ctx.post_optim_event is not None:  # the gathers below run on this stream
                     ctx.post_optim_event.wait()
                     ctx.post_optim_event = None
@@ -371,7 +391,7 @@ class FSDPState:
 
     def _pre_forward_recompute(self, args: tuple, kwargs: dict):
         """Pre-forward of a forward recomputed in backward: unshard if needed, register."""
-        with outside_selective_checkpoint():
+        with _hook_ops():
             self._unshard_and_register()  # a no-op after this unit's pre-backward
         args, kwargs = self._cast_inputs(args, kwargs)
         if self._expects_nested_backward():
@@ -392,49 +412,26 @@ class FSDPState:
         if self.training_state is TrainingState.POST_FORWARD:
             self.unit.reshard()
             self.training_state = TrainingState.IDLE
-            self._show_unsharded(False)
-
-    def keeps_unsharded_registered(self) -> bool:
-        """Whether the unsharded parameters stay registered from forward to backward, as
-        FSDP2's: with ``reshard_after_forward=False``, and on the root left at the default
-        ``None`` (FSDP2 does not reshard its root then). An explicit ``True`` (or ``int``)
-        registers the sharded ones after forward, as FSDP2's reshard; the root here keeps its
-        gathered buffer for backward all the same."""
-        return self.reshard_after_forward is False or (self.is_root and self.reshard_by_default)
 
     def release_kept(self, *args) -> None:
-        """Register the sharded parameters of a unit that kept its all-gather after forward:
-        for a ``state_dict()`` between forward and backward, as FSDP2's (its state-dict pre-hook
-        reshards), and after an optimizer step on them (the unsharded ones are stale then).
-        Backward (or the next forward) registers the unsharded ones again."""
+        """Register the sharded parameters alone, outside the unit's own forward and backward:
+        for a ``state_dict()`` (FSDP2's state-dict pre-hook reshards), and after an optimizer
+        step on them (:mod:`~ragged_placement.fsdp.unsharded_guard`: unsharded ones registered
+        by ``FSDPModule.unshard()`` are stale then). The gathered buffer is kept; the unit's
+        next forward or backward registers the unsharded parameters again."""
         del args
-        if self.training_state is TrainingState.POST_FORWARD:
-            self.unit.expose_sharded()
-
-    def _show_unsharded(self, show: bool) -> None:
-        """Between the root's forward and its backward, attribute access to a root parameter
-        (``model.head.weight``) gives the unsharded parameter, as FSDP2's root: a loss computed
-        after forward from it (a fused linear-cross-entropy) works and reaches its gradient.
-        ``model.parameters()`` (the modules' ``_parameters``) still gives the sharded ones, so
-        an optimizer built after a forward steps them. The unsharded parameter sits in the
-        module's instance ``__dict__``, found before ``nn.Module.__getattr__`` looks at
-        ``_parameters``; post-backward (or the next forward) removes it."""
-        for slot, p in zip(self.unit.slots, self.unit.unsharded_params):
-            for module, attr in slot.owners:
-                if show:
-                    module.__dict__[attr] = p
-                else:
-                    module.__dict__.pop(attr, None)
+        if (self.training_state not in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
+                and self.unit.registration is not Registration.SHARDED):
+            self.unit.expose_sharded(Registration.SHARDED)
 
     def _unshard_and_register(self) -> None:
         self.unit.unshard(async_op=False)
         self.unit.wait_unshard()
-        self.unit.register(sharded=False)
+        self.unit.register(Registration.UNSHARDED)
 
     def _cast_inputs(self, args: tuple, kwargs: dict):
-        mp = self.mp_policy
-        if mp.cast_forward_inputs and mp.param_dtype is not None:
-            args, kwargs = _cast_float_tensors(mp.param_dtype, (args, kwargs))
+        if self._input_dtype is not None:
+            args, kwargs = _cast_float_tensors(self._input_dtype, (args, kwargs))
         return args, kwargs
 
     def _cast_output(self, output: Any) -> Any:
@@ -443,11 +440,21 @@ class FSDPState:
         return output
 
     def _wrap_inputs_for_post_backward(self, args: tuple, kwargs: dict):
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call
+            idx = [i for i, a in enumerate(args) if a.requires_grad]
+            if not idx:
+                return args, kwargs
+            with _hook_ops():
+                wrapped = _PostBackward.apply(self, *(args[i] for i in idx))
+            out = list(args)
+            for i, t in zip(idx, wrapped):
+                out[i] = t
+            return tuple(out), kwargs
         leaves, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
         if not idx:
             return args, kwargs
-        with outside_selective_checkpoint():
+        with _hook_ops():
             wrapped = _PostBackward.apply(self, *(leaves[i] for i in idx))
         for i, t in zip(idx, wrapped):
             leaves[i] = t
@@ -471,23 +478,18 @@ class FSDPState:
             self.root.end_forward()
         raf = self.reshard_after_forward
         state = TrainingState.POST_FORWARD
-        with outside_selective_checkpoint():
+        with _hook_ops():
             if grad and isinstance(raf, PostForwardMesh) and not self.is_root:
                 self.unit.reshard_post_forward(raf)  # sharded parameters registered
             elif not grad or (raf and not self.is_root):
                 self.unit.reshard()
                 state = TrainingState.IDLE
-            elif self.keeps_unsharded_registered():
-                # As FSDP2: the unsharded parameters stay registered until backward (or
-                # reshard(), or a state_dict()); an optimizer built from them now refuses to step
-                self.unit.keep_unsharded()
-                mark_unsharded(self)
             else:
-                # Keep the gathered buffer for backward, but expose the sharded parameters, as
-                # FSDP2's after its reshard; pre-backward registers the unsharded ones again.
-                self.unit.expose_sharded()
-                if self.is_root:
-                    self._show_unsharded(True)
+                # Keep the gathered buffer for backward (reshard_after_forward=False, or the
+                # root); parameters() gives the sharded parameters (an optimizer built now
+                # steps them), attribute reads the unsharded ones (a loss computed from them
+                # after forward); pre-backward registers the unsharded ones again.
+                self.unit.expose_sharded(Registration.SHARDED_UNSHARDED_ATTRIBUTES)
         if grad:
             self._register_pre_backward(output)
         self.training_state = state
@@ -495,7 +497,7 @@ class FSDPState:
 
     def _register_pre_backward(self, output: Any) -> None:
         for t in _grad_tensors(output):
-            t.register_hook(self._pre_backward)
+            t.register_hook(self._pre_backward_hook)
 
     # -- backward ------------------------------------------------------------------------------
     @dynamo_disable
@@ -515,11 +517,19 @@ class FSDPState:
     def _on_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         # Runs before AccumulateGrad of unsharded parameter ``index``. A segment's gradient
         # buffer is allocated at its first gradient, not at pre-backward, where it would sit on
-        # the activation peak.
+        # the activation peak; the segment's other parameters find it allocated.
         self.got_grad.add(index)
-        self.unit.prepare_grads(index)
-        spmd = self.unit.buffers[0].spmd  # fully_shard(dp_mesh_dims=...): every buffer's
+        grads, j, segment = self._grad_slots[index]
+        if grads.unsharded[segment] is None:
+            grads.prepare(j)
+        spmd = self._spmd  # fully_shard(dp_mesh_dims=...): every buffer's
         return None if spmd is None else spmd.rank_grad(grad)
+
+    def _used(self) -> list[bool]:
+        """Per slot, whether this rank's backwards since the last agreement reached it (what
+        the reduce-scatter carries for :func:`drop_unused_grads`)."""
+        got = self.got_grad
+        return [i in got for i in range(len(self.unit.slots))]
 
     def note_reduce(self) -> None:
         """Called before the unit's reduce-scatter: which sharded parameters had a ``.grad``."""
@@ -537,7 +547,7 @@ class FSDPState:
         if unit.has_unsharded_grads and self.requires_gradient_sync:
             self.root.finish_pending_reduce()
             self.note_reduce()
-            unit.reduce_grads()
+            unit.reduce_grads(None if self.keep_unused_grads else self._used())
             if unit.device.type != "cpu":
                 self.root.pending_reduce = unit
             elif unit.start_rest():
@@ -554,8 +564,7 @@ class FSDPState:
         if self.reshard_after_backward:
             unit.reshard()
         else:  # FSDPModule.set_reshard_after_backward(False): the next forward reuses it
-            unit.expose_sharded()
-        self._show_unsharded(False)
+            unit.expose_sharded(Registration.SHARDED_UNSHARDED_ATTRIBUTES)
         self.training_state = TrainingState.POST_BACKWARD
 
     @dynamo_disable
@@ -612,29 +621,50 @@ def drop_unused_grads(states: Sequence[FSDPState]) -> None:
     not move them). A parameter some rank used (rank-dependent routing) keeps its reduced
     gradient on every rank.
 
-    Ranks agree by one all-reduce (max) of one byte per parameter of the reduced units, per
-    distinct data-parallel group (one in the common case), per synchronizing backward, at its
-    end, whose result the host reads (on GPUs: a device sync there). A rank cannot know that
-    no other rank used a parameter without hearing from each of them, and the reduce-scatter
-    delivers a parameter's sum only to the ranks holding part of it (ragged shards leave
-    others with none). ``FSDPModule.set_reduce_scatter_unused_params(True)`` keeps the zero
-    gradients, as FSDP2 does with it, and skips the all-reduce."""
+    A rank cannot know that no other rank used a parameter without hearing from each of them,
+    and the reduce-scatter delivers a parameter's sum only to the ranks holding part of it
+    (ragged shards leave others with none). The unit's reduce-scatter carries each rank's
+    flags (:meth:`~ragged_placement.fsdp.unit.FSDPUnit.reduce_grads`: ``W`` times one element
+    per parameter, in the same coalesced collective, and HSDP's all-reduce over the replicas
+    sums them too), so the ranks agree with no collective of their own; the host reads the
+    counts of all units at the end of backward, at once (on GPUs: a device sync there). Where
+    the reduce-scatter cannot carry them (gloo, whose reduce-scatter runs each part as an
+    all-to-all; a ``state_sharding``; a custom reduce-scatter; ``reduce_gradients()``), ranks
+    agree by one all-reduce (max) of one byte per parameter of those units, per distinct
+    data-parallel group, per synchronizing backward, at its end.
+    ``FSDPModule.set_reduce_scatter_unused_params(True)`` keeps the zero gradients, as FSDP2
+    does with it, and needs no agreement."""
     by_group: dict[tuple, list[FSDPState]] = {}
+    carried: list[FSDPState] = []
     for s in states:
         if (s.had_grad is not None and not s.unit.requires_all_reduce
                 and s.unit.dp.replicas_group is not None):
             continue  # nothing landed: decided at the backward whose all-reduce lands it
         if s.had_grad is not None and s.keep_unused_grads:
             s.got_grad, s.had_grad = set(), None
+        elif s.had_grad is not None and s.unit.used_counts is not None:
+            carried.append(s)
         elif s.had_grad is not None:
             by_group.setdefault(s.unit.dp.agreement_groups, []).append(s)
+    if carried:
+        counts = iter(torch.cat([s.unit.used_counts for s in carried]).tolist())
+        for s in carried:
+            _drop_unused(s, (c > 0 for c in counts))
     for groups, group_states in by_group.items():
         used = [i in s.got_grad for s in group_states for i in range(len(s.unit.slots))]
         flags = iter(_any_rank(used, group_states[0].unit.device, groups))
         for s in group_states:
-            unit = s.unit
-            for slot, p, had, anywhere in zip(unit.slots, unit.sharded_params, s.had_grad, flags):
-                if slot.requires_grad and not had and not anywhere:
-                    p.grad = None
-            s.unit.release_dropped_grads()
-            s.got_grad, s.had_grad = set(), None
+            _drop_unused(s, flags)
+
+
+def _drop_unused(state: FSDPState, anywhere) -> None:
+    """``.grad = None`` for ``state``'s trainable parameters that had none before this
+    reduction and that no rank used (``anywhere``: per slot, in order, whether some rank
+    did); then the agreement starts afresh."""
+    unit = state.unit
+    for slot, p, had, used in zip(unit.slots, unit.sharded_params, state.had_grad, anywhere):
+        if slot.requires_grad and not had and not used:
+            p.grad = None
+    unit.release_dropped_grads()
+    unit.used_counts = None
+    state.got_grad, state.had_grad = set(), None

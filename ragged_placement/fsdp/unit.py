@@ -56,15 +56,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ragged_placement.fsdp.buffer import FlatBuffer
+from ragged_placement.fsdp import collectives
 from ragged_placement.fsdp.collectives import (
     Gather,
+    Reduction,
     Works,
+    coalesces_requests,
     issue_all_gather,
     issue_reduce_scatter,
 )
-from ragged_placement.fsdp.common import CommStats, UnitOptions, UnitState
+from ragged_placement.fsdp.common import CommStats, Registration, UnitOptions, UnitState
+from ragged_placement.fsdp.grads import FlatGrads
 from ragged_placement.fsdp.mesh import PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
+from ragged_placement.planner.plan import Segment
 
 __all__ = ["FSDPUnit"]
 
@@ -149,6 +154,14 @@ class FSDPUnit:
     _synced_versions: list[int]
     _agreed: bool | None  # the ranks' agreed decision for the next unshard (None: none yet)
     _refresh_work: object | None  # a refresh issued at an optimizer step, not waited on yet
+    # the parameters in slot order (the buffers keep the same objects through moves and casts)
+    _sharded_params: list[nn.Parameter]
+    _unsharded_params: list[nn.Parameter]
+    # the ranks' agreement on unused gradients, carried by the reduce-scatter (see
+    # reduce_grads): per slot, how many data-parallel ranks used it since the last agreement
+    # (None: not carried, or not over every data-parallel rank yet)
+    used_counts: torch.Tensor | None
+    _counts_pending: torch.Tensor | None  # summed over the shard ranks, not the replicas yet
 
     def __init__(self, slots: list[ParamSlot], params: list[nn.Parameter], dp: UnitMesh,
                  options: UnitOptions) -> None:
@@ -187,6 +200,9 @@ class FSDPUnit:
         for k, idx in enumerate(groups):
             for j, i in enumerate(idx):
                 self._where[i] = (k, j)
+        self.used_counts = self._counts_pending = None
+        self._sharded_params = self._in_slot_order("sharded_params")
+        self._unsharded_params = self._in_slot_order("unsharded_params")
 
     # -- what the hooks, the API and the checkpoint code read, in slot order ------------------
     def _in_slot_order(self, attr: str) -> list:
@@ -194,11 +210,18 @@ class FSDPUnit:
 
     @property
     def sharded_params(self) -> list[nn.Parameter]:
-        return self._in_slot_order("sharded_params")
+        """The sharded parameters in slot order (the same objects for the unit's life)."""
+        return self._sharded_params
 
     @property
     def unsharded_params(self) -> list[nn.Parameter]:
-        return self._in_slot_order("unsharded_params")
+        """The unsharded parameters in slot order (the same objects for the unit's life)."""
+        return self._unsharded_params
+
+    def slot_grads(self, index: int) -> tuple[FlatGrads, int]:
+        """The gradients of slot ``index``'s buffer and the slot's index in that buffer."""
+        k, j = self._where[index]
+        return self.buffers[k].grads, j
 
     @property
     def layouts(self) -> list[ParamLayout]:
@@ -219,10 +242,20 @@ class FSDPUnit:
         return any(b.grads.pending for b in self.buffers)
 
     # -- parameters ----------------------------------------------------------------------------
-    def register(self, *, sharded: bool) -> None:
-        """Point every owning module attribute at the sharded or the unsharded parameter."""
+    def register(self, how: Registration) -> None:
+        """Point every owning module at the sharded or the unsharded parameters, as ``how``
+        says (:class:`~ragged_placement.fsdp.common.Registration`; a no-op where ``how`` is
+        registered already: a unit registers at every pass boundary)."""
+        if self.registration is how:
+            return
         for b in self.buffers:
-            b.register(sharded=sharded)
+            b.register(how)
+
+    @property
+    def registration(self) -> Registration | None:
+        """What the owning modules give for the parameters now (``None`` while
+        :meth:`unregistered` hides them)."""
+        return self.buffers[0].registration if self.buffers else Registration.SHARDED
 
     @contextlib.contextmanager
     def unregistered(self) -> Iterator[None]:
@@ -234,7 +267,7 @@ class FSDPUnit:
         try:
             yield
         finally:
-            self.register(sharded=True)
+            self.register(Registration.SHARDED)
 
     def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Map the sharded parameters (and their gradients) through ``fn`` buffer by buffer
@@ -353,25 +386,20 @@ class FSDPUnit:
             self._post_forward = None
             self.state = UnitState.UNSHARDED
 
-    def expose_sharded(self) -> None:
-        """Register the sharded parameters, keeping the gathered buffers as they are (a unit
-        holding its forward's all-gather for backward), once CPU-offload staging copies still
-        reading the host chunks have finished."""
-        for b in self.buffers:
-            b.expose_sharded()
-
-    def keep_unsharded(self) -> None:
-        """Leave the unsharded parameters registered with the gathered buffers (a unit holding
-        its forward's all-gather for backward, as FSDP2 registers it), once CPU-offload staging
-        copies still reading the host chunks have finished: the host may write them now."""
+    def expose_sharded(self, how: Registration) -> None:
+        """Register the sharded parameters (``how``: alone, or showing the unsharded ones to
+        attribute reads), keeping the gathered buffers as they are (a unit holding its
+        all-gather between its forward and its backward), once CPU-offload staging copies
+        still reading the host chunks have finished."""
         for b in self.buffers:
             b.staging.wait_to_device()
+        self.register(how)
 
     def reshard(self) -> None:
         """Register the sharded parameters and free the unsharded buffers' storage (or the
         post-forward shards)."""
         self.wait_unshard()
-        self.expose_sharded()
+        self.expose_sharded(Registration.SHARDED)
         if self.state is UnitState.UNSHARDED:
             for b in self.buffers:
                 b.free_unsharded()
@@ -405,7 +433,7 @@ class FSDPUnit:
         every forward; returns the slots that became trainable."""
         trainable = []
         for i, (slot, sharded, unsharded) in enumerate(
-            zip(self.slots, self.sharded_params, self.unsharded_params)
+            zip(self.slots, self._sharded_params, self._unsharded_params)
         ):
             if sharded.requires_grad != slot.requires_grad:
                 slot.requires_grad = sharded.requires_grad
@@ -420,29 +448,55 @@ class FSDPUnit:
         for b in self.buffers:
             b.grads.release_dropped()
 
-    def prepare_grads(self, index: int) -> None:
-        """Called before slot ``index``'s first gradient of a backward lands (see
-        :meth:`~ragged_placement.fsdp.grads.FlatGrads.prepare`)."""
-        k, j = self._where[index]
-        self.buffers[k].grads.prepare(j)
-
     def accumulate_unreduced_grads(self) -> None:
         """After a backward without gradient sync: accumulate in ``reduce_dtype`` (see
         :meth:`~ragged_placement.fsdp.grads.FlatGrads.accumulate_unreduced`)."""
         for b in self.buffers:
             b.grads.accumulate_unreduced()
 
-    def reduce_grads(self) -> None:
+    def reduce_grads(self, used: list[bool] | None = None) -> None:
         """Issue one coalesced reduce-scatter (a sum, async) of every buffer with gradients;
-        :meth:`finish_reduce` completes it. The unsharded gradient buffers are released here."""
+        :meth:`finish_reduce` completes it. The unsharded gradient buffers are released here.
+
+        ``used`` (per slot, whether this rank's backwards since the last agreement reached it):
+        where :meth:`carries_agreement`, the reduce-scatter carries it as one more part, every
+        rank's flags in every rank's chunk (``W x len(slots)`` elements in, ``len(slots)`` out),
+        so that each rank receives how many ranks used each parameter (summed over the
+        replicas with HSDP's all-reduce) in :attr:`used_counts`: the agreement on unused
+        gradients (:func:`~ragged_placement.fsdp.state.drop_unused_grads`) without a
+        collective of its own."""
         ready = [b.grads.prepare_reduce() for b in self.buffers if b.grads.pending]
         issued = [r for r in ready if r.output is not None]  # params=(): reduced later
         if issued:
+            self.used_counts = self._counts_pending = None
+            if used is not None and self.carries_agreement(issued):
+                issued.append(self._agreement_part(issued[0], used))
             self._rs_work = issue_reduce_scatter(issued, self.stats, self.custom_reduce_scatter)
             nbytes = sum(g.numel() * g.element_size() for r in issued for g in r.inputs)
             self.dp.count(self.stats, "reduce_scatter", "params", nbytes)
         elif ready:
             self._rs_work = Works([])
+
+    def carries_agreement(self, issued: list[Reduction]) -> bool:
+        """Whether this unit's reduce-scatter of ``issued`` carries the agreement on unused
+        gradients: where the mesh :attr:`~UnitMesh.reduces_over_all_ranks` (FSDP and HSDP of
+        more than one shard rank; not a ``state_sharding``'s), with c10d's reduce-scatter (not
+        a custom one), and the backend runs the unit's parts as one coalesced collective (not
+        gloo's sums, which run each part as an all-to-all)."""
+        return (self.dp.reduces_over_all_ranks and self.custom_reduce_scatter is None
+                and coalesces_requests(issued, issued[0].group, all_gathers=False))
+
+    def _agreement_part(self, first: Reduction, used: list[bool]) -> Reduction:
+        """The reduce-scatter part carrying ``used``: ``[W, len(slots)]`` rows of this rank's
+        flags in, this rank's ``len(slots)`` sums out, in ``first``'s dtype (exact: sums of
+        zeros and ones stay zero only where every rank gave zero)."""
+        out = first.output
+        flags = torch.tensor(used, dtype=out.dtype, device=out.device)
+        n = len(used)
+        counts = out.new_empty(n)
+        self._counts_pending = counts
+        return Reduction(counts, [flags.expand(first.world_size, n).reshape(-1)],
+                         [Segment(0, 0, n)], first.world_size, first.group)
 
     def start_rest(self) -> bool:
         """Wait for the reduce-scatter and issue what follows it in each buffer's
@@ -472,7 +526,8 @@ class FSDPUnit:
                 continue
             if self.all_reduce_hook is not None:
                 self._run_all_reduce_hook(out)
-            self.buffers[k].grads.land(out, scale, divisor)
+            self.buffers[k].grads.land(out, scale, divisor,
+                                       shared=self.all_reduce_hook is not None)
 
     def _run_all_reduce_hook(self, out: torch.Tensor) -> None:
         """:meth:`FSDPModule.set_all_reduce_hook`'s hook on ``out``, on its stream if one was
@@ -493,17 +548,24 @@ class FSDPUnit:
         for a later all-reduce, ``set_requires_all_reduce(False)``); else (no replicas, or the
         mesh summed over them already: :attr:`UnitMesh.replicas_group`) ``out`` itself."""
         group = self.dp.replicas_group
+        counts, self._counts_pending = self._counts_pending, None
         if group is None:
+            self.used_counts = counts if counts is not None else self.used_counts
             return out
         if self.unreplicated_grads[k] is not None:
             out += self.unreplicated_grads[k]
             self.unreplicated_grads[k] = None
         if not self.requires_all_reduce:
             self.unreplicated_grads[k] = out  # lands after a later all-reduce
-            return None
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+            return None  # (the agreement waits for it too: drop_unused_grads)
+        tensors = [out] if counts is None else [out, counts]  # one coalesced all-reduce
+        collectives._coalesced([lambda a, t=t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group,
+                                                   async_op=a) for t in tensors],
+                   group, async_op=False)
+        if counts is not None:
+            self.used_counts = counts
         self.stats.all_reduces += 1
-        self.stats.all_reduce_bytes += out.numel() * out.element_size()
+        self.stats.all_reduce_bytes += sum(t.numel() * t.element_size() for t in tensors)
         return out
 
     def wait_offload_copies(self) -> None:

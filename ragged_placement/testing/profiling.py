@@ -177,6 +177,9 @@ class CollectiveMeter:
             (dist, "reduce_scatter", "reduce_scatter"),  # uneven segments' list reduce-scatter
             (compat, "_reduce_scatter", "reduce_scatter"),
             (compat, "reduce_scatter_by_all_to_all", "reduce_scatter"),  # gloo's sums
+            # one unit's equal segments as one coalesced c10d call: one collective
+            (compat, "all_gather_coalesced", "all_gather"),
+            (compat, "reduce_scatter_coalesced", "reduce_scatter"),
             (dist, "all_reduce", "all_reduce"),
         ] + ([(dist, "all_to_all_single", "all_to_all")] if self.all_to_all else [])
         for obj, name, kind in targets:

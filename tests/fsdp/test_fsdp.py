@@ -172,7 +172,9 @@ def _count_step(rank: int, ws: int, runtime: str, reshard: bool):
         if runtime == "ours"
         else None
     )
-    # the threaded PG runs a coalesced collective as one call per segment (gloo and NCCL as one op)
+    # the threaded PG runs a coalesced collective as one call per part (gloo and NCCL as one op):
+    # per segment, and in the reduce-scatter one more, the ranks' flags of which parameters got
+    # a gradient (FSDPUnit.reduce_grads)
     segments = None
     if runtime == "ours":
         segments = {name: len(u.buffers[0].plan.segments) for name, u in m.fsdp_units()}
@@ -199,7 +201,7 @@ def test_one_all_gather_per_unit_per_pass_and_one_reduce_scatter(monkeypatch):
             assert per_unit == expected  # one all-gather per unit per pass, one reduce-scatter
             assert counts == {
                 "all_gather": sum(ag * segments[u] for u, (ag, _) in expected.items()),
-                "reduce_scatter": sum(rs * segments[u] for u, (_, rs) in expected.items()),
+                "reduce_scatter": sum(rs * (segments[u] + 1) for u, (_, rs) in expected.items()),
             }
         for counts, _, _ in theirs:  # FSDP2 issues the same number of collectives per step
             assert counts == {"all_gather": 1 + blocks_ag * n, "reduce_scatter": 1 + n}
@@ -345,13 +347,14 @@ def _mixed_precision_dtypes(rank: int, ws: int):
     logits.float().sum().backward()
     unit = m.fsdp_unit
     numel = unit.buffers[0].chunk_numel * ws
+    flags = ws * len(unit.slots)  # the used-gradient flags the reduce-scatter carries, in fp32
     return (
         seen,
         logits.dtype,
         {p.dtype for p in m.parameters()},
         {p.grad.dtype for p in m.parameters()},
         unit.stats.all_gather_bytes == numel * 2,
-        unit.stats.reduce_scatter_bytes == numel * 4,
+        unit.stats.reduce_scatter_bytes == (numel + flags) * 4,
     )
 
 

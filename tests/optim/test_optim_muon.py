@@ -38,7 +38,7 @@ from dist_utils import recording_collectives, run_threaded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ragged_placement.optim import Muon, newton_schulz, newton_schulz_flops
-from ragged_placement.optim._sharding import Exchange, Item, Layout, assign_owners
+from ragged_placement.optim._sharding import Exchange, Item, Layout, assign_owners, layout_of
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -369,6 +369,25 @@ def _unsupported_placement(rank, ws):
 
 def test_unsupported_placement_raises():
     assert all(run_threaded(_unsupported_placement, 2))
+
+
+def _layouts_per_spec(rank, ws):
+    mesh = init_device_mesh("cpu", (ws,))
+    d = distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)])
+    first = layout_of(d)
+    kept = layout_of(d) is first  # read once per spec, not derived at every step
+    d._spec = distribute_tensor(torch.zeros(6, 4), mesh, [RaggedShard((0,), (2, 1))])._spec
+    ragged = layout_of(d)
+    return kept, first.local_range, ragged.local_range, first.rank == rank
+
+
+def test_a_layout_is_read_once_per_spec_and_follows_a_new_spec():
+    """Each rank thread gets its own rank's layout, kept for the spec object; a DTensor given
+    another spec gets that spec's layout."""
+    for rank, (kept, shard, ragged, own) in enumerate(run_threaded(_layouts_per_spec, 2)):
+        assert kept and own
+        assert shard == ((0, 12), (12, 24))[rank]
+        assert ragged == ((0, 16), (16, 24))[rank]
 
 
 def _grad_placement_mismatch(rank, ws):
