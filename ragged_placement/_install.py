@@ -12,11 +12,15 @@ exactly as before.
 the rows for torch's FSDP2 (its ``register_fsdp_forward_method`` reaches ours for our modules,
 its ``fully_shard.state`` returns our units' view for pipelining; a clear error when its
 ``fully_shard`` meets a RaggedShard parameter); :data:`OPTIM_PATCHES` the rows for torch's
-Adam and AdamW, which step our units' parameters as runs of their flat shards.
+Adam and AdamW, which step our units' parameters as runs of their flat shards;
+:data:`PIPELINING_PATCHES` those for ``torch.distributed.pipelining``'s split backward (the
+zero-bubble schedules' weight pass finds the tensors our units' forwards used).
 
 Nothing is patched when the package is imported. :func:`install` runs the first time a
 :class:`~ragged_placement.RaggedShard` is made (nothing reaches a patched path without one), and
-:func:`install_fsdp2` the first time our ``fully_shard`` runs. Each checks every row's current
+:func:`install_fsdp2` the first time our ``fully_shard`` runs, :func:`install_pipelining` at the
+first root forward of our units after ``torch.distributed.pipelining`` was imported (importing it
+takes seconds; a pipeline schedule imports it before it runs a forward). Each checks every row's current
 value against its expected original before patching anything (``RuntimeError`` naming the row
 and what torch has there instead), so a torch that changed a target is left untouched rather
 than half patched; :func:`uninstall` puts every original back. On a torch outside
@@ -36,9 +40,10 @@ import copy
 import functools
 import importlib
 import inspect
+import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +54,9 @@ from ragged_placement import placement as _placement
 from ragged_placement.placement import RaggedShard
 
 __all__ = [
-    "FSDP2Hooks", "FSDP2_PATCHES", "OPTIM_PATCHES", "PATCHES", "Patch", "changed_rows", "install", "install_fsdp2", "installed",
-    "uninstall", "warn_if_untested",
+    "FSDP2Hooks", "FSDP2_PATCHES", "OPTIM_PATCHES", "PATCHES", "PIPELINING_PATCHES", "Patch",
+    "changed_rows", "install", "install_fsdp2", "install_pipelining", "installed", "uninstall",
+    "warn_if_untested",
 ]
 
 _ABSENT = object()
@@ -473,12 +479,15 @@ class FSDP2Hooks:
             parameters, or ``None``.
         state_view: ``state_view(module)``: what torch's ``fully_shard.state`` returns for our
             module (pipelining's view), or ``None``.
+        forward_tensors: ``forward_tensors(weights)``: ``weights`` with each of our sharded
+            parameters replaced by the unsharded parameter its forward used.
     """
 
     module_type: type
     register_forward_method: Callable[[object, str], None]
     sharded_by: Callable[[object], str | None]
     state_view: Callable[[object], object | None]
+    forward_tensors: Callable[[Iterable], list]
 
 
 _fsdp2_hooks: FSDP2Hooks | None = None
@@ -582,6 +591,67 @@ FSDP2_PATCHES: tuple[Patch, ...] = (
           _build_fsdp2_state_lookup),
 )
 
+
+def _build_forward_tensors(position: int):
+    """torch.distributed.pipelining's ``stage_backward_input`` (``weights`` its 4th argument)
+    and ``stage_backward_weight`` (its 1st) map each of ``stage.submod.parameters()`` to its
+    autograd accumulator and look those up in the graph the forward recorded: they get, for each
+    of our sharded parameters, the unsharded one the forward computed with
+    (:mod:`ragged_placement.fsdp.fsdp2_state`). A weight pass over our units through a region of
+    selective activation checkpointing, which torch's checkpoint lets backward run through once
+    (the input pass did), raises ``NotImplementedError`` naming the combination and the fix
+    (FSDP2 fails there with torch's error alone). Upstream: FSDP2's module would tell
+    pipelining which tensors its forward used."""
+
+    def build(original):
+        @functools.wraps(original)
+        def with_forward_tensors(*args, **kwargs):
+            args = list(args)
+            if len(args) > position:
+                weights = args[position] = list(args[position])
+            else:
+                weights = kwargs["weights"] = list(kwargs["weights"])
+            tensors = _fsdp2_hooks.forward_tensors(weights)
+            ours = any(t is not w for t, w in zip(tensors, weights))
+            weights[:] = tensors
+            try:
+                return original(*args, **kwargs)
+            except RuntimeError as exc:
+                if ours and position == 0 and "backward an extra time" in str(exc):
+                    raise NotImplementedError(_SPLIT_BACKWARD_AND_SAC) from exc
+                raise
+
+        return with_forward_tensors
+
+    return build
+
+
+_SPLIT_BACKWARD_AND_SAC = (
+    "a zero-bubble pipeline schedule (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, "
+    "ScheduleDualPipeV: a weight-gradient pass of its own after the input pass) over a stage "
+    "with selective activation checkpointing: torch.utils.checkpoint lets backward run once "
+    "through a selectively checkpointed region, and the weight pass is the second time (torch "
+    "FSDP2 fails here too, with 'Trying to backward an extra time'). Use full activation "
+    "checkpointing (torchtitan's FullAC) or none with these schedules, or a schedule without "
+    "a separate weight pass (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleGPipe, "
+    "ScheduleLoopedBFS) with selective checkpointing"
+)
+
+
+_STAGE = "torch.distributed.pipelining.stage"
+_BACKWARD = "torch.distributed.pipelining._backward"
+
+#: The rows for torch.distributed.pipelining, applied by :func:`install_pipelining` (the names
+#: its stages call, bound in ``stage.py``).
+PIPELINING_PATCHES: tuple[Patch, ...] = (
+    Patch(_STAGE, "stage_backward_input", f"{_BACKWARD}.stage_backward_input",
+          _build_forward_tensors(3),
+          ("stage_outputs_or_loss", "output_grads", "input_values", "weights")),
+    Patch(_STAGE, "stage_backward_weight", f"{_BACKWARD}.stage_backward_weight",
+          _build_forward_tensors(0), ("weights", "param_groups")),
+)
+
+
 # -- torch.optim's Adam and AdamW --------------------------------------------------------------
 def _build_flat_adam(original):
     from ragged_placement.optim._flat_adam import flat_adam
@@ -605,6 +675,7 @@ OPTIM_PATCHES: tuple[Patch, ...] = tuple(
 # (patch, owner, original raw value) of every applied row, in install order
 _applied: list[tuple[Patch, object, object]] = []
 _applied_fsdp2: list[tuple[Patch, object, object]] = []
+_applied_pipelining: list[tuple[Patch, object, object]] = []
 _installing = False  # inside install(): a RaggedShard made by a row's build must not recurse
 _warned_untested = False
 
@@ -644,10 +715,13 @@ def _mismatch(patch: Patch) -> str | None:
 
 
 def changed_rows(rows: tuple[Patch, ...] | None = None) -> list[tuple[str, str]]:
-    """``(row, what changed)`` for every row of ``rows`` (default: :data:`PATCHES` and
-    :data:`FSDP2_PATCHES`, :data:`OPTIM_PATCHES`) whose target in this torch is not what the row expects. Reads torch,
-    patches nothing."""
-    rows = (*PATCHES, *FSDP2_PATCHES, *OPTIM_PATCHES) if rows is None else rows
+    """``(row, what changed)`` for every row of ``rows`` (default: :data:`PATCHES`,
+    :data:`FSDP2_PATCHES`, :data:`OPTIM_PATCHES`, and :data:`PIPELINING_PATCHES` once
+    pipelining is imported) whose target in this torch is not what the row expects. Reads
+    torch, patches nothing."""
+    if rows is None:  # pipelining's rows where it is imported (importing it takes seconds)
+        rows = (*PATCHES, *FSDP2_PATCHES, *OPTIM_PATCHES,
+                *(PIPELINING_PATCHES if _STAGE in sys.modules else ()))
     return [(f"{p.owner}.{p.name}", why) for p in rows if (why := _mismatch(p)) is not None]
 
 
@@ -707,6 +781,19 @@ def install_fsdp2(hooks: FSDP2Hooks) -> None:
             _apply((*FSDP2_PATCHES, *OPTIM_PATCHES), _applied_fsdp2)
 
 
+def install_pipelining() -> None:
+    """Apply :data:`PIPELINING_PATCHES` once ``torch.distributed.pipelining`` is imported and
+    :data:`FSDP2_PATCHES` are (idempotent; every root forward of our units calls it: a
+    pipeline stage's forward runs after the import, before any split backward). A no-op
+    while pipelining is not imported. ``RuntimeError`` naming the rows if its targets are not
+    what they expect."""
+    if _applied_pipelining or not _applied_fsdp2 or _STAGE not in sys.modules:
+        return
+    with _LOCK:
+        if not _applied_pipelining and _applied_fsdp2:
+            _apply(PIPELINING_PATCHES, _applied_pipelining)
+
+
 def _apply(patches: tuple[Patch, ...], applied: list[tuple[Patch, object, object]]) -> None:
     """Check every row of ``patches``, then apply them all (none on an error)."""
     changed = changed_rows(patches)
@@ -729,7 +816,8 @@ def _apply(patches: tuple[Patch, ...], applied: list[tuple[Patch, object, object
 
 
 def _restore(applied: list[tuple[Patch, object, object]] | None = None) -> None:
-    for rows in [applied] if applied is not None else [_applied_fsdp2, _applied]:
+    for rows in ([applied] if applied is not None
+                 else [_applied_pipelining, _applied_fsdp2, _applied]):
         while rows:
             patch, owner, original = rows.pop()
             _raw_set(owner, patch.name, original)

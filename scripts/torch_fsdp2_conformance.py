@@ -97,6 +97,14 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "TestFullyShardMixedPrecisionTraining.test_reduce_dtype": _LOW_PRECISION,
     # training
     "TestFullyShardRegisteredParams.test_modules_to_run_forward_empty_for_single_module": _STATE,
+    "TestFullyShardRegisteredParams.test_param_registration_after_forward": (
+        "accepted on purpose: after a forward, FSDP2 registers the unsharded parameters of the "
+        "root and of units with reshard_after_forward=False in model.parameters(), which an "
+        "optimizer built there then steps without ever training them; ours gives the sharded "
+        "parameters at every point outside its hooks (the root keeps its gathered buffer in "
+        "memory, as FSDP2's, and shows the unsharded parameters to attribute reads), so such an "
+        "optimizer trains exactly as one process (tests/fsdp/test_fsdp2_semantics.py)"
+    ),
     "TestFullyShardSharedParams.test_shared_params_separate_fsdp_groups_error": (
         "refused earlier on purpose: ours raises the same ValueError ('already managed by "
         "another fully_shard unit') at the second fully_shard call that shares the weight, "

@@ -1,5 +1,5 @@
-"""The docs stay true to the tree: CONTRIBUTING's map names every module of the FSDP runtime,
-and every relative link in README.md, CONTRIBUTING.md and docs/ reaches a file (and heading)."""
+"""The docs stay true to the tree: CONTRIBUTING's map names every module of the FSDP runtime
+and of the packages, and every relative link in README.md, CONTRIBUTING.md and docs/ reaches a file (and heading)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,19 @@ def test_contributing_names_every_module_of_the_fsdp_runtime():
     modules = {p.name for p in (REPO / "ragged_placement" / "fsdp").glob("*.py")} - {"__init__.py"}
     assert modules - named == set(), f"CONTRIBUTING.md's fsdp table leaves out {sorted(modules - named)}"
     assert named - modules == set(), f"CONTRIBUTING.md's fsdp table names missing {sorted(named - modules)}"
+
+
+def test_contributing_names_every_module_of_the_packages():
+    text = (REPO / "CONTRIBUTING.md").read_text()
+    section = text[text.index("## Where things are"):]
+    section = section[: section.index("\n## ", 1)]
+    named = set(re.findall(r"(\w+\.py)\b", section))
+    missing = []
+    for folder in ("ragged_placement", "planner", "optim", "ragged_placement/integrations/torchtitan"):
+        for path in sorted((REPO / folder).glob("*.py")):
+            if path.name != "__init__.py" and path.name not in named:
+                missing.append(f"{folder}/{path.name}")
+    assert not missing, f"CONTRIBUTING.md's map leaves out {missing}"
 
 
 def test_every_relative_link_reaches_a_file_and_heading():

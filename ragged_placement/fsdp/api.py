@@ -40,7 +40,12 @@ from ragged_placement.fsdp.module import (
 )
 from ragged_placement.fsdp.fsdp2_state import state_view
 from ragged_placement.fsdp.nested import check_state_sharding, state_sharded_mesh
-from ragged_placement.fsdp.param import ParamSlot, check_tp_dims_disjoint, mesh_device
+from ragged_placement.fsdp.param import (
+    ParamSlot,
+    check_tp_dims_disjoint,
+    forward_tensors,
+    mesh_device,
+)
 from ragged_placement.fsdp.param_meshes import split_by_mesh
 from ragged_placement.fsdp.spmd import check_dp_mesh_dims, localize_spmd_params
 from ragged_placement.planner.sharding import StateSharding
@@ -400,18 +405,21 @@ def fully_shard(
             all-gather them again in backward; ``False``: keep them until backward; ``None``
             (the default, as FSDP2): ``True``, except at the root. The outermost (root) unit
             always keeps them (FSDP2 does so for ``None``; with an explicit ``True`` it
-            re-gathers the root, to the same values), which changes no result. Registered on
-            the modules between forward and backward, as FSDP2's: the unsharded parameters
-            with ``False`` and at a root left at ``None`` (``model.parameters()`` gives them
-            until backward, ``reshard()`` or ``state_dict()``; an optimizer built from them
-            raises at its first ``step()``), else the sharded ones. As FSDP2, an ``int`` ``N`` is the world size to reshard to
-            after forward and must divide the shard world size ``W``; ``W`` means ``True`` and
-            ``1`` means ``False``. For ``1 < N < W`` each rank keeps, between forward and
-            backward, ``1/N`` of the unit's gathered parameters (one copy out of the all-gather
-            buffer, which is then freed), and backward all-gathers within its group of ``N``
-            consecutive ranks (rows of ``mesh.mesh.reshape(-1, N)``; for HSDP the 2-D mesh
-            flattened, as FSDP2 does), e.g. inside a node. The groups are created once per mesh
-            and ``N`` by their members (collective over each group at that call). FP8 units
+            re-gathers the root, to the same values), which changes no result.
+            ``model.parameters()`` gives the sharded parameters between forward and backward
+            whatever the setting (an optimizer built there trains them); a unit keeping its
+            gathered buffer shows the unsharded ones to attribute reads (``model.head.weight``)
+            until its backward (FSDP2 registers them in ``parameters()`` too, where an
+            optimizer built from them steps copies that never train; see
+            :class:`~ragged_placement.fsdp.common.Registration`). As FSDP2, an ``int`` ``N``
+            is the world size to reshard to after forward and must divide the shard world size
+            ``W``; ``W`` means ``True`` and ``1`` means ``False``. For ``1 < N < W`` each rank
+            keeps, between forward and backward, ``1/N`` of the unit's gathered parameters (one
+            copy out of the all-gather buffer, which is then freed), and backward all-gathers
+            within its group of ``N`` consecutive ranks (rows of ``mesh.mesh.reshape(-1, N)``;
+            for HSDP the 2-D mesh flattened, as FSDP2 does), e.g. inside a node. The groups are
+            created once per mesh and ``N`` by their members (collective over each group at
+            that call). FP8 units
             (``quant``) and tensor-parallel parameters take it too. Values that are not a bool,
             ``None`` or a divisor of ``W`` raise ``ValueError``.
         shard_placement_fn: FSDP2's per-parameter placement, ``Callable[[nn.Parameter],
@@ -562,7 +570,6 @@ def fully_shard(
     )
     unit = FSDPUnit(slots, params, build_mesh(), options)
     state = FSDPState(modules, unit, _reshard_setting(reshard_after_forward, unit), mp_policy)
-    state.reshard_by_default = reshard_after_forward is None
     state.unmatched_granularity = unmatched_patterns(granularity, modules)
     for m in modules:
         m._fsdp_state = state
@@ -573,7 +580,9 @@ def fully_shard(
     return module
 
 
-# What torch's FSDP2, once patched (ragged_placement._install.FSDP2_PATCHES), calls for our modules.
+# What torch's FSDP2 and pipelining, once patched (ragged_placement._install.FSDP2_PATCHES and
+# PIPELINING_PATCHES), call for our modules.
 _FSDP2_HOOKS = FSDP2Hooks(module_type=FSDPModule,
                           register_forward_method=register_fsdp_forward_method,
-                          sharded_by=OWNERS.sharded_by, state_view=state_view)
+                          sharded_by=OWNERS.sharded_by, state_view=state_view,
+                          forward_tensors=forward_tensors)

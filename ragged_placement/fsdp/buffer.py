@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ragged_placement.fsdp.collectives import Gather
-from ragged_placement.fsdp.common import CommStats, UnitOptions
+from ragged_placement.fsdp.common import CommStats, Registration, UnitOptions
 from ragged_placement.fsdp.fp8 import FP8UnitGather, is_fp8_weight
 from ragged_placement.fsdp.gather import PlainGather
 from ragged_placement.fsdp.grads import FlatGrads
@@ -70,6 +70,7 @@ from ragged_placement.fsdp.param import (
     ParamSlot,
     mesh_device,
     rebind,
+    record_forward_tensors,
     resolve_granularity,
     spmd_mesh,
     tp_spec_of,
@@ -240,6 +241,7 @@ class FlatBuffer:
     unsharded_specs: list[DTensorSpec | None]
     sharded_params: list[nn.Parameter]
     unsharded_params: list[nn.Parameter]
+    registration: Registration | None  # what the owning modules give (None: hidden)
     # the all-gather output and the unsharded tensors (None on the meta device), of the kind
     # chosen once by whether the buffer holds FP8 weights (fsdp/gather.py)
     gather: PlainGather | FP8UnitGather | None
@@ -297,6 +299,7 @@ class FlatBuffer:
         self.grads = FlatGrads(self)
         self.sharded_params = []
         self.unsharded_params = []
+        self.registration = Registration.SHARDED
         self.gather = None
         self._gathered_dtype = None
         locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
@@ -413,7 +416,9 @@ class FlatBuffer:
             else:
                 rebind(self.sharded_params[i], sharded[i])
                 rebind(self.unsharded_params[i], unsharded[i])
-        self.register(sharded=True)
+        if fresh:
+            record_forward_tensors(self)
+        self.register(Registration.SHARDED)
 
     def _unsharded_views(self) -> list[torch.Tensor]:
         """The unsharded parameters' tensors (and :attr:`unsharded_specs`): the gather's
@@ -444,21 +449,34 @@ class FlatBuffer:
         ]
 
     # -- parameters ----------------------------------------------------------------------------
-    def register(self, *, sharded: bool) -> None:
-        """Point every owning module attribute at the sharded or the unsharded parameter."""
-        params = self.sharded_params if sharded else self.unsharded_params
-        for slot, p in zip(self.slots, params):
+    def register(self, how: Registration) -> None:
+        """Point every owning module at the sharded or the unsharded parameters, as ``how``
+        says (:class:`~ragged_placement.fsdp.common.Registration`): ``module._parameters`` and,
+        for ``SHARDED_UNSHARDED_ATTRIBUTES``, the unsharded parameter in the module's instance
+        ``__dict__``, which an attribute read finds before ``nn.Module.__getattr__`` looks at
+        ``_parameters``."""
+        params = self.unsharded_params if how is Registration.UNSHARDED else self.sharded_params
+        show = how is Registration.SHARDED_UNSHARDED_ATTRIBUTES
+        shown = self.registration is Registration.SHARDED_UNSHARDED_ATTRIBUTES
+        for slot, p, u in zip(self.slots, params, self.unsharded_params):
             for module, attr in slot.owners:
                 module._parameters[attr] = p
+                if show:
+                    module.__dict__[attr] = u
+                elif shown:
+                    module.__dict__.pop(attr, None)
         if self.gather is not None:  # FP8Linear reads the gathered (q, s), not the parameter
-            self.gather.register_weights(self.slots, sharded=sharded)
+            self.gather.register_weights(self.slots, sharded=how is Registration.SHARDED)
+        self.registration = how
 
     def unregister(self) -> None:
         """Hide the parameters from their modules (so that ``nn.Module._apply`` does not map
         them one by one); :meth:`register` shows them again."""
+        self.register(Registration.SHARDED)  # drops the attributes an unsharded one had
         for slot in self.slots:
             for module, attr in slot.owners:
                 module._parameters[attr] = None
+        self.registration = None
 
     # -- moves and casts ---------------------------------------------------------------------
     def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

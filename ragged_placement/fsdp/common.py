@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-__all__ = ["CommStats", "TrainingState", "UnitOptions", "UnitState"]
+__all__ = ["CommStats", "Registration", "TrainingState", "UnitOptions", "UnitState"]
 
 
 @dataclass
@@ -67,6 +67,29 @@ class UnitState(enum.Enum):
     SHARDED_POST_FORWARD = "sharded_post_forward"
     UNSHARDING = "unsharding"  # all-gather issued, not waited on
     UNSHARDED = "unsharded"
+
+
+class Registration(enum.Enum):
+    """What a unit's modules give for its parameters: ``module._parameters`` (what
+    ``parameters()``, ``state_dict()`` and an optimizer built from them get) and an attribute
+    read (``module.weight``: what a forward computes with)::
+
+        SHARDED                      both: the sharded DTensors
+        UNSHARDED                    both: the unsharded tensors
+        SHARDED_UNSHARDED_ATTRIBUTES ``_parameters``: the sharded ones; attribute reads: the
+                                     unsharded ones, from the module's instance ``__dict__``
+
+    ``UNSHARDED`` inside the unit's own forward and backward (and after
+    :meth:`FSDPModule.unshard`, as FSDP2); ``SHARDED_UNSHARDED_ATTRIBUTES`` while the unit holds
+    its all-gather between them (the root from forward to backward, a unit with
+    ``reshard_after_forward=False``, one with ``set_reshard_after_backward(False)``), so that
+    ``model.parameters()`` gives the sharded parameters at every point outside the hooks;
+    ``SHARDED`` otherwise.
+    """
+
+    SHARDED = enum.auto()
+    UNSHARDED = enum.auto()
+    SHARDED_UNSHARDED_ATTRIBUTES = enum.auto()
 
 
 class TrainingState(enum.Enum):

@@ -17,6 +17,20 @@ to FSDP2's private state:
 - Any other attribute of FSDP2's state (``FSDPMemTracker``, ``share_comm_ctx`` of torch's,
   private methods of torch's ``FSDPModule``) raises ``NotImplementedError`` naming it, never
   a silent no-op or an ``AttributeError`` deep inside torch.
+
+One more path pairs FSDP2's parameters with the autograd graph: the split backward of
+``torch.distributed.pipelining``'s zero-bubble schedules (``ScheduleInterleavedZeroBubble``,
+``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``). Its input pass (``stage_backward_input``)
+and its later weight pass (``stage_backward_weight``) each map every one of
+``stage.submod.parameters()`` to its autograd accumulator and look up the accumulators of the
+graph the forward recorded. FSDP2 keeps its unsharded parameters registered there; ours gives the
+sharded ones at every point outside its hooks (:class:`~ragged_placement.fsdp.common.
+Registration`), and the forward computed with the unsharded ones. So both passes are given, for
+each sharded parameter of ours, the unsharded parameter its forward used
+(:func:`ragged_placement.fsdp.param.forward_tensors`;
+``ragged_placement._install.PIPELINING_PATCHES``): the weight pass
+finds it in the graph, and its gradient lands once, through the unit's gradient hook, in the
+unit's flat gradient buffer, as a full backward's AccumulateGrad would add it.
 """
 
 from __future__ import annotations

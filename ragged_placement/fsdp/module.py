@@ -15,10 +15,12 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 from torch.distributed.tensor import DTensor
 
 from ragged_placement._gloo import one_worker_gloo
+from ragged_placement.fsdp.common import Registration
 from ragged_placement.fsdp.fsdp2_state import refuse_private_state
 from ragged_placement.fsdp.state import FSDPState, drop_unused_grads
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 from ragged_placement.fsdp.unit import FSDPUnit
+from ragged_placement.fsdp.unsharded_guard import mark as mark_unsharded
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -39,7 +41,7 @@ class FSDPModule(TorchFSDPModule):
     container sliced into a new one builds the original class) applies, with this class one
     more step down the method resolution order. ``torch.compile``'s package pickler
     (``torch._dynamo.package``) does not know these classes (it looks FSDP2's class table up)
-    and fails on them, as it did before this class derived from torch's.
+    and fails on them.
     """
 
     # Index in the MRO of the original class: [FSDP<Orig>, FSDPModule, torch's FSDPModule,
@@ -66,7 +68,7 @@ class FSDPModule(TorchFSDPModule):
         """``copy.deepcopy`` of a sharded module (or of a module holding one) raises
         ``NotImplementedError``, as FSDP2's ``AssertionError`` does: its parameters are views of
         flat buffers that the unit frees and re-gathers over process groups, which a copy
-        cannot share (copying them used to kill the process with a segfault)."""
+        cannot share (copying them crashes the process)."""
         raise NotImplementedError(
             f"copy.deepcopy of {type(self).__name__} after fully_shard is not supported (nor "
             f"is it by torch FSDP2): its parameters are views of flat buffers gathered over "
@@ -76,15 +78,19 @@ class FSDPModule(TorchFSDPModule):
         )
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this unit's parameters and register the unsharded ones; with
-        ``async_op=True`` only issue the all-gather and return a handle whose ``wait()``
-        finishes it (the next forward waits for it too), as FSDP2."""
+        """All-gather this unit's parameters and register the unsharded ones, as FSDP2:
+        ``model.parameters(recurse=False)`` gives them (in ``param_dtype``) until
+        :meth:`reshard`, the unit's next forward or backward, a ``state_dict()`` or an optimizer
+        step (an optimizer built from them raises at its first ``step()``:
+        :mod:`~ragged_placement.fsdp.unsharded_guard`). With ``async_op=True`` only issue the
+        all-gather and return a handle whose ``wait()`` finishes it and registers them (the
+        next forward waits for it too)."""
         _check_bool("async_op", async_op)
-        unit = self._fsdp_state.unit
-        unit.unshard(async_op=async_op)
+        state = self._fsdp_state
+        state.unit.unshard(async_op=async_op)
         if async_op:
-            return UnshardHandle(unit)
-        unit.register(sharded=False)
+            return UnshardHandle(state)
+        _register_unsharded(state)
         return None
 
     def reshard(self) -> None:
@@ -161,7 +167,6 @@ class FSDPModule(TorchFSDPModule):
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
                 m._fsdp_state.reshard_after_forward = reshard_after_forward
-                m._fsdp_state.reshard_by_default = False
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted as FSDP2 (pipeline schedules call it): every backward here finishes its
@@ -418,15 +423,22 @@ class UnshardHandle(TorchUnshardHandle):
     """What :meth:`FSDPModule.unshard` returns with ``async_op=True``: an instance of FSDP2's
     ``UnshardHandle``."""
 
-    def __init__(self, unit: FSDPUnit) -> None:
-        self._unit: FSDPUnit | None = unit
+    def __init__(self, state: FSDPState) -> None:
+        self._state: FSDPState | None = state
 
     def wait(self) -> None:
         """Finish the all-gather and register the unsharded parameters."""
-        if self._unit is not None:
-            self._unit.wait_unshard()
-            self._unit.register(sharded=False)
-            self._unit = None
+        if self._state is not None:
+            self._state.unit.wait_unshard()
+            _register_unsharded(self._state)
+            self._state = None
+
+
+def _register_unsharded(state: FSDPState) -> None:
+    """``FSDPModule.unshard``'s registration: the unsharded parameters in ``_parameters``, as
+    FSDP2; an optimizer built from them refuses to step (they are not what trains)."""
+    state.unit.register(Registration.UNSHARDED)
+    mark_unsharded(state)
 
 
 def share_comm_ctx(modules: list[nn.Module]) -> None:

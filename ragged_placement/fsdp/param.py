@@ -10,6 +10,9 @@
   sharded and unsharded DTensors.
 * :func:`alias` and :func:`rebind`: the unsharded parameter as an alias of the flat buffer's
   storage, and re-pointing a parameter object at new data (moves, casts).
+* :func:`forward_tensors`: for each sharded parameter, the unsharded one its forward computes
+  with (what torch's pipelining pairs with the autograd graph:
+  :mod:`~ragged_placement.fsdp.fsdp2_state`).
 
 Parameters may already be DTensors on a tensor-parallel mesh (after ``parallelize_module``) that
 is a sibling sub-mesh of the same root mesh. The planner then cuts the TP-local tensor
@@ -31,7 +34,8 @@ tensor parallel's module hooks and DTensor ops run unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -49,8 +53,9 @@ from ragged_placement.planner.granularity import resolve_policy
 from ragged_placement.regions import contiguous_stride
 
 __all__ = [
-    "ParamLayout", "ParamSlot", "alias", "check_tp_dims_disjoint", "mesh_device", "rebind",
-    "resolve_granularity", "spmd_mesh", "tp_policy", "tp_spec_of", "unit_tp_mesh",
+    "ParamLayout", "ParamSlot", "alias", "check_tp_dims_disjoint", "forward_tensors",
+    "mesh_device", "rebind", "record_forward_tensors", "resolve_granularity", "spmd_mesh",
+    "tp_policy", "tp_spec_of", "unit_tp_mesh",
 ]
 
 
@@ -346,3 +351,40 @@ class ParamLayout:
                 f"{tuple(local.shape)}, expected {tuple(self.local_shape)}"
             )
         return self.fsdp.shard_local(local.contiguous(), shard_rank)
+
+
+# id of each sharded parameter of a flat buffer -> (a weak reference to the buffer, its index
+# there). No reference to the parameters themselves: a weak one would block
+# torch.utils.swap_tensors (meta-device moves), a strong one keep a unit alive.
+_FORWARD_TENSOR: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def record_forward_tensors(buffer) -> None:
+    """Record the parameters of ``buffer`` (a :class:`~ragged_placement.fsdp.buffer.FlatBuffer`,
+    when it creates them): each sharded one's forward computes with the unsharded one at the
+    same index. The entries go with the buffer."""
+    keys = [id(p) for p in buffer.sharded_params]
+
+    def forget(_ref, keys=keys) -> None:
+        for k in keys:
+            _FORWARD_TENSOR.pop(k, None)
+
+    ref = weakref.ref(buffer, forget)
+    for i, k in enumerate(keys):
+        _FORWARD_TENSOR[k] = (ref, i)
+
+
+def forward_tensors(weights: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``weights`` with each sharded parameter of a ``fully_shard`` unit replaced by the
+    unsharded parameter its forward computed with, every other tensor as it is: what
+    ``torch.distributed.pipelining``'s ``stage_backward_input`` and ``stage_backward_weight``
+    get for ``stage.submod.parameters()`` (see :mod:`ragged_placement.fsdp.fsdp2_state`)."""
+    out = []
+    for w in weights:
+        entry = _FORWARD_TENSOR.get(id(w))
+        buffer = entry[0]() if entry is not None else None
+        if buffer is not None and buffer.sharded_params[entry[1]] is w:
+            out.append(buffer.unsharded_params[entry[1]])
+        else:
+            out.append(w)
+    return out

@@ -28,12 +28,12 @@ Per iteration, for a unit ``u`` (root = the outermost unit, whose forward runs f
   ``reshard_after_forward`` is off or ``u`` is the root (whose parameters backward needs
   first); with a :class:`~ragged_placement.fsdp.mesh.PostForwardMesh` (an ``int``
   ``reshard_after_forward``) keep this rank's ``1/N`` of the gathered buffer first, which
-  backward all-gathers over the ``N``-rank group. Registered after forward, as FSDP2's: the
-  unsharded parameters where the unit keeps them for FSDP2's reasons (``reshard_after_forward=
-  False``, the root at the default ``None``; an optimizer built from them then refuses to step,
-  :mod:`~ragged_placement.fsdp.unsharded_guard`), else the sharded ones (the root, which keeps
-  its buffer whatever the setting, with its unsharded ones reachable as attributes until its
-  post-backward for a loss computed after forward: ``FSDPState._show_unsharded``). Hook the
+  backward all-gathers over the ``N``-rank group. Registered after forward: the sharded
+  parameters (``model.parameters()``, so that an optimizer built now steps them); a unit that
+  keeps its gathered buffer (``reshard_after_forward=False``, and the root whatever the
+  setting, as FSDP2's) shows its unsharded ones to attribute reads until its backward, for a
+  loss computed after forward from them
+  (:attr:`~ragged_placement.fsdp.common.Registration.SHARDED_UNSHARDED_ATTRIBUTES`). Hook the
   outputs.
 * pre-backward (a hook on ``u``'s outputs; -> PRE_BACKWARD, once per backward of ``u``):
   re-gather, register the unsharded parameters (a recomputed forward reads them from the module)
@@ -84,12 +84,12 @@ from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_placement._compat import outside_selective_checkpoint
+from ragged_placement._install import install_pipelining
 from ragged_placement.fsdp._dynamo import dynamo_disable
 from ragged_placement.fsdp._validation import check_no_all_gather_extension, unmatched_patterns
-from ragged_placement.fsdp.common import TrainingState
+from ragged_placement.fsdp.common import Registration, TrainingState
 from ragged_placement.fsdp.mesh import PostForwardMesh
 from ragged_placement.fsdp.unit import FSDPUnit
-from ragged_placement.fsdp.unsharded_guard import mark as mark_unsharded
 
 __all__ = ["FSDPState", "RootContext", "drop_unused_grads"]
 
@@ -178,7 +178,6 @@ class RootContext:
                 buffer.grads.drop_unreduced()
             s.unit.unreplicated_grads = [None] * len(s.unit.buffers)
             s.unit.reshard()
-            s._show_unsharded(False)
             s.training_state = TrainingState.IDLE
             s._to_run.clear()
             s.got_grad, s.had_grad = set(), None
@@ -266,9 +265,6 @@ class FSDPState:
         self._to_run: set[int] = set()  # ids of the group's modules yet to run in this pass
         self.unit = unit
         self.reshard_after_forward = reshard_after_forward
-        # fully_shard's reshard_after_forward=None (FSDP2's default): True, but at the root
-        # False for registration (keeps_unsharded_registered); set_reshard_after_forward clears it
-        self.reshard_by_default = False
         self.mp_policy = mp_policy
         self.requires_gradient_sync = True
         # patterns of the ``granularity`` mapping that matched no parameter of this unit's tree
@@ -290,11 +286,10 @@ class FSDPState:
         self.is_root = False
         self.training_state = TrainingState.IDLE
         # what the hooks read at every call, decided once: the forward-input cast, the bound
-        # pre-backward hook, whether the root shows its unsharded parameters as attributes now
+        # pre-backward hook
         mp = mp_policy
         self._input_dtype = mp.param_dtype if mp.cast_forward_inputs else None
         self._pre_backward_hook = self._pre_backward
-        self._showing_unsharded = False
         for m in self.modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         # per slot: its buffer's gradients, its index there and its plan segment (_on_grad)
@@ -356,6 +351,7 @@ class FSDPState:
         first = self._first_in_pass(module)
         with _hook_ops():
             if self.is_root and first:
+                install_pipelining()  # a pipeline stage's split backward follows (_install)
                 if ctx.post_optim_event is not None:  # the gathers below run on this stream
                     ctx.post_optim_event.wait()
                     ctx.post_optim_event = None
@@ -416,47 +412,22 @@ class FSDPState:
         if self.training_state is TrainingState.POST_FORWARD:
             self.unit.reshard()
             self.training_state = TrainingState.IDLE
-            self._show_unsharded(False)
-
-    def keeps_unsharded_registered(self) -> bool:
-        """Whether the unsharded parameters stay registered from forward to backward, as
-        FSDP2's: with ``reshard_after_forward=False``, and on the root left at the default
-        ``None`` (FSDP2 does not reshard its root then). An explicit ``True`` (or ``int``)
-        registers the sharded ones after forward, as FSDP2's reshard; the root here keeps its
-        gathered buffer for backward all the same."""
-        return self.reshard_after_forward is False or (self.is_root and self.reshard_by_default)
 
     def release_kept(self, *args) -> None:
-        """Register the sharded parameters of a unit that kept its all-gather after forward:
-        for a ``state_dict()`` between forward and backward, as FSDP2's (its state-dict pre-hook
-        reshards), and after an optimizer step on them (the unsharded ones are stale then).
-        Backward (or the next forward) registers the unsharded ones again."""
+        """Register the sharded parameters alone, outside the unit's own forward and backward:
+        for a ``state_dict()`` (FSDP2's state-dict pre-hook reshards), and after an optimizer
+        step on them (:mod:`~ragged_placement.fsdp.unsharded_guard`: unsharded ones registered
+        by ``FSDPModule.unshard()`` are stale then). The gathered buffer is kept; the unit's
+        next forward or backward registers the unsharded parameters again."""
         del args
-        if self.training_state is TrainingState.POST_FORWARD:
-            self.unit.expose_sharded()
-
-    def _show_unsharded(self, show: bool) -> None:
-        """Between the root's forward and its backward, attribute access to a root parameter
-        (``model.head.weight``) gives the unsharded parameter, as FSDP2's root: a loss computed
-        after forward from it (a fused linear-cross-entropy) works and reaches its gradient.
-        ``model.parameters()`` (the modules' ``_parameters``) still gives the sharded ones, so
-        an optimizer built after a forward steps them. The unsharded parameter sits in the
-        module's instance ``__dict__``, found before ``nn.Module.__getattr__`` looks at
-        ``_parameters``; post-backward (or the next forward) removes it."""
-        if show is self._showing_unsharded:
-            return
-        self._showing_unsharded = show
-        for slot, p in zip(self.unit.slots, self.unit.unsharded_params):
-            for module, attr in slot.owners:
-                if show:
-                    module.__dict__[attr] = p
-                else:
-                    module.__dict__.pop(attr, None)
+        if (self.training_state not in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
+                and self.unit.registration is not Registration.SHARDED):
+            self.unit.expose_sharded(Registration.SHARDED)
 
     def _unshard_and_register(self) -> None:
         self.unit.unshard(async_op=False)
         self.unit.wait_unshard()
-        self.unit.register(sharded=False)
+        self.unit.register(Registration.UNSHARDED)
 
     def _cast_inputs(self, args: tuple, kwargs: dict):
         if self._input_dtype is not None:
@@ -513,17 +484,12 @@ class FSDPState:
             elif not grad or (raf and not self.is_root):
                 self.unit.reshard()
                 state = TrainingState.IDLE
-            elif self.keeps_unsharded_registered():
-                # As FSDP2: the unsharded parameters stay registered until backward (or
-                # reshard(), or a state_dict()); an optimizer built from them now refuses to step
-                self.unit.keep_unsharded()
-                mark_unsharded(self)
             else:
-                # Keep the gathered buffer for backward, but expose the sharded parameters, as
-                # FSDP2's after its reshard; pre-backward registers the unsharded ones again.
-                self.unit.expose_sharded()
-                if self.is_root:
-                    self._show_unsharded(True)
+                # Keep the gathered buffer for backward (reshard_after_forward=False, or the
+                # root); parameters() gives the sharded parameters (an optimizer built now
+                # steps them), attribute reads the unsharded ones (a loss computed from them
+                # after forward); pre-backward registers the unsharded ones again.
+                self.unit.expose_sharded(Registration.SHARDED_UNSHARDED_ATTRIBUTES)
         if grad:
             self._register_pre_backward(output)
         self.training_state = state
@@ -598,8 +564,7 @@ class FSDPState:
         if self.reshard_after_backward:
             unit.reshard()
         else:  # FSDPModule.set_reshard_after_backward(False): the next forward reuses it
-            unit.expose_sharded()
-        self._show_unsharded(False)
+            unit.expose_sharded(Registration.SHARDED_UNSHARDED_ATTRIBUTES)
         self.training_state = TrainingState.POST_BACKWARD
 
     @dynamo_disable

@@ -65,7 +65,7 @@ from ragged_placement.fsdp.collectives import (
     issue_all_gather,
     issue_reduce_scatter,
 )
-from ragged_placement.fsdp.common import CommStats, UnitOptions, UnitState
+from ragged_placement.fsdp.common import CommStats, Registration, UnitOptions, UnitState
 from ragged_placement.fsdp.grads import FlatGrads
 from ragged_placement.fsdp.mesh import PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
@@ -154,9 +154,6 @@ class FSDPUnit:
     _synced_versions: list[int]
     _agreed: bool | None  # the ranks' agreed decision for the next unshard (None: none yet)
     _refresh_work: object | None  # a refresh issued at an optimizer step, not waited on yet
-    # which parameters the owning modules hold: True sharded, False unsharded, None unknown
-    # (hidden by unregistered(), or re-bound by a move)
-    _registered: bool | None
     # the parameters in slot order (the buffers keep the same objects through moves and casts)
     _sharded_params: list[nn.Parameter]
     _unsharded_params: list[nn.Parameter]
@@ -203,7 +200,6 @@ class FSDPUnit:
         for k, idx in enumerate(groups):
             for j, i in enumerate(idx):
                 self._where[i] = (k, j)
-        self._registered = True  # FlatBuffer.bind registered the sharded parameters
         self.used_counts = self._counts_pending = None
         self._sharded_params = self._in_slot_order("sharded_params")
         self._unsharded_params = self._in_slot_order("unsharded_params")
@@ -246,14 +242,20 @@ class FSDPUnit:
         return any(b.grads.pending for b in self.buffers)
 
     # -- parameters ----------------------------------------------------------------------------
-    def register(self, *, sharded: bool) -> None:
-        """Point every owning module attribute at the sharded or the unsharded parameter (a
-        no-op where those are registered already: a unit registers at every pass boundary)."""
-        if self._registered is sharded:
+    def register(self, how: Registration) -> None:
+        """Point every owning module at the sharded or the unsharded parameters, as ``how``
+        says (:class:`~ragged_placement.fsdp.common.Registration`; a no-op where ``how`` is
+        registered already: a unit registers at every pass boundary)."""
+        if self.registration is how:
             return
         for b in self.buffers:
-            b.register(sharded=sharded)
-        self._registered = sharded
+            b.register(how)
+
+    @property
+    def registration(self) -> Registration | None:
+        """What the owning modules give for the parameters now (``None`` while
+        :meth:`unregistered` hides them)."""
+        return self.buffers[0].registration if self.buffers else Registration.SHARDED
 
     @contextlib.contextmanager
     def unregistered(self) -> Iterator[None]:
@@ -262,11 +264,10 @@ class FSDPUnit:
         self.reshard()
         for b in self.buffers:
             b.unregister()
-        self._registered = None
         try:
             yield
         finally:
-            self.register(sharded=True)
+            self.register(Registration.SHARDED)
 
     def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Map the sharded parameters (and their gradients) through ``fn`` buffer by buffer
@@ -284,7 +285,6 @@ class FSDPUnit:
                     f"reduce_gradients() or run a backward with sync on first"
                 )
             b.apply_(fn)
-            self._registered = None  # a re-bound buffer registered its sharded parameters
         self._stale = True
 
     # -- all-gather ------------------------------------------------------------------------------
@@ -386,26 +386,20 @@ class FSDPUnit:
             self._post_forward = None
             self.state = UnitState.UNSHARDED
 
-    def expose_sharded(self) -> None:
-        """Register the sharded parameters, keeping the gathered buffers as they are (a unit
-        holding its forward's all-gather for backward), once CPU-offload staging copies still
-        reading the host chunks have finished."""
+    def expose_sharded(self, how: Registration) -> None:
+        """Register the sharded parameters (``how``: alone, or showing the unsharded ones to
+        attribute reads), keeping the gathered buffers as they are (a unit holding its
+        all-gather between its forward and its backward), once CPU-offload staging copies
+        still reading the host chunks have finished."""
         for b in self.buffers:
             b.staging.wait_to_device()
-        self.register(sharded=True)
-
-    def keep_unsharded(self) -> None:
-        """Leave the unsharded parameters registered with the gathered buffers (a unit holding
-        its forward's all-gather for backward, as FSDP2 registers it), once CPU-offload staging
-        copies still reading the host chunks have finished: the host may write them now."""
-        for b in self.buffers:
-            b.staging.wait_to_device()
+        self.register(how)
 
     def reshard(self) -> None:
         """Register the sharded parameters and free the unsharded buffers' storage (or the
         post-forward shards)."""
         self.wait_unshard()
-        self.expose_sharded()
+        self.expose_sharded(Registration.SHARDED)
         if self.state is UnitState.UNSHARDED:
             for b in self.buffers:
                 b.free_unsharded()

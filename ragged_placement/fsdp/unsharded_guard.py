@@ -1,17 +1,19 @@
 """Refuse an optimizer step on a unit's unsharded parameters.
 
-As FSDP2's, a unit that keeps its all-gather from forward to backward (``reshard_after_forward=
-False``, or the root at the default ``None``) leaves its unsharded parameters registered on its
-modules in between: ``model.parameters()`` then gives them. An optimizer built from them at that
-point would step tensors that the next all-gather overwrites, and their gradients are moved to
-the sharded parameters at every backward, so the model would silently not train (FSDP2 does
-exactly that). Here the first ``step()`` of such an optimizer raises ``ValueError`` instead,
-before it changes anything: :func:`mark` records the unsharded parameters when they are left
-registered, and a global optimizer step pre-hook (installed once) looks for them.
+``model.parameters()`` gives the sharded parameters outside the units' own forward and backward
+(:class:`~ragged_placement.fsdp.common.Registration`), with one exception kept from FSDP2:
+:meth:`FSDPModule.unshard` registers the unsharded ones (``model.parameters(recurse=False)``
+then gives them, in ``param_dtype``, until :meth:`~FSDPModule.reshard` or the unit's next
+forward or backward). An optimizer built from them there would step tensors that the next
+all-gather overwrites, whose gradients are moved to the sharded parameters at every backward:
+the model would silently not train. Here the first ``step()`` of such an optimizer raises
+``ValueError`` instead, before it changes anything: :func:`mark` records the unsharded
+parameters when ``unshard()`` registers them, and a global optimizer step pre-hook (installed
+once) looks for them.
 
-An optimizer step on a unit's sharded parameters while its unsharded ones are registered (a
-forward with no backward, then ``step()``) leaves those stale: a post-hook registers the sharded
-ones again (FSDP2 keeps the stale ones registered, and even reuses them at the next forward).
+An optimizer step on a unit's sharded parameters while its unsharded ones are registered leaves
+those stale: a post-hook registers the sharded ones again (FSDP2 keeps the stale ones
+registered).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ _installed = False
 
 
 def mark(state) -> None:
-    """Record that ``state`` (an ``FSDPState``) left its unit's unsharded parameters registered
-    after a forward: an optimizer step on any of them raises, and a step on its sharded ones
-    registers those again (``state.release_kept()``). Installs the step hooks on first use."""
+    """Record that ``state`` (an ``FSDPState``) registered its unit's unsharded parameters
+    (``FSDPModule.unshard()``): an optimizer step on any of them raises, and a step on its
+    sharded ones registers those again (``state.release_kept()``). Installs the step hooks on
+    first use."""
     global _installed
     if not _installed:
         register_optimizer_step_pre_hook(_check_step)
@@ -61,11 +64,10 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 raise ValueError(
                     f"{type(optimizer).__name__}.step(): the optimizer holds the unsharded "
                     f"parameter {entry[1]!r} of a fully_shard unit, not its sharded one. It was "
-                    f"built from model.parameters() between a forward and its backward, when (as "
-                    f"in FSDP2) a unit with reshard_after_forward=False, or the root at the "
-                    f"default None, registers its unsharded parameters; stepping them would "
-                    f"change nothing the model trains (FSDP2 trains silently wrong there). Build "
-                    f"the optimizer before the first forward, or after backward or reshard()"
+                    f"built from model.parameters() after FSDPModule.unshard(), which registers "
+                    f"the unsharded parameters (as FSDP2's); stepping them would change nothing "
+                    f"the model trains (FSDP2 trains silently wrong there). Build the optimizer "
+                    f"before unshard() or after reshard()"
                 )
 
 

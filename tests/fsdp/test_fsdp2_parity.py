@@ -11,7 +11,6 @@ import dataclasses
 import io
 import math
 import pickle
-import time
 from collections.abc import Callable
 
 import pytest
@@ -717,20 +716,18 @@ def _gloo_better(rank: int, ws: int) -> tuple[dict, dict, float]:
     x, y = X[0, rank * per : (rank + 1) * per], Y[0, rank * per : (rank + 1) * per]
     F.mse_loss(m(x, True), y).backward()
     grads = {k: _full(p.grad) for k, p in m.named_parameters() if p.grad is not None}
-    start = time.perf_counter()
     granularity = {"*.weight": Granularity.row() if rank == 0 else Granularity.matrix()}
     with pytest.raises(ValueError, match="ranks disagree on the plan"):
         fully_shard(_routed(), mesh=mesh, granularity=granularity)
-    return grads, expected, time.perf_counter() - start
+    return grads, expected
 
 
 @pytest.mark.multiprocess
 def test_gradient_divide_factor_on_gloo_and_ranks_disagreeing_on_the_plan():
-    for grads, expected, seconds in run_gloo(_gloo_better, WORLD):
+    for grads, expected in run_gloo(_gloo_better, WORLD):
         assert grads.keys() == expected.keys()
         for k, g in grads.items():
             torch.testing.assert_close(g, expected[k], atol=TOL, rtol=0, msg=k)
-        assert seconds < 2.0
 
 
 def _fsdp2_errors(rank: int, ws: int, runtime: str) -> None:

@@ -9,6 +9,8 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from common_fsdp import train_steps
 from dist_utils import run_threaded
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,9 +43,10 @@ def _full(params) -> list[torch.Tensor]:
 
 
 def _registration(rank: int, ws: int, runtime: str) -> dict:
-    """torch's ``test_param_registration_after_forward``: what ``parameters()`` gives after a
-    forward (root only, then two inner units and the root), for each ``reshard_after_forward``,
-    and after ``reshard()``; the values are the reference's throughout."""
+    """torch's ``test_param_registration_after_forward`` and more: what ``parameters()`` and an
+    attribute read give after a forward (two inner units and the root), for each
+    ``reshard_after_forward``, and after ``reshard()``; the values are the reference's
+    throughout; whether the kept units still hold their gathered storage."""
     shard, mesh = SHARD[runtime], DeviceMesh("cpu", list(range(ws)))
     x = torch.randn(2, 8)
     seen = {}
@@ -61,48 +64,100 @@ def _registration(rank: int, ws: int, runtime: str) -> dict:
         values_ok = all(
             torch.equal(a, b) for a, b in zip(_full(model.parameters()), ref.parameters())
         )
+        # what the forward computes with: a kept unit's attribute reads give its gathered one
+        attrs = [model[1].in_proj.weight, model[0].in_proj.weight]
+        attrs_ok = all(torch.equal(_full([a])[0], b) for a, b in zip(
+            attrs, [ref[1].in_proj.weight, ref[0].in_proj.weight]))
+        held = [a.untyped_storage().size() > 0 for a in attrs if not isinstance(a, DTensor)]
         for m in model.modules():
             if isinstance(m, (FSDPModule, torch.distributed.fsdp.FSDPModule)):
                 m.reshard()
-        seen[raf] = (_kinds(inner), _kinds(root), values_ok, _kinds(model.parameters()))
+        seen[raf] = (_kinds(inner), _kinds(root), values_ok, _kinds(model.parameters()),
+                     _kinds(attrs[:1]), _kinds(attrs[1:]), attrs_ok, all(held),
+                     _kinds([model[1].in_proj.weight]))
     return seen
 
 
-def test_parameters_registered_after_forward_are_fsdp2s(one_torch_thread):
-    """As FSDP2: after a forward, a unit with ``reshard_after_forward=False`` and a root left at
-    the default ``None`` register their unsharded parameters (plain tensors), the others the
-    sharded DTensors; ``reshard()`` registers the sharded ones again."""
-    expected = {
-        True: ({"dtensor"}, {"dtensor"}, True, {"dtensor"}),
-        False: ({"tensor"}, {"tensor"}, True, {"dtensor"}),
-        2: ({"dtensor"}, {"dtensor"}, True, {"dtensor"}),
-        None: ({"dtensor"}, {"tensor"}, True, {"dtensor"}),
+def test_parameters_between_forward_and_backward_are_the_sharded_ones(one_torch_thread):
+    """After a forward, ``parameters()`` gives the sharded DTensors for every unit, whatever its
+    ``reshard_after_forward``; a unit keeping its gathered buffer (the root, and the units with
+    ``False``) keeps it in memory, as FSDP2's does, and shows its unsharded parameters to
+    attribute reads (a loss computed after forward from them). FSDP2 registers those unsharded
+    parameters in ``parameters()`` (torch's ``test_param_registration_after_forward``), where an
+    optimizer built from them never trains (the test below). ``reshard()`` leaves the sharded
+    ones to both."""
+    dtensor, tensor = {"dtensor"}, {"tensor"}
+    # (inner parameters(), root parameters(), values, after reshard(), root attribute, inner
+    # attribute, attribute values, kept storage allocated, root attribute after reshard())
+    fsdp2 = {
+        True: (dtensor, dtensor, True, dtensor, dtensor, dtensor, True, True, dtensor),
+        False: (tensor, tensor, True, dtensor, tensor, tensor, True, True, dtensor),
+        2: (dtensor, dtensor, True, dtensor, dtensor, dtensor, True, True, dtensor),
+        None: (dtensor, tensor, True, dtensor, tensor, dtensor, True, True, dtensor),
     }
-    for runtime in ("fsdp2", "ours"):
+    ours = {
+        True: (dtensor, dtensor, True, dtensor, tensor, dtensor, True, True, dtensor),
+        False: (dtensor, dtensor, True, dtensor, tensor, tensor, True, True, dtensor),
+        2: (dtensor, dtensor, True, dtensor, tensor, dtensor, True, True, dtensor),
+        None: (dtensor, dtensor, True, dtensor, tensor, dtensor, True, True, dtensor),
+    }
+    for runtime, expected in (("fsdp2", fsdp2), ("ours", ours)):
         for seen in run_threaded(_registration, WORLD, runtime):
             assert seen == expected, runtime
 
 
-def _optimizer_on_unsharded(rank: int, ws: int) -> tuple[bool, bool, str]:
-    """An optimizer built from ``parameters()`` between forward and backward (the root's
-    unsharded ones) refuses to step; ``state_dict()`` there gives the sharded parameters."""
+def _optimizer_after_forward(rank: int, ws: int, runtime: str, after: str) -> list[float]:
+    """An AdamW built from ``model.parameters()`` ``after`` a forward with grad enabled whose
+    output is dropped (a validation forward), or after ``unshard()``; then 5 steps on this
+    rank's rows. Returns the global losses."""
     torch.manual_seed(0)
-    model = MLP()
-    fully_shard(model, mesh=DeviceMesh("cpu", list(range(ws))))
-    loss = model(torch.randn(2, 8)).sum()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sd_sharded = all(isinstance(v, DTensor) for v in model.state_dict().values())
-    loss.backward()  # state_dict() registered the sharded ones: backward registers again
-    after = all(isinstance(p, DTensor) for p in model.parameters())
-    with pytest.raises(ValueError, match="holds the unsharded parameter 'in_proj.weight'") as e:
-        opt.step()
-    return sd_sharded, after, str(e.value)
+    model = nn.Sequential(MLP(), MLP())
+    for p in model.parameters():
+        dist.broadcast(p.detach(), src=0)
+    shard, mesh = SHARD[runtime], DeviceMesh("cpu", list(range(ws)))
+    shard(model[0], mesh=mesh)
+    shard(model, mesh=mesh)  # the root holds model[1]'s parameters
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 4 * ws, 8, generator=g), torch.randn(6, 4 * ws, 8, generator=g)
+    if after == "forward":
+        model(x[5])
+    else:
+        model.unshard()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return train_steps(model, opt, zip(x[:5], y[:5]), rank, ws,
+                       loss_fn=lambda m, a, b: F.mse_loss(m(a), b))
 
 
-def test_optimizer_built_from_unsharded_parameters_raises(one_torch_thread):
-    for sd_sharded, after, msg in run_threaded(_optimizer_on_unsharded, WORLD):
-        assert sd_sharded and after
-        assert "Build the optimizer before the first forward" in msg
+def test_an_optimizer_built_after_a_forward_trains_as_one_process(one_torch_thread):
+    """The validation forward: ``torch.optim.AdamW(model.parameters())`` built between a
+    forward and its backward. Ours trains exactly as one process doing the same; FSDP2's
+    optimizer holds the root's unsharded copies and never trains them (its losses drift)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(MLP(), MLP())
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 4 * WORLD, 8, generator=g), torch.randn(6, 4 * WORLD, 8, generator=g)
+    ref(x[5])
+    ref_losses = train_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2),
+                             zip(x[:5], y[:5]), loss_fn=lambda m, a, b: F.mse_loss(m(a), b))
+    for losses in run_threaded(_optimizer_after_forward, WORLD, "ours", "forward"):
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-6, (losses, ref_losses)
+    for losses in run_threaded(_optimizer_after_forward, WORLD, "fsdp2", "forward"):
+        assert abs(losses[-1] - ref_losses[-1]) > 1e-3, (losses, ref_losses)
+
+
+def _step_after_unshard(rank: int, ws: int) -> str:
+    with pytest.raises(ValueError) as e:
+        _optimizer_after_forward(rank, ws, "ours", "unshard")
+    return str(e.value)
+
+
+def test_an_optimizer_built_after_unshard_raises(one_torch_thread):
+    """``FSDPModule.unshard()`` registers the unsharded parameters, as FSDP2's: an optimizer
+    built from them raises at its first ``step()`` naming the parameter (FSDP2's would step
+    copies that never train), before it changes anything."""
+    for msg in run_threaded(_step_after_unshard, WORLD):
+        assert "holds the unsharded parameter '1.in_proj.weight'" in msg, msg
+        assert "after FSDPModule.unshard()" in msg and "after reshard()" in msg, msg
 
 
 class Experts(nn.Module):

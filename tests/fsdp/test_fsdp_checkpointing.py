@@ -358,13 +358,18 @@ def _optimizer_after_forward(
     return all_sharded, losses, _full_params(m)
 
 
-def test_optimizer_built_after_a_forward_refuses_to_step_unlike_fsdp2(one_torch_thread):
-    """As FSDP2's, the root (at the default ``reshard_after_forward=None``) registers its
-    unsharded parameters from forward to backward, so an optimizer built then holds them."""
+def test_optimizer_built_after_a_forward_trains_as_one_process_unlike_fsdp2(one_torch_thread):
+    """``model.parameters()`` after a forward with grad (no backward) gives the sharded
+    parameters, with and without activation checkpointing and whatever
+    ``reshard_after_forward``: an optimizer built then trains exactly as one process."""
     for mode, reshard in ((None, True), (None, False), ("inline", True), ("wrapper_before", True)):
-        with pytest.raises(AssertionError, match="holds the unsharded parameter"):
-            run_threaded(_optimizer_after_forward, WORLD, "ours", mode, reshard)
-    # FSDP2 steps those, which the next all-gather overwrites: the root's parameters never train.
+        for all_sharded, losses, params in run_threaded(
+            _optimizer_after_forward, WORLD, "ours", mode, reshard
+        ):
+            assert all_sharded, (mode, reshard)
+            _assert_matches_reference(mode, losses, params)
+    # FSDP2 registers the root's unsharded parameters there and its optimizer steps those, which
+    # the next all-gather overwrites: the root's parameters never train.
     all_sharded, losses, _ = run_threaded(_optimizer_after_forward, WORLD, "fsdp2", None, True)[0]
     assert not all_sharded
     assert max(abs(a - b) for a, b in zip(losses, _reference()[0])) > 1e-3

@@ -26,6 +26,8 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 from ragged_placement.fsdp import StateSharding, fully_shard
 
+AFTER_FORWARD = ("zero1", "zero2", "zero3", "hsdp", "amsp")
+
 
 def _shard(m: MLP, mesh, runtime: str, sharding: StateSharding | None) -> None:
     for sub in (m.a, m.b, m):
@@ -35,13 +37,18 @@ def _shard(m: MLP, mesh, runtime: str, sharding: StateSharding | None) -> None:
             fsdp2_fully_shard(sub, mesh=mesh)
 
 
-def _train(rank: int, ws: int, mesh, runtime: str, sharding: StateSharding | None):
+def _train(rank: int, ws: int, mesh, runtime: str, sharding: StateSharding | None,
+           after_forward: bool = False):
     """``STEPS`` AdamW steps on this rank's share of the batch, then, with no backward: the
-    eval output on ``x[STEPS]`` and the full state dict (both right after ``step()``)."""
+    eval output on ``x[STEPS]`` and the full state dict (both right after ``step()``). With
+    ``after_forward``, the optimizer is built after a forward with grad enabled whose output
+    is dropped (a validation forward: it changes nothing on one process)."""
     init, x, y = mlp_data()
     m = MLP()
     m.load_state_dict(init)
     _shard(m, mesh, runtime, sharding)
+    if after_forward:
+        m(x[STEPS])
     opt = mlp_adamw(m.parameters())
     per = BATCH // ws
     rows = slice(rank * per, (rank + 1) * per)
@@ -86,6 +93,10 @@ def _every_point(rank: int, ws: int):
         results[name] = (out, full, local, sum(state), _counts(m))
         if name == "amsp":
             results["amsp_one_rank"] = _one_rank_touches(m, rank)
+    for name in AFTER_FORWARD:
+        results[f"{name}_after_forward"] = _train(rank, ws, mesh, "ours", SHARDINGS[name],
+                                                  after_forward=True)[2:5]
+    results["fsdp2_after_forward"] = _train(rank, ws, mesh, "fsdp2", None, after_forward=True)[2:5]
     results["fsdp2"] = _train(rank, ws, init_device_mesh("cpu", (4,)), "fsdp2", None)[2:5]
     results["fsdp2_hsdp"] = _train(rank, ws, mesh, "fsdp2", None)[2:5]
     return results
@@ -121,13 +132,36 @@ def test_expected_counts_cover_every_point():
     }
 
 
+@pytest.fixture(scope="module")
+def every_point():
+    return run_gloo(_every_point, 4)
+
+
 @pytest.mark.multiprocess
-def test_every_point_matches_one_process_and_fsdp2_on_2x2():
+def test_an_optimizer_built_after_a_forward_trains_as_one_process_on_every_point(every_point):
+    """An AdamW built from ``model.parameters()`` after a forward with grad and before any
+    backward (a validation forward) holds the sharded parameters on every point, and trains
+    them exactly as one process (the root kept its gather from that forward: the next forward
+    re-gathers). FSDP2's HSDP holds the root's unsharded copies there and never trains them."""
+    ref, ref_out = mlp_reference()
+    for name in AFTER_FORWARD:
+        for results in every_point:
+            out, full, *_ = results[f"{name}_after_forward"]
+            torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0, msg=f"{name} eval out")
+            for k, v in ref.items():
+                torch.testing.assert_close(full[k], v, atol=TOL, rtol=0, msg=f"{name} {k}")
+    for results in every_point:
+        _, full, *_ = results["fsdp2_after_forward"]
+        assert (full["c.weight"] - ref["c.weight"]).abs().max() > 1e-3  # the root's own
+
+
+@pytest.mark.multiprocess
+def test_every_point_matches_one_process_and_fsdp2_on_2x2(every_point):
     """Parameters after 5 AdamW steps, an eval forward and the state dict right after
     step(), the optimizer shard's size and the collectives per mesh dim, for every point."""
     ref, ref_out = mlp_reference()
     numel = sum(v.numel() for v in ref.values())
-    ranks = run_gloo(_every_point, 4)
+    ranks = every_point
     for results in ranks:
         torch.testing.assert_close(results["amsp_one_rank"], ref_out, atol=TOL, rtol=0)
     for name in [*SHARDINGS, "fsdp2", "fsdp2_hsdp"]:

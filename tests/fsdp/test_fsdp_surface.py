@@ -341,8 +341,10 @@ def _held_between_forward_and_backward(rank: int, ws: int, value):
             0 if shard is None else shard.untyped_storage().nbytes(),
             flat.plan.buffer_numel * 4,
         ))
-    # as FSDP2's: the blocks' sharded parameters registered, their unsharded ones with False
+    # parameters() gives the sharded ones whatever the setting (FSDP2's: the unsharded ones with
+    # False); attribute reads give what the forward computes with until backward
     sharded = all(isinstance(p, DTensor) for b in m.blocks for p in b.parameters())
+    sharded_attrs = all(isinstance(b.fc1.weight, DTensor) for b in m.blocks)
     for unit in blocks:
         unit.stats.reset()
     loss.backward()
@@ -355,7 +357,7 @@ def _held_between_forward_and_backward(rank: int, ws: int, value):
         unit.stats.reset()
     m(X[0, :2])
     next_forward = [(u.stats.all_gathers, u.stats.post_forward_all_gathers) for u in blocks]
-    return held, sharded, gathers, next_forward
+    return held, (sharded, sharded_attrs), gathers, next_forward
 
 
 @pytest.mark.parametrize("value", [4, 2, 1])
@@ -363,7 +365,7 @@ def test_reshard_after_forward_holds_1_over_n_between_forward_and_backward(value
     for held, sharded, gathers, next_forward in run_threaded(
         _held_between_forward_and_backward, 4, value
     ):
-        assert sharded == (value != 1)
+        assert sharded == (True, value != 1)
         for unsharded, shard, full in held:
             if value == 4:  # True: nothing held
                 assert (unsharded, shard) == (0, 0)

@@ -206,15 +206,18 @@ def _with_sum_reductions(disable_division):
 
 
 def _record_metrics(processor_cls, path: str) -> None:
-    """Append each logged step's loss and gradient norm, at full precision, to ``path`` (rank 0).
+    """Append each logged step's loss and gradient norm, at full precision, to ``path``, on the
+    rank ``TITAN_METRICS_RANK`` names (default 0; with pipeline parallelism a rank of the last
+    stage, the only ones whose logged loss is the loss).
 
     torchtitan prints them rounded (the loss to 5 decimals, the norm to 4); the comparison needs
     every bit.
     """
     log = processor_cls.log
+    rank = int(os.environ.get("TITAN_METRICS_RANK", "0"))
 
     def log_and_record(self, step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs):
-        if int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get("RANK", "0")) == rank:
             with open(path, "a") as f:
                 f.write(json.dumps({"step": step, "loss": float(global_avg_loss),
                                     "grad_norm": float(grad_norm)}) + "\n")
