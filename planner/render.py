@@ -4,12 +4,30 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from ragged_placement.planner.plan import Plan
+from ragged_placement.placement import RaggedShard
 
 __all__ = ["ascii_map", "save_png"]
+
+
+class Plan(Protocol):
+    """What a picture reads of a plan (:class:`~ragged_placement.planner.plan.Plan`,
+    :class:`~ragged_placement.planner.UnevenPlan`): the parameters in buffer order, each one's
+    run of each rank's chunk and the rows it holds."""
+
+    names: Sequence[str]
+    order: Sequence[str]
+    world_size: int
+    chunk_numel: int
+    shapes: Mapping[str, tuple[int, ...]]
+    placements: Mapping[str, RaggedShard]
+
+    @property
+    def padding_fraction(self) -> float: ...
+
+    def local_slice(self, name: str, rank: int) -> tuple[int, int]: ...
 
 _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 _PAD = "."

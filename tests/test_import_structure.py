@@ -255,9 +255,10 @@ _FEATURES = {
     "state sharding": (re.compile(r"state_sharding|nested|StateSharded", re.I), {"nested"}),
 }
 # At most this many branches on each feature outside its own modules (torch FSDP2's
-# ``_fully_shard/`` has six feature branches in all). Per-state sharding: the unit and the hooks
-# still ask its mesh whether it refreshes (unit.py, state.py) and keeps the parameters unsharded.
-_MAX_FEATURE_BRANCHES = {"fp8": 5, "offload": 5, "state sharding": 6}
+# ``_fully_shard/`` has six feature branches in all). Per-state sharding: the unit runs its
+# refresh before it unshards (a ``ParamRefresh`` hook only ``ChunkRefresh`` overrides), the buffer
+# asks whether the parameters stay unsharded; the hooks' recomputed-forward checks read "nested".
+_MAX_FEATURE_BRANCHES = {"fp8": 1, "offload": 3, "state sharding": 4}
 
 
 def _is_default(fn: ast.AST) -> bool:
@@ -304,7 +305,7 @@ def _feature_state(feature: str) -> tuple[set[str], set[str]]:
     """What the code makes a feature's state, read from ``fsdp/``: the attributes, methods
     and properties its own modules define that no other module defines but as a default (the
     hooks only it overrides, e.g. a mesh's ``refreshes``), and those other modules set from its
-    functions or classes (``self.quantized = [is_fp8_weight(...) ...]``); and its top-level
+    functions or classes (``self.kind = FP8Gathers(...)``); and its top-level
     functions and classes (``FP8UnitGather``)."""
     own = _FEATURES[feature][1]
     trees = {p.stem: ast.parse(p.read_text()) for p in (ROOT / "fsdp").glob("*.py")}
@@ -362,13 +363,14 @@ def test_the_branch_counter_skips_argument_checks_and_sees_feature_state():
 
 
 def test_the_feature_state_is_read_from_the_code():
-    """A hook only per-state sharding's mesh overrides (``UnitMesh.refreshes`` returns False)
-    is its state; the FP8 gather's class and the buffer field set from ``is_fp8_weight`` are
-    FP8's; a generic attribute (the buffer's ``gather``) is no feature's."""
+    """A hook only per-state sharding overrides (``UnitMesh.keeps_params_unsharded`` and
+    ``ParamRefresh.before_unshard`` return False) is its state; the FP8 gather's classes and
+    the hook only they override (``PlainGathers.sends_chunk`` returns True) are FP8's; a
+    generic attribute (the buffer's ``gather``) is no feature's."""
     attrs, _ = _feature_state("state sharding")
-    assert {"refreshes", "keeps_params_unsharded"} <= attrs
+    assert {"refreshes", "keeps_params_unsharded", "before_unshard"} <= attrs
     attrs, names = _feature_state("fp8")
-    assert "FP8UnitGather" in names and "quantized" in attrs
+    assert {"FP8UnitGather", "FP8Gathers"} <= names and "sends_chunk" in attrs
     assert all("gather" not in _feature_state(f)[0] for f in _FEATURES)
 
 
@@ -469,3 +471,302 @@ def test_no_test_file_imports_another():
             if hits:
                 found.setdefault(str(path.relative_to(tests)), []).extend(hits)
     assert found == {}
+
+
+# -- Where fully_shard's feature arguments go ---------------------------------------------------
+
+# argument: (the feature's modules, where it may end; modules that may also read it: the entry,
+# the table of refused combinations, and the configuration's own class)
+_FEATURE_ARGUMENTS = {
+    "state_sharding": ({"ragged_placement.fsdp.nested"},
+                       {"ragged_placement.fsdp.api", "ragged_placement.combinations",
+                        "ragged_placement.planner.sharding"}),
+    "quant": ({"ragged_placement.fsdp.fp8", "ragged_placement.quant"},
+              {"ragged_placement.fsdp.api", "ragged_placement.combinations",
+               "ragged_placement.quant.config"}),
+}
+_MAX_HOPS = 3
+
+Paths = frozenset  # of tuples of attribute names: () is the value itself, ("quant",) x.quant
+
+
+class _Flow:
+    """Where one argument's value goes, read from the source: the calls it is passed to (by
+    name, positionally or by keyword, or stored in an object of the package's classes and
+    read back as that attribute), each a hop into the callee's module; the modules that read
+    it (an attribute of it, a comparison, a truth test) besides passing it on. A call into one
+    of ``ends`` (the feature's modules) ends a path: what comes back from it is the feature's
+    own (a checked value passed through comes back as the value)."""
+
+    def __init__(self, trees: dict[str, ast.Module], ends: set[str]) -> None:
+        self.trees, self.ends = trees, ends
+        self.defs: dict[tuple[str, str], ast.AST] = {}  # (module, name or Class.name) -> node
+        self.names: dict[str, dict[str, tuple[str, str]]] = {}  # module: {name: (module, name)}
+        for module, tree in trees.items():
+            scope = self.names.setdefault(module, {})
+            for node in tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    self.defs[module, node.name] = node
+                    scope[node.name] = (module, node.name)
+                    for sub in node.body if isinstance(node, ast.ClassDef) else ():
+                        if isinstance(sub, ast.FunctionDef):
+                            self.defs[module, f"{node.name}.{sub.name}"] = sub
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    for a in node.names:
+                        scope.setdefault(a.asname or a.name, self._home(node.module, a.name))
+        self.paths: set[tuple[str, ...]] = set()  # module sequences, one per path
+        self.readers: set[str] = set()
+        self._seen: dict[tuple, Paths] = {}
+        self._returned: dict[int, Paths] = {}  # id(call) -> what it gives back of the value
+
+    def _home(self, module: str, name: str) -> tuple[str, str]:
+        """Where ``from module import name`` finds ``name`` (through re-exports)."""
+        for _ in range(8):
+            if (module, name) in self.defs or module not in self.names:
+                return module, name
+            nxt = self.names[module].get(name)
+            if nxt is None or nxt == (module, name):
+                return module, name
+            module, name = nxt
+        return module, name
+
+    def ends_in_feature(self, module: str) -> bool:
+        """Whether ``module`` is one of the feature's (or inside one of its packages)."""
+        return any(module == e or module.startswith(e + ".") for e in self.ends)
+
+    def run(self, module: str, function: str, argument: str) -> None:
+        self._call(module, function, {argument: Paths({()})}, (module,))
+
+    # -- one function ----------------------------------------------------------------------
+    def _call(self, module: str, qual: str, given: dict[str, Paths], path: tuple[str, ...]
+              ) -> Paths:
+        """Trace ``qual`` of ``module`` with its parameters ``given``; what it returns of the
+        value (for a class: what the new object holds)."""
+        key = (module, qual, tuple(sorted(given.items())))
+        if key in self._seen:
+            return self._seen[key]
+        self._seen[key] = Paths()
+        node = self.defs[module, qual]
+        if isinstance(node, ast.ClassDef):
+            out = self._construct(module, node, given, path)
+        else:
+            out = self._function(module, qual, node, given, path)
+        self._seen[key] = out
+        return out
+
+    def _construct(self, module: str, cls: ast.ClassDef, given: dict[str, Paths],
+                   path: tuple[str, ...]) -> Paths:
+        if (module, f"{cls.name}.__init__") in self.defs:
+            env = self._trace(module, cls.name, self.defs[module, f"{cls.name}.__init__"],
+                              given, path)
+            return env.get("self", Paths())
+        return Paths((name, *p) for name, ps in given.items() for p in ps)  # a dataclass
+
+    def _function(self, module: str, qual: str, fn: ast.FunctionDef, given: dict[str, Paths],
+                  path: tuple[str, ...]) -> Paths:
+        cls = qual.split(".")[0] if "." in qual else None
+        return self._trace(module, cls, fn, given, path)["<return>"]
+
+    def _trace(self, module: str, cls: str | None, fn: ast.FunctionDef,
+               given: dict[str, Paths], path: tuple[str, ...]) -> dict:
+        env: dict[str, Paths] = dict(given)
+        for _ in range(6):  # to a fixpoint over the assignments and what calls give back
+            before = (dict(env), dict(self._returned))
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call):
+                    self._hop(node, env, module, cls, path)
+                self._assign(node, env)
+            if (env, self._returned) == before:
+                break
+        env["<return>"] = Paths().union(*(self._value(n.value, env) for n in ast.walk(fn)
+                                          if isinstance(n, ast.Return) and n.value is not None))
+        for node in ast.walk(fn):
+            self._read(node, env, module)
+        return env
+
+    def _assign(self, node: ast.AST, env: dict[str, Paths]) -> None:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            value = self._value(node.value, env)
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                self._bind(target, value, env)
+        elif isinstance(node, (ast.For, ast.comprehension)):
+            self._bind(node.target, self._value(node.iter, env), env)
+
+    def _bind(self, target: ast.AST, value: Paths, env: dict[str, Paths]) -> None:
+        if not value:
+            return
+        if isinstance(target, ast.Name):
+            env[target.id] = env.get(target.id, Paths()) | value
+        elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+            held = Paths((target.attr, *p) for p in value)
+            env[target.value.id] = env.get(target.value.id, Paths()) | held
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for e in target.elts:
+                self._bind(e, value, env)
+
+    def _value(self, node: ast.AST, env: dict[str, Paths]) -> Paths:
+        """What of the value ``node`` evaluates to (a call: what the callee gives back)."""
+        if isinstance(node, ast.Name):
+            return env.get(node.id, Paths())
+        if isinstance(node, ast.Attribute):
+            return Paths(p[1:] for p in self._value(node.value, env) if p and p[0] == node.attr)
+        if isinstance(node, (ast.Subscript, ast.Starred)):
+            return self._value(node.value, env)
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return Paths().union(*(self._value(e, env) for e in node.elts))
+        if isinstance(node, ast.IfExp):
+            return self._value(node.body, env) | self._value(node.orelse, env)
+        if isinstance(node, ast.BoolOp):
+            return Paths().union(*(self._value(v, env) for v in node.values))
+        if isinstance(node, ast.Call):
+            return self._returned.get(id(node), Paths())
+        return Paths()
+
+    def _read(self, node: ast.AST, env: dict[str, Paths], module: str) -> None:
+        """Whether ``node`` looks at the value itself (not only passes it on)."""
+        looked = []
+        if isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Store):
+            looked = [node.value]
+        elif isinstance(node, ast.Compare):
+            looked = [node.left, *node.comparators]
+        elif isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+            looked = [node.test]
+        elif isinstance(node, ast.BoolOp):
+            looked = node.values
+        elif isinstance(node, ast.UnaryOp):
+            looked = [node.operand]
+        elif isinstance(node, ast.JoinedStr):
+            looked = [v.value for v in node.values if isinstance(v, ast.FormattedValue)]
+        if any(() in self._value(n, env) for n in looked):
+            self.readers.add(module)
+
+    def _callee(self, func: ast.AST, module: str, cls: str | None) -> tuple[str, str] | None:
+        scope = self.names[module]
+        if isinstance(func, ast.Name) and func.id in scope:
+            return scope[func.id]
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            owner = func.value.id
+            if owner in ("self", "cls") and cls is not None:
+                return module, f"{cls}.{func.attr}"
+            if owner in scope:
+                home, name = scope[owner]
+                return home, f"{name}.{func.attr}"
+        return None
+
+    def _hop(self, call: ast.Call, env: dict[str, Paths], module: str, cls: str | None,
+             path: tuple[str, ...]) -> None:
+        func, args = call.func, list(call.args)
+        if isinstance(func, ast.Name) and func.id == "partial" and args:
+            func, args = args[0], args[1:]
+        passed = [(i, self._value(a, env)) for i, a in enumerate(args)]
+        passed += [(k.arg, self._value(k.value, env)) for k in call.keywords if k.arg]
+        if isinstance(func, ast.Attribute):  # the receiver of a method call passes too
+            passed.append(("self", self._value(func.value, env)))
+        passed = [(where, ps) for where, ps in passed if ps]
+        if not passed:
+            return
+        target = self._callee(func, module, cls)
+        if target is None or target not in self.defs:
+            return  # not the package's code (torch's, a builtin, a method of the value)
+        home, qual = target
+        hop = (*path, home)
+        if self.ends_in_feature(home):
+            self.paths.add(hop)
+            self._returned[id(call)] = Paths(
+                p for where, ps in passed for p in ps if self._passes_through(home, qual, where))
+            return
+        self.paths.add(hop)
+        given = self._parameters(self.defs[target], passed, qual)
+        self._returned[id(call)] = self._call(home, qual, given, hop)
+
+    def _passes_through(self, module: str, qual: str, where) -> bool:
+        """Whether the feature's function ``qual`` returns its argument ``where`` itself (a
+        checked value)."""
+        fn = self.defs[module, qual]
+        if not isinstance(fn, ast.FunctionDef):
+            return False
+        params = [a.arg for a in fn.args.args]
+        name = params[where] if isinstance(where, int) and where < len(params) else where
+        return any(isinstance(n, ast.Return) and isinstance(n.value, ast.Name)
+                   and n.value.id == name for n in ast.walk(fn))
+
+    def _parameters(self, node: ast.AST, passed, qual: str) -> dict[str, Paths]:
+        if isinstance(node, ast.ClassDef):
+            init = next((s for s in node.body
+                         if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None)
+            if init is not None:
+                names = [a.arg for a in init.args.args][1:]
+            else:  # a dataclass: its fields in order
+                names = [s.target.id for s in node.body
+                         if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+        else:
+            names = [a.arg for a in node.args.args]
+            if names and names[0] in ("self", "cls") and "." in qual:
+                names = names[1:]
+            names += [a.arg for a in node.args.kwonlyargs]
+        out: dict[str, Paths] = {}
+        for where, ps in passed:
+            name = names[where] if isinstance(where, int) and where < len(names) else where
+            if isinstance(name, str):
+                out[name] = out.get(name, Paths()) | ps
+        return out
+
+
+def _flow(argument: str) -> _Flow:
+    """Where ``fully_shard``'s ``argument`` goes (see :class:`_Flow`)."""
+    trees = {m: ast.parse(p.read_text()) for m, p in _sources().items()}
+    flow = _Flow(trees, _FEATURE_ARGUMENTS[argument][0])
+    flow.run("ragged_placement.fsdp.api", "fully_shard", argument)
+    return flow
+
+
+def _hops(path: tuple[str, ...]) -> int:
+    """The hops between modules on ``path`` (calls inside one module are not hops)."""
+    return sum(a != b for a, b in zip(path, path[1:]))
+
+
+def _comes_back(path: tuple[str, ...]) -> bool:
+    """Whether ``path`` leaves a module and enters it again."""
+    runs = [m for i, m in enumerate(path) if i == 0 or path[i - 1] != m]
+    return len(runs) != len(set(runs))
+
+
+def test_the_flow_tracer_follows_calls_fields_and_checked_values():
+    """A value checked by the feature's module and passed on, stored in a dataclass and read
+    back in another module, is traced there; a read outside the feature's modules is seen."""
+    trees = {
+        "pkg.api": ast.parse(
+            "from pkg.feature import check\nfrom pkg.opts import Options\n"
+            "from pkg.unit import Unit\n"
+            "def entry(x):\n    y = check(x)\n    o = Options(1, y)\n    Unit(o)\n"),
+        "pkg.feature": ast.parse("def check(v):\n    return v\ndef build(v):\n    return 1\n"),
+        "pkg.opts": ast.parse("class Options:\n    a: int\n    x: object\n"),
+        "pkg.unit": ast.parse(
+            "from pkg.feature import build\n"
+            "class Unit:\n    def __init__(self, o):\n        if o.x is not None:\n"
+            "            build(o.x)\n"),
+    }
+    flow = _Flow(trees, {"pkg.feature"})
+    flow.run("pkg.api", "entry", "x")
+    assert sorted(flow.paths) == [
+        ("pkg.api", "pkg.feature"), ("pkg.api", "pkg.opts"), ("pkg.api", "pkg.unit"),
+        ("pkg.api", "pkg.unit", "pkg.feature")]
+    assert flow.readers == {"pkg.unit"}
+    assert _hops(("a", "a", "b", "c")) == 2 and _comes_back(("a", "b", "a"))
+
+
+@pytest.mark.parametrize("argument", sorted(_FEATURE_ARGUMENTS))
+def test_fully_shard_hands_each_feature_argument_to_its_module_in_a_few_hops(argument):
+    """``fully_shard``'s ``state_sharding`` and ``quant`` reach their feature's module
+    (``fsdp/nested.py``; ``fsdp/fp8.py`` and ``quant/``) in at most :data:`_MAX_HOPS` hops
+    between modules, on every path the value takes, without coming back to a module it left;
+    no module but those, the entry and the table of refused combinations looks at it (the rest
+    of the runtime gets what the feature's module builds from it)."""
+    ends, readers = _FEATURE_ARGUMENTS[argument]
+    flow = _flow(argument)
+    paths = sorted(flow.paths)
+    assert any(flow.ends_in_feature(p[-1]) for p in paths), paths
+    assert [p for p in paths if _hops(p) > _MAX_HOPS or _comes_back(p)] == []
+    assert sorted(m for m in flow.readers if not flow.ends_in_feature(m) and m not in readers
+                  ) == [], paths

@@ -28,7 +28,7 @@ from ragged_placement.fsdp._validation import (
     warn_on_racy_gloo_groups,
 )
 from ragged_placement.fsdp.common import UnitOptions
-from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears
+from ragged_placement.fsdp.fp8 import check_quant, convert_unit_linears, unit_gathers
 from ragged_placement.fsdp.state import FSDPState
 from ragged_placement.fsdp.mesh import DataParallelMesh, PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.module import (
@@ -565,7 +565,7 @@ def fully_shard(
         isinstance(sub, FSDPModule) for m in modules for sub in m.modules() if sub is not m
     )
     options = UnitOptions(
-        mp_policy.param_dtype, mp_policy.reduce_dtype, policy, quant,
+        unit_gathers(quant), mp_policy.param_dtype, mp_policy.reduce_dtype, policy,
         split_by_submodule=wraps_units, offload_policy=offload, spmd=spmd,
     )
     unit = FSDPUnit(slots, params, build_mesh(), options)

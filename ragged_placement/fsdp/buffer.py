@@ -60,8 +60,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ragged_placement.fsdp.collectives import Gather
 from ragged_placement.fsdp.common import CommStats, Registration, UnitOptions
-from ragged_placement.fsdp.fp8 import FP8UnitGather, is_fp8_weight
-from ragged_placement.fsdp.gather import PlainGather
+from ragged_placement.fsdp.gather import PlainGather, PlainGathers
 from ragged_placement.fsdp.grads import FlatGrads
 from ragged_placement.fsdp.mesh import BufferComm, PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.offload import DeviceStaging, OffloadStaging, staging
@@ -194,7 +193,7 @@ def check_move_target(
     its module, :meth:`FlatBuffer.apply_`; ``fqn`` names the parameter moved first): as its
     gather (an FP8 one keeps its other parameters floating) and its staging (CPU offload keeps
     the chunk on the host) allow."""
-    buffer.gather_kind.check_cast(buffer, dtype)
+    buffer.gathers.check_cast(buffer.slots, dtype, buffer.mp_dtypes[0])
     buffer.staging.check_move(device, fqn, buffer.dp.mesh.device_type)
 
 
@@ -229,9 +228,7 @@ class FlatBuffer:
     dp: UnitMesh
     rank: int
     world_size: int
-    quant: object
     spmd: SPMDMesh | None  # fully_shard(dp_mesh_dims=...)'s full mesh
-    quantized: list[bool]
     tp_mesh: object
     spmd_mesh: object
     plan: FlatLayout
@@ -242,10 +239,10 @@ class FlatBuffer:
     sharded_params: list[nn.Parameter]
     unsharded_params: list[nn.Parameter]
     registration: Registration | None  # what the owning modules give (None: hidden)
-    # the all-gather output and the unsharded tensors (None on the meta device), of the kind
-    # chosen once by whether the buffer holds FP8 weights (fsdp/gather.py)
-    gather: PlainGather | FP8UnitGather | None
-    gather_kind: type[PlainGather] | type[FP8UnitGather]
+    # how the unit's buffers gather (chosen once per unit from its quant, fsdp/gather.py), and
+    # this buffer's all-gather output and unsharded tensors (None on the meta device)
+    gathers: PlainGathers
+    gather: PlainGather | None  # or the FP8 gather, of the same interface
     # where the sharded chunk and gradient live, and their copies (CPU offload's, or none)
     staging: DeviceStaging | OffloadStaging
     device: torch.device  # the compute device (the mesh's under CPU offload)
@@ -272,19 +269,15 @@ class FlatBuffer:
         self.dp = dp
         self.rank = dp.shard_rank
         self.world_size = dp.shard_size
-        self.quant = options.quant
+        self.gathers = options.gathers
         self.spmd = options.spmd
         self.mp_dtypes = (options.param_dtype, options.reduce_dtype)
         self.staging = staging(options.offload_policy, stats)
         dtype = params[0].dtype
         tp_specs = [tp_spec_of(s.fqn, p, dp) for s, p in zip(slots, params)]
-        self.quantized = [
-            self.quant is not None and is_fp8_weight(s.owners, s.shape) for s in slots
-        ]
-        self.gather_kind = FP8UnitGather if any(self.quantized) else PlainGather
-        self.gather_kind.check_params(self, tp_specs)
+        self.gathers.check_params(slots, tp_specs)
         policy = resolve_granularity(options.granularity, slots, tp_specs)
-        policy = self.gather_kind.granularity(self, policy)
+        policy = self.gathers.granularity(slots, policy)
         self.tp_mesh = unit_tp_mesh([s.fqn for s in slots], tp_specs)
         self.spmd_mesh = spmd_mesh(dp, self.tp_mesh)  # the mesh of the sharded parameters
         self.plan = plan_buffer(
@@ -292,7 +285,7 @@ class FlatBuffer:
             split_by_submodule=options.split_by_submodule,
         )
         self.chunk_numel = self.plan.chunk_numel
-        self.comm = dp.buffer_comm(self)
+        self.comm = dp.buffer_comm(self.plan)
         self.layouts = _param_layouts(
             self.plan, slots, tp_specs, self.rank, self.world_size, self.tp_mesh, self.spmd_mesh
         )
@@ -327,11 +320,14 @@ class FlatBuffer:
         # The unsharded parameters never live on the meta device: they keep their hooks only
         # through moves between devices of one tensor type (see rebind).
         self.sharded = self.new_sharded(dtype)
-        self._allocate_unsharded(self.device)
+        # the chunk where the all-gather sends it itself, cast at most (no staging, no packing)
+        sends = self.offload_device is None and self.gathers.sends_chunk(self.slots)
+        sent = self.sharded if sends else None
+        self._allocate_unsharded(self.device, sent)
         self._ag_send = None
         self.post_forward_shard = None
         self.grads.reset()
-        self.comm.allocate()
+        self.comm.allocate(self.gather, sent)
 
     @property
     def offload_device(self) -> torch.device | None:
@@ -350,32 +346,28 @@ class FlatBuffer:
         return self.staging.new_sharded(self.chunk_numel, dtype, self.sharded_device, zero=zero)
 
     @property
-    def fp8(self) -> FP8UnitGather | None:
-        """The FP8 gather of a buffer holding FP8 weights (``None`` otherwise)."""
-        return self.gather if isinstance(self.gather, FP8UnitGather) else None
-
-    @property
     def unsharded(self) -> torch.Tensor | None:
         """The all-gather output (``None`` on the meta device)."""
         return self.gather.gathered if self.gather is not None else None
 
-    def _allocate_unsharded(self, device: torch.device) -> None:
+    def _allocate_unsharded(self, device: torch.device, sent: torch.Tensor | None) -> None:
         """The gather (all-gather output and unsharded tensors) on ``device`` in
         ``param_dtype``, its storage freed; kept as it is if it already is there (a move of the
-        sharded chunk alone). A buffer on the meta device has none until ``to_empty``:
-        :meth:`bind` gives it placeholders."""
+        sharded chunk alone), over ``sent``'s storage where the communication shares it
+        (:meth:`~ragged_placement.fsdp.mesh.BufferComm.shared_unsharded`). A buffer on the meta
+        device has none until ``to_empty``: :meth:`bind` gives it placeholders."""
         if self.device.type == "meta":
             self.gather = None
             return
         old = self.gather
-        shared = self.comm.shared_unsharded()
+        shared = self.comm.shared_unsharded(sent, self.param_dtype)
         if shared is None and old is not None and (old.gathered.device, self._gathered_dtype) == (
             device,
             self.param_dtype,
         ):
             return
         self._gathered_dtype = self.param_dtype
-        self.gather = self.gather_kind.for_buffer(self, device)
+        self.gather = self.gathers.build(self.plan, self.slots, self.param_dtype, device, shared)
 
     def _copy_in(self, params: list[torch.Tensor]) -> None:
         """Copy this rank's run of each (TP-local) parameter into the sharded chunk."""
@@ -424,8 +416,9 @@ class FlatBuffer:
         """The unsharded parameters' tensors (and :attr:`unsharded_specs`): the gather's
         (tensor-parallel ones wrapped as DTensors on the TP mesh, TP-local views), or
         placeholders on the meta device. (An FP8 buffer has no tensor-parallel parameter but
-        FP8 stacks sharded by expert, :meth:`FP8UnitGather.check_params`, nor a full SPMD
-        mesh: ``dp_mesh_dims`` refuses ``quant``.)"""
+        FP8 stacks sharded by expert,
+        :meth:`~ragged_placement.fsdp.fp8.FP8Gathers.check_params`, nor a full SPMD mesh:
+        ``dp_mesh_dims`` refuses ``quant``.)"""
         self.unsharded_specs = [lay.unsharded_spec(self.param_dtype) for lay in self.layouts]
         if self.spmd is not None:  # fully_shard(dp_mesh_dims=...): on the full SPMD mesh
             self.unsharded_specs = [
@@ -544,7 +537,7 @@ class FlatBuffer:
                 f"meta device: materialize the model with model.to_empty(device=...) and "
                 f"initialize it (init_weights() / reset_parameters()) before the first forward"
             )
-        gather = self.comm.prepare_unshard(pf)
+        gather = self.comm.prepare_unshard(self.send_buffer, pf)
         self._ag_send = gather.input
         return gather
 

@@ -109,12 +109,13 @@ class UnitOptions:
     """The settings of one ``fully_shard`` unit that its flat buffers share.
 
     Args:
+        gathers: how the unit's flat buffers gather, chosen by ``fully_shard`` from its
+            ``quant`` (:func:`~ragged_placement.fsdp.fp8.unit_gathers`: plainly, or the buffers
+            holding FP8 weights as FP8 blocks and scales, planned at block granularity).
         param_dtype: dtype of the all-gather and of the unsharded parameters (``None``: the
             parameters' dtype, also after a cast).
         reduce_dtype: dtype of the gradient reduce-scatter (``None``: ``param_dtype``).
         granularity: the planner's granularity policy for the unit's parameters.
-        quant: block-wise FP8 for the weights of the unit's ``FP8Linear`` modules (planned at
-            block granularity, all-gathered as FP8 + scales); ``None`` for none.
         split_by_submodule: prefer one plan segment per direct submodule (see
             :func:`~ragged_placement.fsdp.buffer.plan_buffer`).
         offload_policy: a :class:`~torch.distributed.fsdp.CPUOffloadPolicy` keeps ``sharded``
@@ -125,10 +126,10 @@ class UnitOptions:
             (:class:`~ragged_placement.fsdp.spmd.SPMDMesh`); ``None`` otherwise.
     """
 
+    gathers: Any  # a PlainGathers (fsdp/gather.py, which imports this module)
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     granularity: Any = None
-    quant: Any = None
     split_by_submodule: bool = False
     offload_policy: CPUOffloadPolicy | None = None
     spmd: Any = None

@@ -54,8 +54,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from ragged_placement.fsdp.gather import PlainGather, PlainGathers
+from ragged_placement.fsdp.param import ParamSlot
 from ragged_placement.planner import Granularity, Segment
 from ragged_placement.planner.granularity import resolve, resolve_policy
+from ragged_placement.planner.layout import FlatLayout
 from ragged_placement.quant import (
     BlockFP8Config,
     FlatParam,
@@ -64,15 +67,13 @@ from ragged_placement.quant import (
     convert_to_fp8_linear,
 )
 from ragged_placement.quant.reference import FP8_DTYPE, scale_shape
-from ragged_placement.quant.sharded import _alias as _byte_alias
-from ragged_placement.quant.sharded import _align, _block_row
+from ragged_placement.quant.sharded import align_bytes, byte_view, first_block_row
 
 if TYPE_CHECKING:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-    from ragged_placement.fsdp.buffer import FlatBuffer
-
 __all__ = [
+    "FP8Gathers",
     "FP8UnitGather",
     "check_quant",
     "convert_unit_linears",
@@ -81,6 +82,7 @@ __all__ = [
     "fp8_stacks",
     "is_fp8_weight",
     "segment_layouts",
+    "unit_gathers",
 ]
 
 
@@ -218,6 +220,98 @@ def fp8_granularity(policy, fp8_shapes: Mapping[str, tuple[int, int]], block: tu
     return resolved
 
 
+def unit_gathers(quant: BlockFP8Config | None) -> PlainGathers | FP8Gathers:
+    """How the flat buffers of a unit with ``fully_shard``'s ``quant`` (checked,
+    :func:`check_quant`) gather: plainly without one."""
+    return PlainGathers() if quant is None else FP8Gathers(quant)
+
+
+class FP8Gathers(PlainGathers):
+    """How the flat buffers of a unit under ``quant`` gather: a buffer holding FP8 weights
+    (:func:`is_fp8_weight`) with its :class:`FP8UnitGather`, the others plainly (the interface
+    of :class:`~ragged_placement.fsdp.gather.PlainGathers`; ``slots``: a buffer's
+    parameters)."""
+
+    def __init__(self, quant: BlockFP8Config) -> None:
+        self.quant = quant
+
+    @staticmethod
+    def _quantized(slots: Sequence[ParamSlot]) -> list[bool]:
+        return [is_fp8_weight(s.owners, s.shape) for s in slots]
+
+    def check_unit(self, slots: Sequence[ParamSlot], params: Sequence[torch.Tensor]) -> None:
+        """``ValueError`` unless the unit's parameters share a dtype (the FP8 gather packs its
+        other parameters in one dtype)."""
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for slot, p in zip(slots, params):
+            by_dtype.setdefault(p.dtype, []).append(slot.fqn)
+        if len(by_dtype) > 1:
+            found = "; ".join(f"{d}: {', '.join(names[:3])}" for d, names in by_dtype.items())
+            raise ValueError(
+                f"all parameters of one fully_shard unit must share a dtype, got {found}. Give "
+                f"the differently-typed modules units of their own (fully_shard them first), "
+                f"or cast the module to one dtype and use mp_policy for the compute dtype"
+            )
+
+    def check_params(self, slots: Sequence[ParamSlot],
+                     tp_specs: Sequence[DTensorSpec | None]) -> None:
+        """``ValueError`` if tensor-parallel parameters share a buffer with FP8 weights, unless
+        each is an FP8 stack sharded by whole matrices (``Shard(0)``, expert parallelism):
+        its TP-local stack holds whole matrices, quantized as one process would."""
+        quantized = self._quantized(slots)
+        if not any(quantized):
+            return
+        bad = [
+            f"{s.fqn} ({tuple(t.placements)})"
+            for s, t, q in zip(slots, tp_specs, quantized)
+            if t is not None and not (q and len(s.shape) > 2 and t.placements == (Shard(0),))
+        ]
+        if bad:
+            raise ValueError(
+                f"quant composes with tensor-parallel parameters only for stacks of FP8 "
+                f"matrices sharded by whole matrices (Shard(0), expert parallelism); got "
+                f"{', '.join(bad)}: shard them without quant, or as Shard(0) stacks"
+            )
+
+    def granularity(self, slots: Sequence[ParamSlot], policy):
+        """``policy`` keeping whole quantization blocks of the FP8 weights
+        (:func:`fp8_granularity`)."""
+        quantized = self._quantized(slots)
+        if not any(quantized):
+            return policy
+        fp8_shapes = {s.fqn: tuple(s.shape) for s, q in zip(slots, quantized) if q}
+        return fp8_granularity(policy, fp8_shapes, self.quant.block)
+
+    def check_cast(self, slots: Sequence[ParamSlot], dtype: torch.dtype,
+                   param_dtype: torch.dtype | None) -> None:
+        """``ValueError`` unless the parameters gathered beside the FP8 weights stay float32,
+        bfloat16 or float16 (without a ``param_dtype``, the buffer's dtype is theirs)."""
+        allowed = (torch.float32, torch.bfloat16, torch.float16)
+        fp8 = [s.fqn for s, q in zip(slots, self._quantized(slots)) if q]
+        if fp8 and param_dtype is None and dtype not in allowed:
+            raise ValueError(
+                f"cannot cast the FP8 unit holding {fp8[0]} to {dtype}: the parameters it "
+                f"all-gathers next to the FP8 weights must be float32, bfloat16 or float16"
+            )
+
+    def sends_chunk(self, slots: Sequence[ParamSlot]) -> bool:
+        """Not for a buffer holding FP8 weights (it sends packed blocks and scales)."""
+        return not any(self._quantized(slots))
+
+    def build(self, plan: FlatLayout, slots: Sequence[ParamSlot], param_dtype: torch.dtype,
+              device: torch.device, shared: torch.Tensor | None
+              ) -> PlainGather | FP8UnitGather:
+        """A buffer's gather on ``device``: its :class:`FP8UnitGather` (the other parameters
+        in ``param_dtype``) if it holds FP8 weights, else the plain one."""
+        quantized = self._quantized(slots)
+        if not any(quantized):
+            return PlainGather(plan, slots, param_dtype, device, shared)
+        return FP8UnitGather(
+            plan, [s.fqn for s in slots], [s.shape for s in slots], quantized,
+            [s.requires_grad for s in slots], self.quant, param_dtype, device,
+        )
+
+
 class FP8UnitGather:
     """The FP8 all-gather buffers of one unit and its unsharded tensors (see the module doc).
 
@@ -244,56 +338,9 @@ class FP8UnitGather:
         params: the unsharded ``nn.Parameter`` per parameter (gradient sinks for FP8 weights).
         weights: ``(q, s)`` per FP8 weight (``None`` for the others), for ``FP8Linear.weight_fp8``.
 
-    It has the interface of :class:`~ragged_placement.fsdp.gather.PlainGather` (chosen in its
-    place for a flat buffer holding FP8 weights, see :mod:`ragged_placement.fsdp.gather`).
+    It has the interface of :class:`~ragged_placement.fsdp.gather.PlainGather` (built in its
+    place for a flat buffer holding FP8 weights by :class:`FP8Gathers`).
     """
-
-    # -- the gather's constraints, read before it exists ---------------------------------------
-    @staticmethod
-    def check_params(buffer: FlatBuffer, tp_specs: Sequence[DTensorSpec | None]) -> None:
-        """``ValueError`` if tensor-parallel parameters share the unit with FP8 weights, unless
-        each is an FP8 stack sharded by whole matrices (``Shard(0)``, expert parallelism):
-        its TP-local stack holds whole matrices, quantized as one process would."""
-        bad = [
-            f"{s.fqn} ({tuple(t.placements)})"
-            for s, t, q in zip(buffer.slots, tp_specs, buffer.quantized)
-            if t is not None and not (q and len(s.shape) > 2 and t.placements == (Shard(0),))
-        ]
-        if bad:
-            raise ValueError(
-                f"quant composes with tensor-parallel parameters only for stacks of FP8 "
-                f"matrices sharded by whole matrices (Shard(0), expert parallelism); got "
-                f"{', '.join(bad)}: shard them without quant, or as Shard(0) stacks"
-            )
-
-    @staticmethod
-    def granularity(buffer: FlatBuffer, policy):
-        """``policy`` keeping whole quantization blocks of the FP8 weights
-        (:func:`fp8_granularity`)."""
-        fp8_shapes = {s.fqn: tuple(s.shape) for s, q in zip(buffer.slots, buffer.quantized) if q}
-        return fp8_granularity(policy, fp8_shapes, buffer.quant.block)
-
-    @staticmethod
-    def check_cast(buffer: FlatBuffer, dtype: torch.dtype) -> None:
-        """``ValueError`` unless the parameters gathered beside the FP8 weights stay float32,
-        bfloat16 or float16 (without a ``param_dtype``, the buffer's dtype is theirs)."""
-        allowed = (torch.float32, torch.bfloat16, torch.float16)
-        if buffer.mp_dtypes[0] is None and dtype not in allowed:
-            fp8 = next(s.fqn for s, q in zip(buffer.slots, buffer.quantized) if q)
-            raise ValueError(
-                f"cannot cast the FP8 unit holding {fp8} to {dtype}: the parameters it "
-                f"all-gathers next to the FP8 weights must be float32, bfloat16 or float16"
-            )
-
-    @classmethod
-    def for_buffer(cls, buffer: FlatBuffer, device: torch.device) -> FP8UnitGather:
-        """The FP8 gather of ``buffer`` on ``device`` (its other parameters in
-        ``param_dtype``)."""
-        slots = buffer.slots
-        return cls(
-            buffer.plan, [s.fqn for s in slots], [s.shape for s in slots], buffer.quantized,
-            [s.requires_grad for s in slots], buffer.quant, buffer.param_dtype, device,
-        )
 
     def __init__(
         self,
@@ -337,10 +384,10 @@ class FP8UnitGather:
             if len(parts[i]) > 1:
                 numel = shapes[i].numel()
                 region["data"] = end
-                end = _align(end + numel * (1 if q else raw_dtype.itemsize))
+                end = align_bytes(end + numel * (1 if q else raw_dtype.itemsize))
                 if q:
                     region["scale"] = end
-                    end = _align(end + 4 * math.prod(scale_shape(shapes[i], quant.block)))
+                    end = align_bytes(end + 4 * math.prod(scale_shape(shapes[i], quant.block)))
             regions.append(region)
         self.gathered = torch.empty(self.gathered_nbytes, dtype=torch.uint8, device=device)
         self.assembled = torch.empty(end, dtype=torch.uint8, device=device)
@@ -357,12 +404,12 @@ class FP8UnitGather:
                 self.params.append(nn.Parameter(sink, requires_grad=requires_grad[i]))
                 self.weights.append(
                     (
-                        _byte_alias(buf, data, FP8_DTYPE, tuple(shape)),
-                        _byte_alias(buf, scale, torch.float32, scale_shape(shape, quant.block)),
+                        byte_view(buf, data, FP8_DTYPE, tuple(shape)),
+                        byte_view(buf, scale, torch.float32, scale_shape(shape, quant.block)),
                     )
                 )
             else:
-                t = _byte_alias(buf, data, raw_dtype, tuple(shape))
+                t = byte_view(buf, data, raw_dtype, tuple(shape))
                 self.params.append(nn.Parameter(t, requires_grad=requires_grad[i]))
                 self.weights.append(None)
         self.send_segments = [self.segment]
@@ -387,12 +434,12 @@ class FP8UnitGather:
             self._copies.append((base + pc.data_offset, region["data"] + pc.start * itemsize, n))
             if quantized:
                 cols, rows, bm = shape[-1], shape[-2], self.quant.block[0]
-                first_block_row = _block_row(pc.start // cols, rows, bm)
+                block_row0 = first_block_row(pc.start // cols, rows, bm)
                 nb = scale_shape(shape, self.quant.block)[-1]
                 self._copies.append(
                     (
                         base + pc.scale_offset,
-                        region["scale"] + 4 * first_block_row * nb,
+                        region["scale"] + 4 * block_row0 * nb,
                         4 * pc.scale_numel,
                     )
                 )

@@ -1,13 +1,20 @@
 """The all-gather output of a flat buffer without FP8 weights and the unsharded parameters
 as aliases of its storage: the plain gather beside the FP8 one
-(:class:`~ragged_placement.fsdp.fp8.FP8UnitGather`), with the same interface, chosen once per
-flat buffer (:class:`~ragged_placement.fsdp.buffer.FlatBuffer`, by whether it holds FP8
-weights):
+(:class:`~ragged_placement.fsdp.fp8.FP8UnitGather`), with the same interface.
 
-* before the plan: :meth:`~PlainGather.check_params` (what the gather cannot take) and
-  :meth:`~PlainGather.granularity` (the gather's constraint on the planner policy, last);
-* before a cast of the buffer: :meth:`~PlainGather.check_cast`;
-* :meth:`~PlainGather.for_buffer` builds it on a device; then ``gathered``, ``params``,
+How a unit's buffers gather is chosen once per unit, by ``fully_shard`` from its ``quant``
+(:func:`~ragged_placement.fsdp.fp8.unit_gathers`): :class:`PlainGathers` here, or
+:class:`~ragged_placement.fsdp.fp8.FP8Gathers`, which gathers the buffers holding FP8 weights
+its way and the others plainly. Each flat buffer asks it with its own parameters:
+
+* at the unit: :meth:`~PlainGathers.check_unit`;
+* before the plan: :meth:`~PlainGathers.check_params` (what the gather cannot take) and
+  :meth:`~PlainGathers.granularity` (the gather's constraint on the planner policy, last);
+* before a cast of the buffer: :meth:`~PlainGathers.check_cast`;
+* :meth:`~PlainGathers.sends_chunk`: whether the all-gather sends the sharded chunk itself,
+  cast at most (what the communication needs to know: over one rank the unsharded buffer may
+  then share the chunk's storage, or take its cast directly);
+* :meth:`~PlainGathers.build` builds the gather on a device; then ``gathered``, ``params``,
   ``weights``, ``send_segments``, :meth:`~PlainGather.allocate`, :meth:`~PlainGather.free`,
   :meth:`~PlainGather.stage_dtype`, :meth:`~PlainGather.pack`,
   :meth:`~PlainGather.assemble`, :meth:`~PlainGather.register_weights`."""
@@ -15,8 +22,6 @@ weights):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
@@ -24,10 +29,47 @@ from ragged_placement.fsdp.param import ParamSlot, alias
 from ragged_placement.planner.layout import FlatLayout
 from ragged_placement.planner.plan import Segment
 
-if TYPE_CHECKING:
-    from ragged_placement.fsdp.buffer import FlatBuffer
+__all__ = ["PlainGather", "PlainGathers"]
 
-__all__ = ["PlainGather"]
+
+class PlainGathers:
+    """How the flat buffers of a unit without ``quant`` gather: plainly, each its
+    :class:`PlainGather` (see the module docstring; the interface of
+    :class:`~ragged_placement.fsdp.fp8.FP8Gathers`). ``slots``: a buffer's parameters."""
+
+    def check_unit(self, slots: Sequence[ParamSlot], params: Sequence[torch.Tensor]) -> None:
+        """``ValueError`` if the gather cannot take the unit's parameters; any go plainly."""
+        del slots, params
+
+    def check_params(self, slots: Sequence[ParamSlot],
+                     tp_specs: Sequence[DTensorSpec | None]) -> None:
+        """``ValueError`` if the gather cannot take a buffer's parameters (``tp_specs``: their
+        tensor-parallel specs); the plain gather takes any."""
+        del slots, tp_specs
+
+    def granularity(self, slots: Sequence[ParamSlot], policy):
+        """The planner policy ``policy`` (the user's, then tensor parallel) with the gather's
+        own constraint; the plain gather has none."""
+        del slots
+        return policy
+
+    def check_cast(self, slots: Sequence[ParamSlot], dtype: torch.dtype,
+                   param_dtype: torch.dtype | None) -> None:
+        """``ValueError`` if a buffer cannot be cast to ``dtype`` (``param_dtype``: the
+        mixed-precision policy's, ``None`` for the buffer's own); any dtype gathers plainly."""
+        del slots, dtype, param_dtype
+
+    def sends_chunk(self, slots: Sequence[ParamSlot]) -> bool:
+        """Whether the all-gather sends a buffer's sharded chunk itself, cast to
+        ``param_dtype`` at most (:meth:`PlainGather.pack`): always."""
+        del slots
+        return True
+
+    def build(self, plan: FlatLayout, slots: Sequence[ParamSlot], param_dtype: torch.dtype,
+              device: torch.device, shared: torch.Tensor | None) -> PlainGather:
+        """A buffer's gather on ``device`` in ``param_dtype`` (over ``shared``'s storage where
+        not ``None``, see :class:`PlainGather`)."""
+        return PlainGather(plan, slots, param_dtype, device, shared)
 
 
 class PlainGather:
@@ -55,32 +97,6 @@ class PlainGather:
     _storage: torch.UntypedStorage
     _nbytes: int
     _shared: bool
-
-    # -- the gather's constraints, read before it exists ---------------------------------------
-    @staticmethod
-    def check_params(buffer: FlatBuffer, tp_specs: Sequence[DTensorSpec | None]) -> None:
-        """``ValueError`` if the gather cannot take ``buffer``'s parameters (``tp_specs``:
-        their tensor-parallel specs); the plain gather takes any."""
-        del buffer, tp_specs
-
-    @staticmethod
-    def granularity(buffer: FlatBuffer, policy):
-        """The planner policy ``policy`` (the user's, then tensor parallel) with the gather's
-        own constraint; the plain gather has none."""
-        del buffer
-        return policy
-
-    @staticmethod
-    def check_cast(buffer: FlatBuffer, dtype: torch.dtype) -> None:
-        """``ValueError`` if ``buffer`` cannot be cast to ``dtype``; any dtype gathers plainly."""
-        del buffer, dtype
-
-    @classmethod
-    def for_buffer(cls, buffer: FlatBuffer, device: torch.device) -> PlainGather:
-        """The gather of ``buffer`` on ``device`` in its ``param_dtype`` (over the storage its
-        communication shares, :meth:`~ragged_placement.fsdp.mesh.BufferComm.shared_unsharded`)."""
-        return cls(buffer.plan, buffer.slots, buffer.param_dtype, device,
-                   buffer.comm.shared_unsharded())
 
     def __init__(
         self,

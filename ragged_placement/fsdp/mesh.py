@@ -32,7 +32,7 @@ import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,11 +47,11 @@ from ragged_placement.placement import RaggedShard
 from ragged_placement.planner.plan import Segment
 
 if TYPE_CHECKING:
-    from ragged_placement.fsdp.buffer import FlatBuffer
+    from ragged_placement.planner.layout import FlatLayout
 
 __all__ = [
-    "BufferComm", "DataParallelMesh", "PostForwardMesh", "ShardComm", "UnitMesh",
-    "coarsen_segments",
+    "BufferComm", "DataParallelMesh", "GatherBuffers", "ParamRefresh", "PostForwardMesh",
+    "ShardComm", "UnitMesh", "any_rank", "coarsen_segments",
 ]
 
 
@@ -117,15 +117,16 @@ class UnitMesh(abc.ABC):
         :attr:`source` in one root mesh): :attr:`mesh`'s dims, then ``tp_mesh``'s."""
 
     @abc.abstractmethod
-    def buffer_comm(self, buffer: FlatBuffer) -> BufferComm:
-        """The communication of ``buffer``, a flat buffer planned over the shard ranks."""
+    def buffer_comm(self, plan: FlatLayout) -> BufferComm:
+        """The communication of a flat buffer laid out as ``plan`` over the shard ranks."""
 
     # -- what only some meshes do; the defaults are FSDP's ----------------------------------
-    @property
-    def refreshes(self) -> bool:
-        """Whether the unit's parameter chunks are refreshed from the sharded chunks (an
-        all-gather after each optimizer step, :class:`BufferComm.prepare_refresh`)."""
-        return False
+    def param_refresh(self, unit) -> ParamRefresh:
+        """What ``unit``, the :class:`~ragged_placement.fsdp.unit.FSDPUnit` built on this
+        mesh, runs before each unshard (FSDP's: nothing; a ``state_sharding``'s refreshes the
+        parameter chunks, :class:`~ragged_placement.fsdp.nested.ChunkRefresh`)."""
+        del unit
+        return ParamRefresh()
 
     @property
     def keeps_params_unsharded(self) -> bool:
@@ -155,11 +156,6 @@ class UnitMesh(abc.ABC):
         groups = [(self.shard_group, self.shard_size), (self.replicate_group, self.replicate_size)]
         return tuple(group for group, size in groups if group is not None and size > 1)
 
-    def attach(self, unit) -> None:
-        """Called once by ``unit``, the :class:`~ragged_placement.fsdp.unit.FSDPUnit` built
-        on this mesh (a mesh that refreshes hooks the optimizer steps and state dicts)."""
-        del unit
-
     def check_supported(self, what: str, where: str) -> None:
         """``ValueError`` if ``what`` (an ``FSDPModule`` setting, on module class ``where``)
         cannot run on this mesh."""
@@ -172,10 +168,45 @@ class UnitMesh(abc.ABC):
         del stats, kind, level, nbytes
 
 
+class ParamRefresh:
+    """What a unit runs before each unshard to bring the parameters it gathers up to date with
+    the sharded chunks (:meth:`UnitMesh.param_refresh`). Here nothing: on FSDP's and HSDP's
+    meshes the all-gather sends the sharded chunks themselves. A ``state_sharding`` gathers
+    parameter chunks of their own, refreshed from the sharded ones
+    (:class:`~ragged_placement.fsdp.nested.ChunkRefresh`)."""
+
+    def before_unshard(self) -> bool:
+        """Bring the parameters up to date; whether that filled the unsharded buffers (then no
+        all-gather follows)."""
+        return False
+
+    def wait(self) -> None:
+        """Wait for a refresh in flight (before the sharded chunks are moved)."""
+
+    def mark_stale(self) -> None:
+        """The sharded chunks changed where no version counter shows it (a move)."""
+
+
+class GatherBuffers(Protocol):
+    """What a buffer's communication uses of its gather (:class:`~ragged_placement.fsdp.
+    gather.PlainGather`, or the FP8 one): the all-gather's output and segments."""
+
+    gathered: torch.Tensor
+    send_segments: Sequence[Segment]
+
+    def allocate(self) -> None:
+        """Give ``gathered`` its storage."""
+
+    def assemble(self) -> None:
+        """After an all-gather into ``gathered``: assemble the unsharded tensors."""
+
+
 class BufferComm(abc.ABC):
     """One flat buffer's communication on its unit's mesh: what its all-gather sends and
-    where, and the order of its gradient reductions (built once with the buffer,
-    :meth:`UnitMesh.buffer_comm`)."""
+    where, and the order of its gradient reductions (built once with the buffer from its plan,
+    :meth:`UnitMesh.buffer_comm`). It is handed what it needs, and never reads the buffer:
+    the gather (:class:`~ragged_placement.fsdp.gather.PlainGather` or the FP8 one) at each
+    :meth:`allocate`, the packing of this rank's send at each unshard."""
 
     @property
     def param_chunk(self) -> torch.Tensor | None:
@@ -188,25 +219,27 @@ class BufferComm(abc.ABC):
         """Whether :meth:`start_rest` leaves a collective in flight."""
         return False
 
-    def allocate(self) -> None:
-        """After :meth:`FlatBuffer.allocate`: allocate what this communication keeps."""
+    @abc.abstractmethod
+    def allocate(self, gather: GatherBuffers | None, chunk: torch.Tensor | None) -> None:
+        """After each allocation of the buffer (``FlatBuffer.allocate``): its ``gather``
+        (``None`` on the meta device), and ``chunk``, its sharded chunk where the all-gather
+        sends it as it is or cast to ``param_dtype`` (no staging copy, no packing; else
+        ``None``). Allocates what this communication keeps."""
 
-    def shared_unsharded(self) -> torch.Tensor | None:
-        """The tensor whose storage the unsharded buffer shares (``None``: a storage of its
-        own, allocated at each unshard; see :class:`~ragged_placement.fsdp.gather.PlainGather`)."""
+    def shared_unsharded(self, chunk: torch.Tensor | None,
+                         dtype: torch.dtype) -> torch.Tensor | None:
+        """The tensor whose storage the unsharded buffer (in ``dtype``) shares, given the
+        ``chunk`` of :meth:`allocate` (``None``: a storage of its own, allocated at each
+        unshard; see :class:`~ragged_placement.fsdp.gather.PlainGather`)."""
+        del chunk, dtype
         return None
 
     @abc.abstractmethod
-    def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
+    def prepare_unshard(self, pack: Callable[[PostForwardMesh | None], torch.Tensor],
+                        pf: PostForwardMesh | None) -> Gather:
         """The all-gather into the unsharded buffer (from the post-forward shard where ``pf``),
-        its output's storage allocated."""
-
-    def prepare_refresh(self) -> Gather:
-        """The refresh's all-gather (only on a mesh that :attr:`~UnitMesh.refreshes`)."""
-        raise NotImplementedError(f"{type(self).__name__} does not refresh")
-
-    def finish_refresh(self) -> None:
-        """Once the refresh is waited on: release its buffers."""
+        its output's storage allocated; ``pack(pf)`` gives this rank's send (the post-forward
+        shard, or the gather's packing of the sharded chunk, staged to the device)."""
 
     @abc.abstractmethod
     def reduction(self, inputs: list[torch.Tensor],
@@ -283,8 +316,8 @@ class DataParallelMesh(UnitMesh):
     def with_tp(self, tp_mesh: DeviceMesh) -> DeviceMesh:
         return concatenate_meshes([self.mesh, tp_mesh])
 
-    def buffer_comm(self, buffer: FlatBuffer) -> ShardComm:
-        return ShardComm(buffer, self)
+    def buffer_comm(self, plan: FlatLayout) -> ShardComm:
+        return ShardComm(plan, self)
 
 
 class ShardComm(BufferComm):
@@ -300,10 +333,16 @@ class ShardComm(BufferComm):
     local copies at most, none issued (:func:`~ragged_placement.fsdp.collectives.
     issue_all_gather`)."""
 
-    def __init__(self, buffer: FlatBuffer, mesh: DataParallelMesh) -> None:
-        self._buffer = buffer
+    _plan: FlatLayout
+    _mesh: DataParallelMesh
+    _gather: GatherBuffers | None  # the buffer's (allocate)
+    _chunk: torch.Tensor | None  # its sharded chunk, where sent as it is or cast (allocate)
+    _one: bool  # _one_rank(), read at every unshard and reduction: decided once
+
+    def __init__(self, plan: FlatLayout, mesh: DataParallelMesh) -> None:
+        self._plan = plan
         self._mesh = mesh
-        plan = buffer.plan
+        self._gather = self._chunk = None
         self._one = (mesh.shard_size == 1 and plan.buffer_numel <= plan.chunk_numel
                      and all(s.chunk_offset == s.buffer_offset for s in plan.segments))
 
@@ -312,38 +351,40 @@ class ShardComm(BufferComm):
         unsharded buffer (every segment at the same offset in both)."""
         return self._one
 
-    def shared_unsharded(self) -> torch.Tensor | None:
-        b = self._buffer
-        plain = (b.offload_device is None and not any(b.quantized)
-                 and b.param_dtype == b.orig_dtype)
-        return b.sharded if plain and self._one_rank() else None
+    def allocate(self, gather: GatherBuffers | None, chunk: torch.Tensor | None) -> None:
+        self._gather, self._chunk = gather, chunk
 
-    def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
-        b = self._buffer
-        b.gather.allocate()
-        if pf is None and b.offload_device is None and b.fp8 is None and self._one_rank():
+    def shared_unsharded(self, chunk: torch.Tensor | None,
+                         dtype: torch.dtype) -> torch.Tensor | None:
+        """The sharded chunk over one rank where it is sent as it is (no cast)."""
+        return chunk if chunk is not None and chunk.dtype == dtype and self._one_rank() else None
+
+    def prepare_unshard(self, pack: Callable[[PostForwardMesh | None], torch.Tensor],
+                        pf: PostForwardMesh | None) -> Gather:
+        gather = self._gather
+        gather.allocate()
+        if pf is None and self._chunk is not None and self._one_rank():
             # one rank: the mixed-precision cast written into the unsharded buffer (a no-op
             # where it shares the chunk's storage), which the local all-gather leaves as it is
-            send = b.gather.gathered
-            if send.data_ptr() != b.sharded.data_ptr():
-                send.copy_(b.sharded[:send.numel()])
+            send = gather.gathered
+            if send.data_ptr() != self._chunk.data_ptr():
+                send.copy_(self._chunk[:send.numel()])
         else:
-            send = b.send_buffer(pf)
-        world_size = b.world_size if pf is None else pf.size
-        gather = b.gather_segments
-        segments = gather if pf is None else pf.coarsen(gather)
+            send = pack(pf)
+        world_size = self._mesh.shard_size if pf is None else pf.size
+        segments = gather.send_segments if pf is None else pf.coarsen(gather.send_segments)
         group = self._mesh.shard_group if pf is None else pf.group
-        return Gather(b.gather.gathered, send, segments, world_size, group, pf is not None)
+        return Gather(gather.gathered, send, segments, world_size, group, pf is not None)
 
     def reduction(self, inputs: list[torch.Tensor],
                   group: dist.ProcessGroup | None) -> Reduction:
-        b = self._buffer
-        if self._one_rank() and len(inputs) == 1 and inputs[0].numel() == b.chunk_numel:
+        plan = self._plan
+        if self._one_rank() and len(inputs) == 1 and inputs[0].numel() == plan.chunk_numel:
             out = inputs[0]  # one rank, one segment: the sum is the gradient buffer itself
         else:
-            out = torch.empty(b.chunk_numel, dtype=b.reduce_dtype, device=b.device)
+            out = inputs[0].new_empty(plan.chunk_numel)  # in reduce_dtype, as the inputs
         group = self._mesh.shard_group if group is None else group
-        return Reduction(out, inputs, b.plan.segments, b.world_size, group)
+        return Reduction(out, inputs, plan.segments, self._mesh.shard_size, group)
 
 
 # id(mesh) -> (a weak reference to the mesh, {N: this rank's N-rank post-forward group})
@@ -433,3 +474,16 @@ def coarsen_segments(segments: Sequence[Segment], factor: int) -> list[Segment]:
         out.append(replace(seg, chunk_offset=offset, chunk_numel=numel, rank_starts=starts))
         offset += numel
     return out
+
+
+def any_rank(flags: list[bool], device: torch.device,
+             groups: Sequence[dist.ProcessGroup]) -> list[bool]:
+    """Each of ``flags`` or-ed over the ranks of ``groups`` (a unit mesh's
+    :attr:`~UnitMesh.agreement_groups`; none: this rank's own): one all-reduce (max) of one
+    byte per flag per group, read by the host."""
+    if not groups:
+        return list(flags)
+    out = torch.tensor(flags, dtype=torch.uint8, device=device)
+    for group in groups:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return [bool(f) for f in out.tolist()]

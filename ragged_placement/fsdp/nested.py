@@ -56,9 +56,10 @@ detached tensors may be loaded into in place before the next forward, as ``dcp.l
 a move. A write through ``.data`` bypasses all of them. Every rank of an ``O \\ P`` group must
 take the same decision, or the refresh would wait for the ranks that skip it: at the root's
 forward the data-parallel ranks agree per unit (one byte per unit, all-reduced: max;
-:func:`~ragged_placement.fsdp.state.agree_on_refreshes`), so a state dict or a write on some
-ranks only refreshes everywhere. An unshard outside the root's forward (backward, a submodule
-called on its own) decides locally.
+:func:`agree_on_refreshes`), so a state dict or a write on some ranks only refreshes
+everywhere. An unshard outside the root's forward (backward, a submodule called on its own)
+decides locally. :class:`ChunkRefresh` holds a unit's refresh: its state, the step hook's
+refresh, the unshard's and the agreement.
 
 **Process groups.** Created once per ``(mesh, state_sharding)``, by their members only; the
 ``O \\ P`` and ``O`` groups list their ranks in the order above, not sorted where it is not the
@@ -83,17 +84,27 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ragged_placement._compat import concatenate_meshes, new_group_in_order
 from ragged_placement.fsdp.collectives import Gather, Reduction, reduce_scatter_parts
 from ragged_placement.fsdp.common import CommStats
-from ragged_placement.fsdp.mesh import BufferComm, PostForwardMesh, UnitMesh, coarsen_segments
+from ragged_placement.fsdp.collectives import issue_all_gather
+from ragged_placement.fsdp.common import UnitState
+from ragged_placement.fsdp.mesh import (
+    BufferComm,
+    GatherBuffers,
+    ParamRefresh,
+    PostForwardMesh,
+    UnitMesh,
+    any_rank,
+    coarsen_segments,
+)
 from ragged_placement.planner.sharding import StateSharding
 from ragged_placement.planner.plan import Segment
 
 if TYPE_CHECKING:
-    from ragged_placement.fsdp.buffer import FlatBuffer
     from ragged_placement.fsdp.unit import FSDPUnit
+    from ragged_placement.planner.layout import FlatLayout
 
 __all__ = [
-    "Level", "NestedBuffer", "StateShardedMesh", "check_state_sharding", "nest_segments",
-    "state_sharded_mesh",
+    "ChunkRefresh", "Level", "NestedBuffer", "StateShardedMesh", "agree_on_refreshes",
+    "check_state_sharding", "nest_segments", "state_sharded_mesh",
 ]
 
 
@@ -138,35 +149,6 @@ class _Groups:
         if order not in self._made:
             self._made[order] = new_group_in_order(list(order)) if len(order) > 1 else None
         return Level(len(order), order.index(dist.get_rank()), self._made[order], dims)
-
-
-# the live units under a state_sharding, refreshed after every optimizer step over their parameters
-_STATE_SHARDED_UNITS: weakref.WeakSet[FSDPUnit] = weakref.WeakSet()
-
-
-def _refresh_after_step(optimizer, args, kwargs) -> None:
-    """Every optimizer step in the process: the state-sharded units holding a parameter it
-    stepped issue their refresh (:meth:`FSDPUnit.refresh_after_step`)."""
-    del args, kwargs
-    owner = {id(p): unit for unit in list(_STATE_SHARDED_UNITS) for p in unit.sharded_params}
-    # in the optimizer's parameter order, the same on every rank (the set's order is not)
-    units = {id(owner[id(p)]): owner[id(p)] for group in optimizer.param_groups
-             for p in group["params"] if id(p) in owner}
-    for unit in units.values():
-        unit.refresh_after_step()
-    # All in flight at once (one all-gather per unit), each waited on at its unit's next
-    # unshard, so the refreshes overlap the next forward instead of running one at a time.
-
-
-register_optimizer_step_post_hook(_refresh_after_step)
-
-
-def _stale_after_state_dict(unit: FSDPUnit, module, state_dict, prefix, local_metadata) -> None:
-    """A state dict holds detached views of the sharded parameters, which may be written in
-    place past every version counter the unit reads (``dcp.load``): refresh ``unit`` before its
-    next all-gather."""
-    del module, state_dict, prefix, local_metadata
-    unit.mark_stale()
 
 
 @dataclass(frozen=True, eq=False)
@@ -274,8 +256,8 @@ class StateShardedMesh(UnitMesh):
     def replicate_size(self) -> int:
         return self.replicate.size
 
-    def buffer_comm(self, buffer: FlatBuffer) -> NestedBuffer:
-        return NestedBuffer(buffer, self)
+    def buffer_comm(self, plan: FlatLayout) -> NestedBuffer:
+        return NestedBuffer(plan, self)
 
     @property
     def refreshes(self) -> bool:
@@ -301,15 +283,12 @@ class StateShardedMesh(UnitMesh):
         :meth:`NestedBuffer.start_rest`."""
         return False
 
-    def attach(self, unit: FSDPUnit) -> None:
-        """Where the parameter chunks are refreshed (:attr:`refreshes`) and ``unit`` holds
-        parameters: refresh it after every optimizer step over them, and mark it stale when a
-        state dict of one of its modules is taken."""
+    def param_refresh(self, unit: FSDPUnit) -> ParamRefresh:
+        """``unit``'s :class:`ChunkRefresh` where the parameter chunks are refreshed
+        (:attr:`refreshes`) and it holds parameters; else nothing to refresh."""
         if not (self.refreshes and unit.slots):
-            return
-        _STATE_SHARDED_UNITS.add(unit)
-        for module in {id(m): m for slot in unit.slots for m, _ in slot.owners}.values():
-            module.register_state_dict_post_hook(partial(_stale_after_state_dict, unit))
+            return ParamRefresh()
+        return ChunkRefresh(unit, self)
 
     def check_supported(self, what: str, where: str) -> None:
         raise ValueError(
@@ -436,7 +415,7 @@ class NestedBuffer(BufferComm):
     :class:`StateShardedMesh`.
 
     Args:
-        buffer: the flat buffer, planned over the optimizer ranks of ``mesh``.
+        plan: the flat buffer's layout, over the optimizer ranks of ``mesh``.
         mesh: the unit's state-sharded mesh.
     """
 
@@ -452,13 +431,15 @@ class NestedBuffer(BufferComm):
     optim_segments: list[Segment]  # the optimizer chunk inside the gradient chunk
     reduced_numel: int  # the reduce-scatter over P's output
     grads_numel: int
-    _buffer: FlatBuffer
+    _chunk_numel: int  # the plan's (the optimizer chunk's)
+    _gather: GatherBuffers | None  # the buffer's (allocate)
     _send: torch.Tensor | None  # the refresh's input, alive until it is waited on
 
-    def __init__(self, buffer: FlatBuffer, mesh: StateShardedMesh) -> None:
-        self._buffer = buffer
+    def __init__(self, plan: FlatLayout, mesh: StateShardedMesh) -> None:
         self.mesh = mesh
-        segs, world = buffer.plan.segments, mesh.optim.size
+        self._chunk_numel = plan.chunk_numel
+        self._gather = None
+        segs, world = plan.segments, mesh.optim.size
         fp, fg = mesh.params_factor, mesh.grads_factor
         self.reduce_segments = _level_segments(segs, fp)
         self.grads_segments = nest_segments(segs, world, fp, fg, mesh.params.rank)
@@ -480,7 +461,7 @@ class NestedBuffer(BufferComm):
         ``params == optim``."""
         if self.sharded_params:
             return self.chunk
-        return self._buffer.gather.gathered if self._buffer.gather is not None else None
+        return self._gather.gathered if self._gather is not None else None
 
     @property
     def sharded_params(self) -> bool:
@@ -488,31 +469,31 @@ class NestedBuffer(BufferComm):
         the parameter chunk and stays allocated."""
         return self.mesh.params.size > 1
 
-    def allocate(self) -> None:
-        """Lay out the parameter side after the all-gather's segments and allocate the
-        parameter chunk (or the persistent unsharded buffer) on the buffer's device in the
-        all-gather's dtype (after :meth:`FlatBuffer.allocate`; nothing on meta)."""
-        b = self._buffer
+    def allocate(self, gather: GatherBuffers | None, chunk: torch.Tensor | None) -> None:
+        """Lay out the parameter side after ``gather``'s segments and allocate the parameter
+        chunk (or the persistent unsharded buffer) on the buffer's device in the all-gather's
+        dtype (nothing on meta, where ``gather`` is ``None``)."""
+        del chunk  # the all-gathers over P and O \ P send the gather's packing
+        self._gather = gather
         self.chunk = None
-        if b.gather is None:
+        if gather is None:
             return
-        segs, world, fp = b.gather_segments, self.mesh.optim.size, self.mesh.params_factor
+        segs, world, fp = gather.send_segments, self.mesh.optim.size, self.mesh.params_factor
         self.gather_segments = _level_segments(segs, fp)
         self.refresh_segments = nest_segments(segs, world, fp, 1, self.mesh.params.rank)
         if not self.sharded_params:
-            b.gather.allocate()
+            gather.allocate()
         elif self.refreshes:
             numel = _layout_numel(level_layout(segs, fp, world))
-            self.chunk = b.gather.gathered.new_empty(numel)
+            self.chunk = gather.gathered.new_empty(numel)
 
     # -- refresh: the updated optimizer chunks into the parameter chunk -------------------------
-    def prepare_refresh(self) -> Gather:
+    def prepare_refresh(self, pack: Callable[[None], torch.Tensor]) -> Gather:
         """The all-gather over ``O \\ P`` of this rank's optimizer chunk, packed as the
-        all-gather sends it (cast to ``param_dtype``, or FP8 blocks and scales), into the
-        parameter chunk."""
-        b = self._buffer
-        out = self.chunk if self.sharded_params else b.gather.gathered
-        self._send = b.gather.pack(b.rank, b.sharded)
+        all-gather sends it (``pack(None)``: cast to ``param_dtype``, or FP8 blocks and
+        scales), into the parameter chunk."""
+        out = self.chunk if self.sharded_params else self._gather.gathered
+        self._send = pack(None)
         level = self.mesh.refresh
         return Gather(out, self._send, self.refresh_segments, level.size, level.group, False)
 
@@ -521,20 +502,20 @@ class NestedBuffer(BufferComm):
         refresh filled the unsharded buffer, so assemble the FP8 weights from it."""
         self._send = None
         if not self.sharded_params:
-            self._buffer.gather.assemble()
+            self._gather.assemble()
 
-    def prepare_unshard(self, pf: PostForwardMesh | None) -> Gather:
+    def prepare_unshard(self, pack: Callable[[PostForwardMesh | None], torch.Tensor],
+                        pf: PostForwardMesh | None) -> Gather:
         """The all-gather over ``P`` of the parameter chunks into the unsharded buffer
         (``pf`` is ``None``: an ``int`` ``reshard_after_forward`` is refused with a
         ``state_sharding``)."""
-        del pf
-        b = self._buffer
-        b.gather.allocate()
+        gather = self._gather
+        gather.allocate()
         send = self.chunk
         if send is None:  # params == optim: the optimizer chunk, cast as without nesting
-            send = b.gather.pack(b.rank, b.sharded)
+            send = pack(pf)
         level = self.mesh.params
-        return Gather(b.gather.gathered, send, self.gather_segments, level.size, level.group,
+        return Gather(gather.gathered, send, self.gather_segments, level.size, level.group,
                       False)
 
     # -- gradients ------------------------------------------------------------------------------
@@ -609,7 +590,7 @@ class NestedBuffer(BufferComm):
     def _optim_part(self, chunk: torch.Tensor) -> torch.Tensor:
         """This rank's optimizer chunk (the plan's chunk layout) out of its gradient chunk."""
         z = self.mesh.optim.rank % self.mesh.grads_factor
-        out = chunk.new_zeros(self._buffer.chunk_numel)
+        out = chunk.new_zeros(self._chunk_numel)
         for s in self.optim_segments:
             lo, hi = s.rank_range(z)
             out[s.chunk_offset:s.chunk_offset + hi - lo].copy_(
@@ -620,3 +601,168 @@ class NestedBuffer(BufferComm):
 
 def _count(stats: CommStats, kind: str, dims: tuple[str, ...], *tensors: torch.Tensor) -> None:
     stats.count_dims(kind, dims, sum(t.numel() * t.element_size() for t in tensors))
+
+
+# -- the refresh: the updated optimizer chunks into the parameter chunks --------------------------
+
+
+class ChunkRefresh(ParamRefresh):
+    """The refresh of one unit's parameter chunks (step 1 of the module docstring): the
+    all-gather over ``O \\ P`` of the updated optimizer chunks, issued by each optimizer step
+    over the unit's parameters (:func:`_refresh_after_step`, waited on at the next unshard),
+    else before an unshard where the optimizer chunks may have changed since the last one
+    (*Staleness*), which the data-parallel ranks agree on at the root's forward
+    (:func:`agree_on_refreshes`).
+
+    Args:
+        unit: the unit, on ``mesh``, holding parameters.
+        mesh: its state-sharded mesh, which :attr:`~StateShardedMesh.refreshes`.
+    """
+
+    unit: FSDPUnit
+    mesh: StateShardedMesh
+    # whether the optimizer chunks may have changed since the last refresh of the parameter
+    # chunks (where no version counter shows it: a step, a move, a state dict taken), and the
+    # sharded chunks' versions at that refresh
+    _stale: bool
+    _synced_versions: list[int]
+    _agreed: bool | None  # the ranks' agreed decision for the next unshard (None: none yet)
+    _work: object | None  # a refresh issued at an optimizer step, not waited on yet
+
+    def __init__(self, unit: FSDPUnit, mesh: StateShardedMesh) -> None:
+        self.unit = unit
+        self.mesh = mesh
+        self._stale = True
+        self._synced_versions = []
+        self._agreed = None
+        self._work = None
+        _REFRESHES.add(self)
+        for module in {id(m): m for slot in unit.slots for m, _ in slot.owners}.values():
+            module.register_state_dict_post_hook(partial(_stale_after_state_dict, self))
+
+    def before_unshard(self) -> bool:
+        """All-gather the optimizer chunks over ``O \\ P`` into the parameter chunks if they
+        changed since the last refresh (or as the ranks agreed); blocks until done, as it does
+        for a refresh issued at the last optimizer step. With ``params=()`` that filled the
+        unsharded buffers."""
+        self.wait()
+        versions = self._versions()
+        stale = self._agreed if self._agreed is not None else self.needs_refresh(versions)
+        self._agreed = None
+        if stale:
+            self._issue()
+            self.wait()
+        self._stale = False
+        self._synced_versions = versions
+        return self.mesh.keeps_params_unsharded
+
+    def after_step(self) -> None:
+        """After an optimizer step over the unit's parameters (every rank steps): issue the
+        refresh now, asynchronously, beside the other stepped units' (waited on at the next
+        unshard). A unit on the meta device, or one that is not resharded, is only marked
+        stale."""
+        unit = self.unit
+        if unit.state is not UnitState.SHARDED or unit.device.type == "meta":
+            self._stale = True
+            return
+        self.wait()
+        self._issue()
+        self._stale = False
+        self._synced_versions = self._versions()
+
+    def _issue(self) -> None:
+        unit = self.unit
+        # the buffers' NestedBuffers (one or more), each packing as the buffer sends
+        refreshes = [b.comm.prepare_refresh(b.send_buffer) for b in unit.buffers]
+        self._work = issue_all_gather(refreshes, unit.stats)
+        nbytes = sum(g.output.numel() * g.output.element_size() for g in refreshes)
+        self.mesh.count(unit.stats, "all_gather", "refresh", nbytes)
+
+    def wait(self) -> None:
+        """Wait for an issued refresh and release its send buffers."""
+        if self._work is None:
+            return
+        self._work.wait()
+        self._work = None
+        for b in self.unit.buffers:
+            b.comm.finish_refresh()
+
+    def needs_refresh(self, versions: list[int] | None = None) -> bool:
+        """Whether this rank's optimizer chunks may have changed since the last refresh (an
+        optimizer step, a move, a state dict taken, or a write the version counters show)."""
+        return self._stale or (versions or self._versions()) != self._synced_versions
+
+    def mark_stale(self) -> None:
+        """The sharded parameters may change unseen (a move, a state dict taken): refresh the
+        parameter chunks before the next all-gather."""
+        self._stale = True
+
+    def _versions(self) -> list[int]:
+        """The version counters of the sharded chunks, of the sharded parameters and of their
+        local tensors: each has its own (``nn.Parameter(DTensor)`` detaches, and DTensor ops
+        run below the counters' bump), so an op on a parameter (``copy_``, ``mul_``, an
+        ``nn.init``) bumps only the parameter's, a write into its local tensor
+        (``load_state_dict``) only that one's."""
+        unit = self.unit
+        params = [(p._version, p._local_tensor._version) for p in unit.sharded_params]
+        return [b.sharded._version for b in unit.buffers] + [v for pv in params for v in pv]
+
+    @staticmethod
+    def agree(refreshes: Sequence[ChunkRefresh]) -> None:
+        """The data-parallel ranks' agreement on whether each of ``refreshes`` (on one mesh)
+        runs at its unit's next unshard: it replaces each rank's own :meth:`needs_refresh`
+        there, so that a rank that alone wrote (or took a state dict) cannot leave its refresh
+        group waiting."""
+        first = refreshes[0]
+        stale = any_rank([r.needs_refresh() for r in refreshes], first.unit.device,
+                         first.mesh.agreement_groups)
+        for r, flag in zip(refreshes, stale):
+            r._agreed = flag
+
+
+# the live refreshes, issued after every optimizer step over their units' parameters
+_REFRESHES: weakref.WeakSet[ChunkRefresh] = weakref.WeakSet()
+
+
+def agree_on_refreshes(units: Sequence[FSDPUnit]) -> None:
+    """At the root's forward, over ``units`` (the root's, in module order, the same on every
+    rank): the data-parallel ranks agree, per unit whose parameter chunks are refreshed
+    (:class:`ChunkRefresh`), whether its next unshard refreshes them: one all-reduce (max) of
+    one byte per unit over the optimizer ranks (and one over the replicas), per distinct
+    state-sharded mesh, whose result the host reads (on GPUs: a device sync at the start of
+    forward). Each rank's own view can differ (a state dict or a write on some ranks only), and
+    a refresh that not every rank of its group joins would hang. No collective where no unit
+    refreshes."""
+    by_mesh: dict[int, list[ChunkRefresh]] = {}
+    for unit in units:
+        refresh = unit.refresh
+        if isinstance(refresh, ChunkRefresh) and unit.device.type != "meta":
+            by_mesh.setdefault(id(refresh.mesh), []).append(refresh)
+    for refreshes in by_mesh.values():
+        ChunkRefresh.agree(refreshes)
+
+
+def _refresh_after_step(optimizer, args, kwargs) -> None:
+    """Every optimizer step in the process: the refreshes of the units holding a parameter it
+    stepped are issued (:meth:`ChunkRefresh.after_step`), all in flight at once (one all-gather
+    per unit), each waited on at its unit's next unshard, so that they run while the next
+    forward starts."""
+    del args, kwargs
+    owner = {id(p): r for r in list(_REFRESHES) for p in r.unit.sharded_params}
+    # in the optimizer's parameter order, the same on every rank (the set's order is not)
+    stepped = {id(owner[id(p)]): owner[id(p)] for group in optimizer.param_groups
+               for p in group["params"] if id(p) in owner}
+    for refresh in stepped.values():
+        refresh.after_step()
+
+
+register_optimizer_step_post_hook(_refresh_after_step)
+
+
+def _stale_after_state_dict(refresh: ChunkRefresh, module, state_dict, prefix,
+                            local_metadata) -> None:
+    """A state dict holds detached views of the sharded parameters, which may be written in
+    place past every version counter the refresh reads (``dcp.load``): refresh before the
+    unit's next all-gather."""
+    del module, state_dict, prefix, local_metadata
+    refresh.mark_stale()

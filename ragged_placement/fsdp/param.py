@@ -5,7 +5,7 @@
   shape and ``requires_grad``.
 * :func:`resolve_granularity`: the planner policy of a unit: the user's ``granularity``, then
   the tensor-parallel constraint (:func:`tp_policy`); the buffer's gather adds its own last
-  (FP8: :meth:`~ragged_placement.fsdp.fp8.FP8UnitGather.granularity`).
+  (FP8: :meth:`~ragged_placement.fsdp.fp8.FP8Gathers.granularity`).
 * :class:`ParamLayout`: the parameter's RaggedShard on its (TP-local) shape and the specs of its
   sharded and unsharded DTensors.
 * :func:`alias` and :func:`rebind`: the unsharded parameter as an alias of the flat buffer's

@@ -88,7 +88,8 @@ from ragged_placement._install import install_pipelining
 from ragged_placement.fsdp._dynamo import dynamo_disable
 from ragged_placement.fsdp._validation import check_no_all_gather_extension, unmatched_patterns
 from ragged_placement.fsdp.common import Registration, TrainingState
-from ragged_placement.fsdp.mesh import PostForwardMesh
+from ragged_placement.fsdp.mesh import PostForwardMesh, any_rank
+from ragged_placement.fsdp.nested import agree_on_refreshes
 from ragged_placement.fsdp.unit import FSDPUnit
 
 __all__ = ["FSDPState", "RootContext", "drop_unused_grads"]
@@ -356,7 +357,7 @@ class FSDPState:
                     ctx.post_optim_event.wait()
                     ctx.post_optim_event = None
                 ctx.start_forward()
-                agree_on_refreshes(ctx.states)
+                agree_on_refreshes([s.unit for s in ctx.states])
                 for s in ctx.states:
                     s.drop_stale_gather()
                     s.unit.release_dropped_grads()
@@ -580,40 +581,6 @@ class FSDPState:
         ctx.callback_queued = False
 
 
-def agree_on_refreshes(states: list[FSDPState]) -> None:
-    """At the root's forward: the data-parallel ranks agree, per unit under a
-    ``state_sharding`` that refreshes (:mod:`ragged_placement.fsdp.nested`), whether its next
-    unshard refreshes the parameter chunks: one all-reduce (max) of one byte per unit over the
-    optimizer ranks (and one over the replicas), per distinct state-sharded mesh, whose result
-    the host reads (on GPUs: a device sync at the start of forward). Each rank's own view can
-    differ (a state dict or a write on some ranks only), and a refresh that not every rank of
-    its group joins would hang."""
-    by_mesh: dict[int, list[FSDPUnit]] = {}
-    for s in states:
-        unit = s.unit
-        if unit.device.type == "meta" or not (unit.buffers and unit.dp.refreshes):
-            continue
-        by_mesh.setdefault(id(unit.dp), []).append(unit)
-    for units in by_mesh.values():
-        dp = units[0].dp
-        stale = _any_rank([u.needs_refresh() for u in units], units[0].device,
-                          dp.agreement_groups)
-        for unit, flag in zip(units, stale):
-            unit.agree_refresh(flag)
-
-
-def _any_rank(flags: list[bool], device: torch.device, groups: Sequence) -> list[bool]:
-    """Each of ``flags`` or-ed over the ranks of ``groups`` (a unit mesh's
-    :attr:`~ragged_placement.fsdp.mesh.UnitMesh.agreement_groups`; none: this rank's own): one
-    all-reduce (max) of one byte per flag per group, read by the host."""
-    if not groups:
-        return list(flags)
-    out = torch.tensor(flags, dtype=torch.uint8, device=device)
-    for group in groups:
-        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
-    return [bool(f) for f in out.tolist()]
-
-
 def drop_unused_grads(states: Sequence[FSDPState]) -> None:
     """After the reduce-scatters: ``.grad = None`` for the parameters that no rank's backward
     reached since the previous reduce-scatter and that had no ``.grad`` before it, as FSDP2
@@ -652,7 +619,7 @@ def drop_unused_grads(states: Sequence[FSDPState]) -> None:
             _drop_unused(s, (c > 0 for c in counts))
     for groups, group_states in by_group.items():
         used = [i in s.got_grad for s in group_states for i in range(len(s.unit.slots))]
-        flags = iter(_any_rank(used, group_states[0].unit.device, groups))
+        flags = iter(any_rank(used, group_states[0].unit.device, groups))
         for s in group_states:
             _drop_unused(s, flags)
 

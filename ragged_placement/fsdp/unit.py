@@ -67,26 +67,11 @@ from ragged_placement.fsdp.collectives import (
 )
 from ragged_placement.fsdp.common import CommStats, Registration, UnitOptions, UnitState
 from ragged_placement.fsdp.grads import FlatGrads
-from ragged_placement.fsdp.mesh import PostForwardMesh, UnitMesh
+from ragged_placement.fsdp.mesh import ParamRefresh, PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 from ragged_placement.planner.plan import Segment
 
 __all__ = ["FSDPUnit"]
-
-
-def _check_one_dtype(slots: list[ParamSlot], params: list[torch.Tensor]) -> None:
-    """``ValueError`` unless the parameters share a dtype (an FP8 unit gathers its other
-    parameters in one dtype)."""
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for slot, p in zip(slots, params):
-        by_dtype.setdefault(p.dtype, []).append(slot.fqn)
-    if len(by_dtype) > 1:
-        found = "; ".join(f"{d}: {', '.join(names[:3])}" for d, names in by_dtype.items())
-        raise ValueError(
-            f"all parameters of one fully_shard unit must share a dtype, got {found}. Give "
-            f"the differently-typed modules units of their own (fully_shard them first), or "
-            f"cast the module to one dtype and use mp_policy for the compute dtype"
-        )
 
 
 def _by_dtype(params: list[torch.Tensor]) -> list[list[int]]:
@@ -148,12 +133,7 @@ class FSDPUnit:
     _rs_work: object | None  # the reduce-scatter in flight, until start_rest
     # per buffer index, what finishes its reduction once start_rest issued the rest of it
     _rest: list[tuple[int, Callable[[], torch.Tensor | None]]]
-    # on a mesh that refreshes: whether the optimizer chunks may have changed since the last
-    # refresh of the parameter chunks, and the sharded chunks' versions at that refresh
-    _stale: bool
-    _synced_versions: list[int]
-    _agreed: bool | None  # the ranks' agreed decision for the next unshard (None: none yet)
-    _refresh_work: object | None  # a refresh issued at an optimizer step, not waited on yet
+    refresh: ParamRefresh  # what runs before each unshard (the mesh's: UnitMesh.param_refresh)
     # the parameters in slot order (the buffers keep the same objects through moves and casts)
     _sharded_params: list[nn.Parameter]
     _unsharded_params: list[nn.Parameter]
@@ -162,16 +142,14 @@ class FSDPUnit:
     # (None: not carried, or not over every data-parallel rank yet)
     used_counts: torch.Tensor | None
     _counts_pending: torch.Tensor | None  # summed over the shard ranks, not the replicas yet
+    # (group, dtype, device) -> the agreement's reduce-scatter part where every slot was used
+    _agreement: tuple[tuple, Reduction] | None
 
     def __init__(self, slots: list[ParamSlot], params: list[nn.Parameter], dp: UnitMesh,
                  options: UnitOptions) -> None:
         self.slots = slots
         self.dp, self.mesh = dp, dp.source
-        dp.attach(self)
-        self._stale = True
-        self._synced_versions = []
-        self._agreed = None
-        self._refresh_work = None
+        self.refresh = dp.param_refresh(self)
         self.rank = self.dp.shard_rank
         self.world_size = self.dp.shard_size
         self.stats = CommStats()
@@ -186,8 +164,7 @@ class FSDPUnit:
         self._ag_work = None
         self._rs_work = None
         self._rest = []
-        if options.quant is not None:
-            _check_one_dtype(slots, params)
+        options.gathers.check_unit(slots, params)
         groups = _by_dtype(params)
         self.buffers = [
             FlatBuffer(
@@ -201,6 +178,7 @@ class FSDPUnit:
             for j, i in enumerate(idx):
                 self._where[i] = (k, j)
         self.used_counts = self._counts_pending = None
+        self._agreement = None
         self._sharded_params = self._in_slot_order("sharded_params")
         self._unsharded_params = self._in_slot_order("unsharded_params")
 
@@ -276,7 +254,7 @@ class FSDPUnit:
         Raises ``ValueError`` as :meth:`FlatBuffer.apply_` does, or if gradients accumulated
         without sync are pending."""
         self.reshard()
-        self.wait_refresh()
+        self.refresh.wait()
         for b in self.buffers:
             if b.grads.pending or b.grads.reducing:
                 raise ValueError(
@@ -285,7 +263,7 @@ class FSDPUnit:
                     f"reduce_gradients() or run a backward with sync on first"
                 )
             b.apply_(fn)
-        self._stale = True
+        self.refresh.mark_stale()
 
     # -- all-gather ------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool) -> None:
@@ -293,9 +271,7 @@ class FSDPUnit:
         sharded chunks, or over the post-forward group from the post-forward shards."""
         if self.state not in (UnitState.SHARDED, UnitState.SHARDED_POST_FORWARD):
             return
-        if self.buffers and self.dp.refreshes:
-            self._refresh_if_stale()
-        if self.buffers and self.dp.keeps_params_unsharded:
+        if self.buffers and self.refresh.before_unshard():
             self.state = UnitState.UNSHARDED  # the refresh filled the buffers
         elif self.buffers:
             pf = self._post_forward if self.state is UnitState.SHARDED_POST_FORWARD else None
@@ -305,75 +281,6 @@ class FSDPUnit:
             self.state = UnitState.UNSHARDING
         if not async_op:
             self.wait_unshard()
-
-    def _refresh_if_stale(self) -> None:
-        """On a mesh that refreshes (a ``state_sharding``): all-gather the optimizer chunks over
-        ``optim \\ params`` into the parameter chunks if they changed since the last refresh (see
-        :mod:`ragged_placement.fsdp.nested`); blocks until done, as it does for a refresh
-        issued at the last optimizer step (:meth:`refresh_after_step`)."""
-        self.wait_refresh()
-        versions = self._versions()
-        stale = self._agreed if self._agreed is not None else self.needs_refresh(versions)
-        self._agreed = None
-        if stale:
-            self._issue_refresh()
-            self.wait_refresh()
-        self._stale = False
-        self._synced_versions = versions
-
-    def refresh_after_step(self) -> None:
-        """After an optimizer step over this unit's parameters (every rank steps): issue the
-        refresh now, asynchronously, beside the other stepped units' (waited on at the next
-        unshard). A unit on the meta device, or one that is not resharded, is only marked
-        stale."""
-        if self.state is not UnitState.SHARDED or self.device.type == "meta":
-            self._stale = True
-            return
-        self.wait_refresh()
-        self._issue_refresh()
-        self._stale = False
-        self._synced_versions = self._versions()
-
-    def _issue_refresh(self) -> None:
-        refreshes = [b.comm.prepare_refresh() for b in self.buffers]  # at least one
-        self._refresh_work = issue_all_gather(refreshes, self.stats)
-        self.dp.count(self.stats, "all_gather", "refresh", _out_bytes(refreshes))
-
-    def wait_refresh(self) -> None:
-        """Wait for an issued refresh and release its send buffers."""
-        if self._refresh_work is None:
-            return
-        self._refresh_work.wait()
-        self._refresh_work = None
-        for b in self.buffers:
-            b.comm.finish_refresh()
-
-    def needs_refresh(self, versions: list[int] | None = None) -> bool:
-        """Whether this rank's optimizer chunks may have changed since the last refresh (an
-        optimizer step, a move, a state dict taken, or a write the version counters show)."""
-        return self._stale or (versions or self._versions()) != self._synced_versions
-
-    def agree_refresh(self, stale: bool) -> None:
-        """The data-parallel ranks' agreement (:func:`~ragged_placement.fsdp.state.
-        agree_on_refreshes`) on whether the next unshard refreshes: it replaces this rank's own
-        :meth:`needs_refresh` there, so that a rank that alone wrote (or took a state dict)
-        cannot leave its refresh group waiting."""
-        self._agreed = stale
-
-    def _versions(self) -> list[int]:
-        """The version counters of the sharded chunks, of the sharded parameters and of their
-        local tensors: each has its own (``nn.Parameter(DTensor)`` detaches, and DTensor ops
-        run below the counters' bump), so an op on a parameter (``copy_``, ``mul_``, an
-        ``nn.init``) bumps only the parameter's, a write into its local tensor
-        (``load_state_dict``) only that one's."""
-        params = [(p._version, p._local_tensor._version) for p in self.sharded_params]
-        return [b.sharded._version for b in self.buffers] + [v for pv in params for v in pv]
-
-    def mark_stale(self) -> None:
-        """The sharded parameters may change unseen (a state dict was taken): refresh the
-        parameter chunks before the next all-gather (under a ``state_sharding``; else nothing
-        to do)."""
-        self._stale = True
 
     def wait_unshard(self) -> None:
         """Wait for an issued all-gather; afterwards the unsharded parameters hold the full
@@ -489,14 +396,23 @@ class FSDPUnit:
     def _agreement_part(self, first: Reduction, used: list[bool]) -> Reduction:
         """The reduce-scatter part carrying ``used``: ``[W, len(slots)]`` rows of this rank's
         flags in, this rank's ``len(slots)`` sums out, in ``first``'s dtype (exact: sums of
-        zeros and ones stay zero only where every rank gave zero)."""
-        out = first.output
+        zeros and ones stay zero only where every rank gave zero). Built once per group, dtype
+        and device: the output (read once per backward, written by each reduce-scatter) and
+        the part where every parameter was used (a dense model's every step)."""
+        out, world_size, group = first.output, first.world_size, first.group
+        key = (world_size, group, out.dtype, out.device)
+        if self._agreement is None or self._agreement[0] != key:
+            n = len(used)
+            ones = torch.ones(world_size * n, dtype=out.dtype, device=out.device)
+            part = Reduction(out.new_empty(n), [ones], [Segment(0, 0, n)], world_size, group)
+            self._agreement = (key, part)
+        part = self._agreement[1]
+        self._counts_pending = part.output
+        if all(used):
+            return part
         flags = torch.tensor(used, dtype=out.dtype, device=out.device)
-        n = len(used)
-        counts = out.new_empty(n)
-        self._counts_pending = counts
-        return Reduction(counts, [flags.expand(first.world_size, n).reshape(-1)],
-                         [Segment(0, 0, n)], first.world_size, first.group)
+        return Reduction(part.output, [flags.expand(world_size, len(used)).reshape(-1)],
+                         part.segments, world_size, group)
 
     def start_rest(self) -> bool:
         """Wait for the reduce-scatter and issue what follows it in each buffer's

@@ -49,12 +49,17 @@ from ragged_placement.planner.uneven import gather_starts
 from .blockwise import Kernel, quantize_blockwise_into
 from .reference import FP8_DTYPE, check_block, scale_shape
 
-__all__ = ["FP8GatherLayout", "FP8Piece", "FlatParam", "quantize_run"]
+__all__ = [
+    "FP8GatherLayout", "FP8Piece", "FlatParam", "align_bytes", "byte_view", "first_block_row",
+    "quantize_run",
+]
 
 _ALIGN = 16
 
 
-def _align(n: int) -> int:
+def align_bytes(n: int) -> int:
+    """``n`` bytes rounded up to the send buffers' alignment (16 bytes: every region of a send
+    buffer starts where any dtype's tensor may)."""
     return -(-n // _ALIGN) * _ALIGN
 
 
@@ -119,7 +124,7 @@ def _check_run_aligned(
         )
 
 
-def _block_row(row: int, m: int, bm: int) -> int:
+def first_block_row(row: int, m: int, bm: int) -> int:
     """The index of the first block row at or after flat row ``row`` of a stack of ``m``-row
     matrices, each with ``ceil(m / bm)`` block rows (``row``: a block boundary)."""
     return (row // m) * -(-m // bm) + -(-(row % m) // bm)
@@ -247,7 +252,7 @@ class FP8GatherLayout:
         self._check_params()
         self.pieces: list[list[FP8Piece]] = [self._rank_pieces(r) for r in range(world_size)]
         self.rank_nbytes = [self._rank_nbytes(ps) for ps in self.pieces]
-        aligned = [_align(n) for n in self.rank_nbytes]
+        aligned = [align_bytes(n) for n in self.rank_nbytes]
         self.send_nbytes = max(aligned)
         if equal is None:
             starts = gather_starts(aligned)
@@ -324,14 +329,14 @@ class FP8GatherLayout:
                 numel = self._scale_rows(p, start, end) * scale_shape(p.shape, self.block)[-1]
                 pieces_scale[i] = (scale_off, numel)
                 scale_off += 4 * numel
-        raw_off = _align(scale_off)
+        raw_off = align_bytes(scale_off)
         data_offsets = {}
         for i, start, end in held:
             if not self.params[i].quantize:
                 raw_off = -(-raw_off // self.raw_dtype.itemsize) * self.raw_dtype.itemsize
                 data_offsets[i] = raw_off
                 raw_off += (end - start) * self.raw_dtype.itemsize
-        fp8_off = _align(raw_off)
+        fp8_off = align_bytes(raw_off)
         for i, start, end in held:
             if self.params[i].quantize:
                 data_offsets[i] = fp8_off
@@ -351,7 +356,7 @@ class FP8GatherLayout:
     def _scale_rows(self, p: FlatParam, start: int, end: int) -> int:
         """Block rows of a quantized ``p``'s elements ``[start, end)`` (whole blocks)."""
         n, m, bm = p.shape[-1], p.shape[-2], self.block[0]
-        return _block_row(end // n, m, bm) - _block_row(start // n, m, bm)
+        return first_block_row(end // n, m, bm) - first_block_row(start // n, m, bm)
 
     def _rank_nbytes(self, pieces: list[FP8Piece]) -> int:
         ends = [0]
@@ -549,17 +554,17 @@ class FP8GatherLayout:
         n = p.shape[-1]
         rows = (pc.end - pc.start) // n
         nb = scale_shape(p.shape, self.block)[-1]
-        q = _alias(gathered, base + pc.data_offset, FP8_DTYPE, (rows, n))
-        s = _alias(gathered, base + pc.scale_offset, torch.float32, (pc.scale_numel // nb, nb))
+        q = byte_view(gathered, base + pc.data_offset, FP8_DTYPE, (rows, n))
+        s = byte_view(gathered, base + pc.scale_offset, torch.float32, (pc.scale_numel // nb, nb))
         return q, s
 
     def _view_raw(self, gathered: torch.Tensor, rank: int, pc: FP8Piece) -> torch.Tensor:
-        return _alias(
+        return byte_view(
             gathered, self.send_starts[rank] + pc.data_offset, self.raw_dtype, (pc.end - pc.start,)
         )
 
 
-def _alias(
+def byte_view(
     buf: torch.Tensor, byte_offset: int, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """A contiguous ``dtype`` tensor over ``buf``'s storage at ``byte_offset`` with its own version

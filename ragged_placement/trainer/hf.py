@@ -22,12 +22,9 @@ from __future__ import annotations
 import json
 import os
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import nn
-
-if TYPE_CHECKING:
-    from ragged_placement.trainer.config import TrainConfig
 
 __all__ = ["HF_PREFIX", "MOE_TYPES", "SIZE_FLAGS", "hf_config", "hf_model", "hf_moe_type",
            "is_hf"]
@@ -37,16 +34,31 @@ HF_PREFIX = "hf:"
 SIZE_FLAGS = ("layers", "width", "heads")
 
 
-def _mixtral(cfg: TrainConfig) -> dict[str, Any]:
+class ModelOptions(Protocol):
+    """The options of :class:`~ragged_placement.trainer.config.TrainConfig` that build a
+    Hugging Face model (this module sits below the trainer's configuration, which asks it)."""
+
+    model: str
+    layers: int
+    width: int
+    heads: int
+    seq: int
+    experts: int
+    top_k: int
+    moe_layers: int
+    ep: int
+
+
+def _mixtral(cfg: ModelOptions) -> dict[str, Any]:
     return {"intermediate_size": cfg.width}  # Mixtral's experts' hidden size; no dense layer
 
 
-def _qwen3_moe(cfg: TrainConfig) -> dict[str, Any]:
+def _qwen3_moe(cfg: ModelOptions) -> dict[str, Any]:
     return {"moe_intermediate_size": cfg.width, "head_dim": cfg.width // cfg.heads,
             "mlp_only_layers": list(range(cfg.layers - cfg.moe_layers))}
 
 
-def _deepseek_v3(cfg: TrainConfig) -> dict[str, Any]:
+def _deepseek_v3(cfg: ModelOptions) -> dict[str, Any]:
     head = cfg.width // cfg.heads
     return {"moe_intermediate_size": cfg.width, "first_k_dense_replace": cfg.layers - cfg.moe_layers,
             "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "q_lora_rank": cfg.width // 2,
@@ -89,7 +101,7 @@ def _read_json(path: str) -> dict[str, Any]:
     return doc
 
 
-def hf_config(cfg: TrainConfig, vocab: int) -> Any:
+def hf_config(cfg: ModelOptions, vocab: int) -> Any:
     """The ``transformers`` config of ``--model`` (``hf:TYPE`` or ``CONFIG.json``), checked: a
     causal LM type, a vocabulary of at least ``vocab`` tokens, positions for ``--seq``."""
     transformers = _transformers(cfg.model)
@@ -155,7 +167,7 @@ def hf_moe_type(model: str) -> str | None:
     return kind if kind in MOE_TYPES else None
 
 
-def _check_router(cfg: TrainConfig, config: Any) -> None:
+def _check_router(cfg: ModelOptions, config: Any) -> None:
     """No router auxiliary loss (the trainer's loss is the logits' cross entropy) and no router
     noise (drawn per rank, which is not one process's), in any mixture of experts."""
     if getattr(config, "output_router_logits", False):
@@ -169,7 +181,7 @@ def _check_router(cfg: TrainConfig, config: Any) -> None:
                          f"run reproduces: set it to 0")
 
 
-def _check_moe_config(cfg: TrainConfig, config: Any) -> None:
+def _check_moe_config(cfg: ModelOptions, config: Any) -> None:
     """A MoE config of :data:`MOE_TYPES` the trainer trains as one process would: top-k within
     the experts, whole experts per ep rank (``--fp8`` with it:
     :data:`ragged_placement.combinations.REFUSED`)."""
@@ -183,7 +195,7 @@ def _check_moe_config(cfg: TrainConfig, config: Any) -> None:
                          f"pick --ep among the divisors of {experts}")
 
 
-def hf_model(cfg: TrainConfig, vocab: int) -> nn.Module:
+def hf_model(cfg: ModelOptions, vocab: int) -> nn.Module:
     """``AutoModelForCausalLM`` of :func:`hf_config`, initialised by ``transformers`` from the
     current RNG state (on the current default device: ``meta`` allocates nothing)."""
     import transformers

@@ -7,10 +7,11 @@ tolerances and work counter.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
+from common_fsdp import mse_loss, train_steps
 from ragged_placement.optim import Muon, Shampoo
 from torch import nn
 
@@ -59,17 +60,16 @@ def mlp_adamw(params) -> torch.optim.Optimizer:
 
 def mlp_reference(
     init: dict[str, torch.Tensor] | None = None,
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """One process on the whole batch from ``init`` (default: :func:`mlp_data`'s): the parameters
-    after ``STEPS`` steps and the eval output on ``x[STEPS]``."""
+    """One process on the whole batch from ``init`` (default: :func:`mlp_data`'s) with
+    ``optimizer(model)`` (default :func:`mlp_adamw`): the parameters after ``STEPS`` steps and
+    the eval output on ``x[STEPS]``."""
     default, x, y = mlp_data()
     m = MLP()
     m.load_state_dict(default if init is None else init)
-    opt = mlp_adamw(m.parameters())
-    for s in range(STEPS):
-        F.mse_loss(m(x[s]), y[s]).backward()
-        opt.step()
-        opt.zero_grad()
+    opt = mlp_adamw(m.parameters()) if optimizer is None else optimizer(m)
+    train_steps(m, opt, zip(x, y), loss_fn=mse_loss)  # y: the STEPS training steps
     with torch.no_grad():
         return {k: v.detach().clone() for k, v in m.named_parameters()}, m(x[STEPS])
 

@@ -198,7 +198,7 @@ def _fp8_rank(rank: int, ws: int, steps: int) -> dict[str, tuple[list[float], di
         unit = m.layers[0]._fsdp_state.unit
         b = unit.buffers[0]
         chunk = b.comm.chunk.numel() if b.comm.chunk is not None else None
-        out[name] = (losses, dict(unit.stats.by_dims), b.fp8.gathered_nbytes, chunk)
+        out[name] = (losses, dict(unit.stats.by_dims), b.gather.gathered_nbytes, chunk)
     return out
 
 

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement.fsdp import StateSharding, fully_shard
+from ragged_placement.fsdp.nested import ChunkRefresh
 from ragged_placement.fsdp.unit import UnitState
 
 # drawn once (threaded ranks must not race on the global RNG that mlp_data seeds)
@@ -155,8 +156,8 @@ def _accumulate(rank: int, ws: int, mesh: DeviceMesh, sharding: StateSharding, l
         opt.step()
         # the step leaves the refreshes it issued in flight (waited on at each unit's next
         # unshard); every stepped unit that refreshes has one
-        in_flight = [u._refresh_work is not None for u in _units(m)
-                     if u.state is UnitState.SHARDED and u.buffers and u.dp.refreshes]
+        in_flight = [u.refresh._work is not None for u in _units(m)
+                     if u.state is UnitState.SHARDED and isinstance(u.refresh, ChunkRefresh)]
         assert in_flight and all(in_flight)
         opt.zero_grad()
     return _full(m), {k: v[0] for k, v in _counts(m).items()}, between

@@ -23,6 +23,7 @@ from common.state_sharding import (
     B,
     OptimizerWorkCounter,
     mlp_data,
+    mlp_reference,
 )
 from dist_utils import run_gloo
 from ragged_placement.optim import Muon, Shampoo
@@ -48,19 +49,6 @@ RUNS = [
     *((point, optimizer, "default") for point in ("amsp", "zero1") for optimizer in OPTIMIZERS),
     *(("amsp", optimizer, "whole") for optimizer in OPTIMIZERS),
 ]
-
-
-def _reference(optimizer: str) -> dict[str, torch.Tensor]:
-    """One process on the whole batch, the same optimizer: the parameters after ``STEPS``."""
-    init, x, y = mlp_data()
-    m = MLP()
-    m.load_state_dict(init)
-    opt = OPTIMIZERS[optimizer](m)
-    for s in range(STEPS):
-        F.mse_loss(m(x[s]), y[s]).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in m.named_parameters()}
 
 
 def _all_to_alls(opt: Muon | Shampoo) -> int:
@@ -104,7 +92,7 @@ def _every_run(rank: int, ws: int):
 
 @pytest.mark.multiprocess
 def test_muon_and_shampoo_on_state_sharded_parameters_match_one_process():
-    refs = {name: _reference(name) for name in OPTIMIZERS}
+    refs = {name: mlp_reference(optimizer=OPTIMIZERS[name])[0] for name in OPTIMIZERS}
     ranks = run_gloo(_every_run, 4)
     matrices = [p for p in refs["muon"].values() if p.ndim == 2]
     slabs = sum(-(-p.shape[0] // B) for p in matrices)

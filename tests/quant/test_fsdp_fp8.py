@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from ragged_placement.fsdp import MixedPrecisionPolicy, fully_shard
-from ragged_placement.fsdp.fp8 import fp8_granularity
+from ragged_placement.fsdp.fp8 import FP8UnitGather, fp8_granularity
 from ragged_placement.models import GPTConfig
 from ragged_placement.quant import (
     BlockFP8Config,
@@ -112,7 +112,7 @@ def _expected_gather_nbytes(unit, ws: int) -> int:
 
     (flat,) = unit.buffers
     parts = getattr(flat.plan, "parts", (flat.plan,))
-    fp8 = {s.fqn for s, w in zip(flat.slots, flat.fp8.weights) if w is not None}
+    fp8 = {s.fqn for s, w in zip(flat.slots, flat.gather.weights) if w is not None}
     total = 0
     for part in parts:
         per_rank = []
@@ -177,17 +177,17 @@ def _gather_rank(rank: int, ws: int):
             u.stats.all_gathers,
             u.stats.all_gather_bytes,
             u.stats.reduce_scatters,
-            u.buffers[0].fp8.gathered_nbytes,
+            u.buffers[0].gather.gathered_nbytes,
             _expected_gather_nbytes(u, ws),
-            u.buffers[0].fp8.padding_nbytes,
-            u.buffers[0].fp8.assembled_nbytes,
+            u.buffers[0].gather.padding_nbytes,
+            u.buffers[0].gather.assembled_nbytes,
             u.buffers[0].unsharded.untyped_storage().nbytes()
-            + u.buffers[0].fp8.assembled.untyped_storage().nbytes(),
+            + u.buffers[0].gather.assembled.untyped_storage().nbytes(),
         )
         for name, u in units.items()
     }
     kinds = {
-        name: (type(b.plan).__name__, b.fp8.segment.rank_starts is not None)
+        name: (type(b.plan).__name__, b.gather.segment.rank_starts is not None)
         for name, (b,) in (("seg", seg.fsdp_unit.buffers), ("une", une.fsdp_unit.buffers))
     }
     return seen, dict(meter.counts), per_unit, kinds
@@ -317,7 +317,7 @@ def _place_nbytes(unit, buffer) -> int:
     pf = unit._post_forward
     if pf is None:
         return 0
-    starts, f = buffer.fp8.send_starts, pf.factor
+    starts, f = buffer.gather.send_starts, pf.factor
     return max(starts[(j + 1) * f] - starts[j * f] for j in range(pf.size))
 
 
@@ -331,7 +331,7 @@ def _fp8_pairs_rank(rank: int, ws: int, reshard) -> tuple[list[float], list[floa
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     units = [block.fsdp_unit for block in m.layers]
     # an uneven all-gather
-    assert all(b.fp8.segment.rank_starts is not None for u in units for b in u.buffers)
+    assert all(b.gather.segment.rank_starts is not None for u in units for b in u.buffers)
     losses, held = [], []
     for s in range(3):
         x, y = fp8_corpus().batch(s, 8, SEQ)
@@ -421,9 +421,9 @@ def _net_rank(rank: int, ws: int) -> dict[str, tuple]:
         losses = train_steps(net, opt, batches, rank, ws, loss_fn=_net_loss)
         units = [blk.fsdp_unit for blk in net]
         kinds = [
-            (type(b.plan).__name__, b.fp8.segment.rank_starts is not None,
-             b.fp8.padding_nbytes < 16 * u.world_size,
-             u.stats.all_gather_bytes == u.stats.all_gathers * b.fp8.gathered_nbytes)
+            (type(b.plan).__name__, b.gather.segment.rank_starts is not None,
+             b.gather.padding_nbytes < 16 * u.world_size,
+             u.stats.all_gather_bytes == u.stats.all_gathers * b.gather.gathered_nbytes)
             for u in units for b in u.buffers
         ]
         out[name] = (losses, kinds, sum(u.stats.post_forward_all_gathers for u in units))
@@ -457,7 +457,8 @@ def _val_loss_rank(rank: int, ws: int, quant, steps: int) -> tuple[float, str]:
     m = fp8_gpt()
     shard_fp8(m, fp8_mesh(ws), quant=quant, mp=BF16)
     (flat,) = m.layers[0].fsdp_unit.buffers
-    uneven_sends = flat.fp8 is not None and flat.fp8.segment.rank_starts is not None
+    uneven_sends = (isinstance(flat.gather, FP8UnitGather)
+                    and flat.gather.segment.rank_starts is not None)
     kind = f"{type(flat.plan).__name__}{', uneven sends' if uneven_sends else ''}"
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
     for s in range(steps):
@@ -507,7 +508,7 @@ def _bad_input_rank(rank: int, ws: int):
     for policy in ({"*.weight": Granularity.rows(256)}, {"*.fc.weight": Granularity.matrix()}):
         block = fp8_gpt().layers[0]
         fully_shard(block, mesh=mesh, quant=QUANT, granularity=policy)
-        ok.append(block.fsdp_unit.buffers[0].fp8 is not None)
+        ok.append(isinstance(block.fsdp_unit.buffers[0].gather, FP8UnitGather))
     with pytest.raises(ValueError, match="quant"):
         fully_shard(fp8_gpt().layers[0], mesh=mesh, quant=(128, 128))
     with pytest.raises(ValueError, match="bare nn.Linear"):

@@ -152,13 +152,14 @@ def _uneven_fp8_metered(rank: int, ws: int) -> list[tuple[int, int, int]]:
     from common_fsdp import rows as _rows
 
     from ragged_placement.fsdp import collectives
+    from ragged_placement.fsdp.fp8 import FP8UnitGather
     from ragged_placement.testing.profiling import CollectiveMeter
 
     torch.set_num_threads(1)
     m = fp8_gpt()
     shard_fp8(m, fp8_mesh(ws))
     units = [u for _, u in m.fsdp_units()]
-    assert any(b.fp8 is not None and b.fp8.segment.rank_starts is not None
+    assert any(isinstance(b.gather, FP8UnitGather) and b.gather.segment.rank_starts is not None
                for u in units for b in u.buffers)
     real = collectives._all_gather_uneven
     out = []

@@ -45,7 +45,7 @@ from torchtitan.trainer import Trainer
 from ragged_placement.fsdp import StateSharding
 from ragged_placement.integrations.torchtitan.fp8 import BlockFP8LinearConverter, fp8_configs
 from ragged_placement.integrations.torchtitan.optimizer import OPTIMIZERS, from_adamw
-from ragged_placement.integrations.torchtitan.parallelize import Parallelize, fsdp_call_path
+from ragged_placement.integrations.torchtitan.parallelize import Options, Parallelize, fsdp_call_path
 from ragged_placement.quant import BlockFP8Config
 
 __all__ = ["OPTIMIZERS", "STATE_SHARDINGS", "Options", "TrainerConfig", "check", "configure"]
@@ -54,18 +54,6 @@ STATE_SHARDINGS = ("zero1", "zero2", "zero3", "hsdp", "amsp", "auto")
 # torchtitan's data-parallel mesh (ParallelDims): replicate over dp_replicate (when its degree
 # is above 1), shard over fsdp (dp_shard x cp, flattened).
 DP_DIMS = ("dp_replicate", "fsdp")
-
-
-@dataclass(frozen=True)
-class Options:
-    """What :func:`configure` chose (its arguments, checked), held by the config's
-    :class:`~ragged_placement.integrations.torchtitan.parallelize.Parallelize`."""
-
-    state_sharding: str | StateSharding | None = None
-    optimizer: str | None = None
-    fp8: BlockFP8Config | None = None
-    bandwidth: Mapping[str, float] | str = "profile"
-    memory_budget: float | None = None
 
 
 # Set while configure builds its result: torchtitan's command line may still change every field,

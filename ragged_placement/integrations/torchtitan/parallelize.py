@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import dis
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import CodeType, FunctionType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,12 +34,23 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from ragged_placement.fsdp import FSDPModule, StateSharding, fully_shard
 from ragged_placement.planner import StateShardingPlan, plan_state_sharding
+from ragged_placement.quant import BlockFP8Config
 from ragged_placement.trainer.build import NAMED_STATE_SHARDINGS, default_memory_budget
 
-if TYPE_CHECKING:
-    from ragged_placement.integrations.torchtitan.configure import Options
+__all__ = ["FullyShard", "Options", "Parallelize", "fsdp_call_path", "with_fully_shard"]
 
-__all__ = ["FullyShard", "Parallelize", "fsdp_call_path", "with_fully_shard"]
+
+@dataclass(frozen=True)
+class Options:
+    """What :func:`~ragged_placement.integrations.torchtitan.configure` chose (its arguments,
+    checked), held by the config's :class:`Parallelize`."""
+
+    state_sharding: str | StateSharding | None = None
+    optimizer: str | None = None
+    fp8: BlockFP8Config | None = None
+    bandwidth: Mapping[str, float] | str = "profile"
+    memory_budget: float | None = None
+
 
 _PARAM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
