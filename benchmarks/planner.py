@@ -32,7 +32,9 @@ Issue 16 (uneven per-rank chunks, ``plan_segmented(uneven=True)`` as ``fully_sha
   block-respecting Shard(0) baseline, the largest chunk over the mean, and whether the target
   (padding <= 1%, largest chunk <= mean + one band) is met where the unit holds >= 4 bands per rank;
 * ``--grouping``: ``layers_per_unit`` (smallest consecutive-layer grouping) per model and mesh;
-* ``--timing``: cold planning time of the 1-trillion-parameter kimi-k2 at 65,536 ranks;
+* ``--timing``: cold planning time of the 1-trillion-parameter kimi-k2 at 65,536 ranks, then
+  ``plan_state_sharding`` of it at 16,384 ranks (2048 x 8), the EP search included
+  (``benchmarks/state_sharding.py --timing``);
 * ``--collectives``: equal vs uneven all-gather / reduce-scatter on 4 gloo ranks;
 * ``--options``: padding of each design option weighed in docs/planner-options.md.
 
@@ -267,8 +269,7 @@ def grouping(models, worlds) -> None:
 def timing(world: int = 65536, repeats: int = 3) -> None:
     """Cold planning time of the whole 1-trillion-parameter MoE (kimi-k2: 61 layers, 384
     experts) with ``plan_segmented(uneven=True)``, every unit, one core."""
-    from ragged_placement.planner.segments import _choose
-    from ragged_placement.planner.uneven import _cuts
+    from state_sharding import _clear_caches, timing as state_sharding_timing  # script dir
 
     cfg = EXTRA_CONFIGS["kimi-k2"]
     for stacked in (False, True):
@@ -276,8 +277,7 @@ def timing(world: int = 65536, repeats: int = 3) -> None:
         params = sum(math.prod(s) for _, p in units for _, s in p)
         times = []
         for _ in range(repeats):
-            for cache in (_planned, _rotated, _choose, _cuts):
-                cache.cache_clear()
+            _clear_caches()  # every planner cache
             t0 = time.perf_counter()
             plans = [plan_segmented(p, world, granularity=block_policy, uneven=True) for _, p in units]
             times.append(time.perf_counter() - t0)
@@ -286,6 +286,8 @@ def timing(world: int = 65536, repeats: int = 3) -> None:
               f"{'stacked' if stacked else 'separate'} experts) at W={world}: "
               f"{statistics.median(times):.2f} s median of {repeats} cold runs "
               f"({', '.join(f'{t:.2f}' for t in times)}), padding {pad} elements", flush=True)
+    # the whole partitioner, the state sharding and expert-parallel search included
+    state_sharding_timing(expert_units=32)
 
 
 def _set_partitions(items):
@@ -423,7 +425,8 @@ def main() -> None:
                     help="before/after padding of 1- and 4-layer units at 64-4096 ranks (uneven chunks)")
     ap.add_argument("--unit-layers", default="1,4")
     ap.add_argument("--grouping", action="store_true", help="layers_per_unit for each model and mesh")
-    ap.add_argument("--timing", action="store_true", help="plan the 1T MoE at 65,536 ranks")
+    ap.add_argument("--timing", action="store_true",
+                    help="plan the 1T MoE at 65,536 ranks, then its state sharding at 2048 x 8")
     ap.add_argument("--collectives", action="store_true", help="equal vs uneven collectives on gloo")
     ap.add_argument("--options", action="store_true", help="padding of each issue-16 design option")
     args = ap.parse_args()

@@ -54,8 +54,10 @@ not modelled here) and EP 64 (a Kimi K2 config of torchtitan's: 384 experts / 64
 memory per rank by state, predicted bytes and seconds per step by mesh dim, and the all-to-all's
 share of the seconds.
 
-``--timing``: the partitioner's cold wall time on the 1-trillion-parameter Kimi K2 (one unit
-per layer, 128x128 blocks) at 16,384 ranks, on a 2-D ``(inter, intra)`` and a 3-D ``(nodes, groups, gpus)`` mesh (median of 3).
+``--timing``: the partitioner's cold wall and CPU time on the 1-trillion-parameter Kimi K2 (one
+unit per layer, and separate experts in units of ``--expert-units``; 128x128 blocks) at 16,384
+ranks, on a 2-D ``(inter, intra)`` and a 3-D ``(nodes, groups, gpus)`` mesh, and with the
+expert-parallel degree searched (``ep='auto'``) on the 2-D one (median of 3).
 
 ``--profile``: the model's error against measured collective times on 4 gloo ranks (a 2x2
 ``(inter, intra)`` mesh, this machine): ``plan_state_sharding(..., bandwidth="profile")`` on
@@ -265,17 +267,19 @@ def timing(expert_units: int) -> None:
     for label, units, mesh, bw, kwargs in runs:
         params = sum(math.prod(s) for _, ps in units for _, s in ps)
         tensors = sum(len(ps) for _, ps in units)
-        times = []
+        times, cpu = [], []
         for _ in range(3):
             _clear_caches()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             plan = plan_state_sharding(units, mesh, GPU_BYTES * 100, bandwidth=bw,
                                        granularity=block_policy, **kwargs)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         print(f"kimi-k2 ({params / 1e12:.3f} T parameters, {tensors:,} tensors, {len(units)} "
               f"units, {label}) on {mesh}: {len(plan.candidates)} candidates, choice "
               f"{plan.sharding} raf={plan.reshard_after_forward} ep={plan.ep}, cold plan median "
-              f"{statistics.median(times):.3f} s (runs {', '.join(f'{t:.3f}' for t in times)})")
+              f"{statistics.median(times):.3f} s wall, {statistics.median(cpu):.3f} s CPU (runs "
+              f"{', '.join(f'{t:.3f}' for t in times)} s wall)", flush=True)
 
 
 def _group(mesh, dims):

@@ -142,6 +142,8 @@ class FSDPUnit:
     # (None: not carried, or not over every data-parallel rank yet)
     used_counts: torch.Tensor | None
     _counts_pending: torch.Tensor | None  # summed over the shard ranks, not the replicas yet
+    # (group, dtype, device) -> the agreement's reduce-scatter part where every slot was used
+    _agreement: tuple[tuple, Reduction] | None
 
     def __init__(self, slots: list[ParamSlot], params: list[nn.Parameter], dp: UnitMesh,
                  options: UnitOptions) -> None:
@@ -176,6 +178,7 @@ class FSDPUnit:
             for j, i in enumerate(idx):
                 self._where[i] = (k, j)
         self.used_counts = self._counts_pending = None
+        self._agreement = None
         self._sharded_params = self._in_slot_order("sharded_params")
         self._unsharded_params = self._in_slot_order("unsharded_params")
 
@@ -393,14 +396,23 @@ class FSDPUnit:
     def _agreement_part(self, first: Reduction, used: list[bool]) -> Reduction:
         """The reduce-scatter part carrying ``used``: ``[W, len(slots)]`` rows of this rank's
         flags in, this rank's ``len(slots)`` sums out, in ``first``'s dtype (exact: sums of
-        zeros and ones stay zero only where every rank gave zero)."""
-        out = first.output
+        zeros and ones stay zero only where every rank gave zero). Built once per group, dtype
+        and device: the output (read once per backward, written by each reduce-scatter) and
+        the part where every parameter was used (a dense model's every step)."""
+        out, world_size, group = first.output, first.world_size, first.group
+        key = (world_size, group, out.dtype, out.device)
+        if self._agreement is None or self._agreement[0] != key:
+            n = len(used)
+            ones = torch.ones(world_size * n, dtype=out.dtype, device=out.device)
+            part = Reduction(out.new_empty(n), [ones], [Segment(0, 0, n)], world_size, group)
+            self._agreement = (key, part)
+        part = self._agreement[1]
+        self._counts_pending = part.output
+        if all(used):
+            return part
         flags = torch.tensor(used, dtype=out.dtype, device=out.device)
-        n = len(used)
-        counts = out.new_empty(n)
-        self._counts_pending = counts
-        return Reduction(counts, [flags.expand(first.world_size, n).reshape(-1)],
-                         [Segment(0, 0, n)], first.world_size, first.group)
+        return Reduction(part.output, [flags.expand(world_size, len(used)).reshape(-1)],
+                         part.segments, world_size, group)
 
     def start_rest(self) -> bool:
         """Wait for the reduce-scatter and issue what follows it in each buffer's

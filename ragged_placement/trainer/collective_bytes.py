@@ -49,6 +49,8 @@ _ENTRY_POINTS: list[tuple[Any, str, int | str]] = [
     (dist, "reduce_scatter_tensor", 1),
     (dist, "reduce_scatter_single", 1),
     (compat, "_reduce_scatter", 1),
+    (compat, "all_gather_coalesced", 0),  # one unit's equal segments: the output list
+    (compat, "reduce_scatter_coalesced", 1),  # the input list
     (dist, "all_to_all", 1),
     (dist, "all_to_all_single", 1),
     (funcol, "all_reduce", 0),
