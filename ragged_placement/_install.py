@@ -221,8 +221,9 @@ def _build_global_tensor_info(original):
 
 def _build_from_local(original_fn):
     @functools.wraps(original_fn)
+    # ``**kwargs``: what torch adds after ``stride`` (2.12's ``grad_placements``), passed through
     def from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
-                   stride=None, grad_placements=None):
+                   stride=None, **kwargs):
         if _ragged(placements):
             from ragged_placement.distribute import check_local_shape, global_shape_and_stride
             from ragged_placement.redistribute import validate_placements
@@ -235,7 +236,7 @@ def _build_from_local(original_fn):
             elif shape is not None and mesh.get_coordinate() is not None:
                 check_local_shape(local_tensor, mesh, placements, shape, run_check)
         return original_fn(local_tensor, device_mesh, placements, run_check=run_check,
-                           shape=shape, stride=stride, grad_placements=grad_placements)
+                           shape=shape, stride=stride, **kwargs)
 
     return staticmethod(from_local)
 
@@ -439,7 +440,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_API, "compute_global_tensor_info", _compat.global_tensor_info_name(), _build_global_tensor_info,
           ("tensor", "mesh", "placements")),
     Patch(f"{_API}:DTensor", "from_local", f"{_API}.DTensor.from_local", _build_from_local,
-          ("local_tensor", "device_mesh", "placements", "run_check", "shape", "stride", "grad_placements")),
+          ("local_tensor", "device_mesh", "placements", "run_check", "shape", "stride")),
     Patch(f"{_API}:DTensor", "__reduce_ex__", "torch._tensor.Tensor.__reduce_ex__", _build_reduce_ex),
     Patch(f"{_API}:DTensor", "__deepcopy__", "torch._tensor.Tensor.__deepcopy__", _build_deepcopy),
     *(

@@ -67,6 +67,10 @@ _IMPORT_EVERYTHING = """
 import importlib, pkgutil
 import torch
 import torch.distributed.fsdp  # so that the FSDP2 rows' owners resolve before the import too
+try:  # what the torchtitan integration imports: torchtitan's own import rebinds torch.optim.adam's
+    import torchtitan.train  # noqa: F401  _fused_adam (a torch function one of our rows wraps)
+except ImportError:
+    pass
 from torch.distributed import distributed_c10d as c10d
 
 TARGETS = {targets!r}
