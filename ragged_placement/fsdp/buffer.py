@@ -256,6 +256,7 @@ class FlatBuffer:
     mp_dtypes: tuple[torch.dtype | None, torch.dtype | None]  # (param, reduce); None: own dtype
     _gathered_dtype: torch.dtype | None  # the param_dtype the gather was built for
     _ag_send: torch.Tensor | None  # the all-gather's input, alive until it is waited on
+    _owners: list[tuple[nn.Module, str, int]]  # (module, attribute, slot index) per owner
 
     def __init__(
         self,
@@ -266,6 +267,7 @@ class FlatBuffer:
         stats: CommStats,
     ) -> None:
         self.slots = slots
+        self._owners = [(m, attr, i) for i, slot in enumerate(slots) for m, attr in slot.owners]
         self.dp = dp
         self.rank = dp.shard_rank
         self.world_size = dp.shard_size
@@ -451,13 +453,16 @@ class FlatBuffer:
         params = self.unsharded_params if how is Registration.UNSHARDED else self.sharded_params
         show = how is Registration.SHARDED_UNSHARDED_ATTRIBUTES
         shown = self.registration is Registration.SHARDED_UNSHARDED_ATTRIBUTES
-        for slot, p, u in zip(self.slots, params, self.unsharded_params):
-            for module, attr in slot.owners:
-                module._parameters[attr] = p
+        if show or shown:
+            for module, attr, i in self._owners:
+                module._parameters[attr] = params[i]
                 if show:
-                    module.__dict__[attr] = u
-                elif shown:
+                    module.__dict__[attr] = self.unsharded_params[i]
+                else:
                     module.__dict__.pop(attr, None)
+        else:  # every pass boundary: one dict store per owner
+            for module, attr, i in self._owners:
+                module._parameters[attr] = params[i]
         if self.gather is not None:  # FP8Linear reads the gathered (q, s), not the parameter
             self.gather.register_weights(self.slots, sharded=how is Registration.SHARDED)
         self.registration = how
