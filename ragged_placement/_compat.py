@@ -27,7 +27,7 @@ __all__ = [
     "global_tensor_info_name", "dispatcher_runs_rewritten_ops",
     "functional_all_gather", "outside_selective_checkpoint", "DataParallelMeshDims",
     "new_group_in_order", "ShardPlacementResult", "torchtitan_unsupported",
-    "install_threaded_pg", "uninstall_threaded_pg",
+    "install_threaded_pg", "uninstall_threaded_pg", "keep_fake_cuda_guard_alive",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
@@ -292,6 +292,52 @@ def torchtitan_unsupported() -> str | None:
             + " and ".join(missing))
 
 
+# -- FakeTensorMode's CUDA device guard ------------------------------------------------------------
+# ``FakeTensorMode.__enter__`` (which DTensor's sharding propagation enters for every op it has not
+# cached), on a CUDA build that sees no CUDA device, calls ``torch._C._ensureCUDADeviceGuardSet()``:
+# it makes a no-op CUDA guard and stores it in the process-wide device-guard registry. torch 2.11
+# keeps that guard in a ``thread_local`` of the calling thread, so when the thread exits the
+# registry points at freed memory, and the next FakeTensorMode entry on any thread calls a method
+# on it: a segfault (torch 2.12 fixes it, pytorch/pytorch#178950). The guard is installed once per
+# process, by the first thread that enters a fake mode.
+_FAKE_CUDA_GUARD_DIES_WITH_ITS_THREAD = TORCH_VERSION < (2, 12)
+_guard_lock = threading.Lock()
+_guard_owner: threading.Thread | None = None
+
+
+def keep_fake_cuda_guard_alive() -> None:
+    """Install FakeTensorMode's no-op CUDA device guard from a thread that never exits (idempotent).
+
+    On torch 2.11 with no CUDA device, the guard FakeTensorMode installs is freed when the thread
+    that installed it exits, and the next fake mode on any thread segfaults (see above); this
+    runs torch's own installer, ``torch._C._ensureCUDADeviceGuardSet()``, on a daemon thread that
+    waits forever, so the guard lives as long as the process. It is what torch does at the first
+    fake-mode entry anyway, done earlier and on a thread that stays. Called when RaggedShard
+    support installs (:func:`ragged_placement._install.install`) and before threaded ranks start
+    (:func:`install_threaded_pg`): it must run before any short-lived thread enters a fake mode.
+    A no-op where the guard is not thread-owned (torch 2.12+) or a CUDA device is visible (torch
+    then keeps the real CUDA guard)."""
+    global _guard_owner
+    if _guard_owner is not None or not _FAKE_CUDA_GUARD_DIES_WITH_ITS_THREAD:
+        return
+    if torch.cuda.is_available():
+        return
+    with _guard_lock:
+        if _guard_owner is not None:
+            return
+        installed = threading.Event()
+
+        def own_the_guard() -> None:
+            torch._C._ensureCUDADeviceGuardSet()
+            installed.set()
+            threading.Event().wait()  # the guard is this thread's: the thread must not exit
+
+        owner = threading.Thread(target=own_the_guard, name="ragged_placement:fake-cuda-guard", daemon=True)
+        owner.start()
+        installed.wait()
+        _guard_owner = owner
+
+
 # -- torch's threaded process-group world (tests' run_threaded) ------------------------------------
 def install_threaded_pg():
     """Install the per-thread c10d world of torch's ``threaded`` test backend
@@ -301,8 +347,11 @@ def install_threaded_pg():
     (``_world.comms``, the torchcomms objects; 2.12 adds it to the threaded world): there each
     rank's ``destroy_process_group`` raised ``AttributeError`` and its peers waited forever. On
     such a torch the installed world is replaced by one of the same class with a per-thread
-    ``comms`` list, as 2.12's."""
+    ``comms`` list, as 2.12's. Rank threads enter fake modes and exit: FakeTensorMode's CUDA guard
+    is first made to outlive them (:func:`keep_fake_cuda_guard_alive`)."""
     from torch.testing._internal.distributed import multi_threaded_pg
+
+    keep_fake_cuda_guard_alive()
 
     world = multi_threaded_pg._install_threaded_pg()
     if not hasattr(type(world), "comms"):

@@ -749,7 +749,9 @@ def warn_if_untested() -> None:
 def install() -> None:
     """Install RaggedShard support into torch's DTensor (idempotent).
 
-    Runs the first time a :class:`~ragged_placement.RaggedShard` is made. Every row of
+    Runs the first time a :class:`~ragged_placement.RaggedShard` is made. On torch 2.11 it first
+    makes FakeTensorMode's CUDA guard outlive the threads that use DTensor
+    (:func:`ragged_placement._compat.keep_fake_cuda_guard_alive`). Every row of
     :data:`PATCHES` is checked before any is applied; ``RuntimeError`` naming each row whose
     target is not torch's original (another library patched it, or torch changed), with torch
     left untouched.
@@ -762,6 +764,7 @@ def install() -> None:
             return
         _installing = True
         try:
+            _compat.keep_fake_cuda_guard_alive()
             _apply(PATCHES, _applied)
         finally:
             _installing = False

@@ -154,11 +154,33 @@ def _hang_report(
     return "\n".join(lines)
 
 
-def _raise_in(thread: threading.Thread, exc_type: type[BaseException] | None) -> None:
-    """Raise ``exc_type`` in ``thread`` at its next Python bytecode (CPython's asynchronous
-    exception); ``None`` cancels one that is pending."""
-    exc = None if exc_type is None else ctypes.py_object(exc_type)
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), exc)
+class _Settled(BaseException):
+    """What :func:`_settle_async_exc` sends a thread to itself, replacing a pending one."""
+
+
+def _raise_in(thread: threading.Thread, exc_type: type[BaseException]) -> int:
+    """Raise ``exc_type`` in ``thread`` at its next eval-loop check (CPython's asynchronous
+    exception, replacing one still pending). Returns the number of threads it was set for."""
+    return ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread.ident), ctypes.py_object(exc_type)
+    )
+
+
+def _settle_async_exc() -> None:
+    """Drop any asynchronous exception still pending for the calling thread, by replacing it
+    with :class:`_Settled` and taking that here.
+
+    Cancelling with ``PyThreadState_SetAsyncExc(tid, NULL)`` instead leaves CPython's
+    interpreter-wide "async exception pending" flag set (before 3.13 only delivering one clears
+    it): every later eval-breaker check takes the slow path, and under a profiler (``cProfile``)
+    CPython 3.11 re-runs the ``RESUME`` check of the next Python call forever, which hung the
+    first profiled test after any threaded world."""
+    try:
+        if _raise_in(threading.current_thread(), _Settled):
+            while True:  # the eval loop delivers it at the next check: a call or this jump back
+                time.sleep(0)
+    except _Settled:
+        pass
 
 
 class _RankThreads:
@@ -190,7 +212,7 @@ class _RankThreads:
             try:
                 with self.lock:
                     self.done[rank].set()
-                _raise_in(threading.current_thread(), None)  # one sent before the line above
+                _settle_async_exc()  # one sent before the line above
                 return
             except WorldTornDown:
                 continue

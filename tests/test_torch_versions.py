@@ -95,3 +95,42 @@ def test_patch_targets_reads_every_replaced_target_and_finds_none_changed_agains
     row = f"{rows[0].owner}.{rows[0].name}"
     edited = dict(ours, **{row: ours[row] + "    pass\n"})
     assert f"  changed  {row}: +1 -0 lines\n" in script.report(ours, edited)
+
+
+_FAKE_MODES_ON_SHORT_LIVED_THREADS = """
+import threading, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+import ragged_placement
+from ragged_placement import RaggedShard
+def owners():
+    return [t for t in threading.enumerate() if t.name == "ragged_placement:fake-cuda-guard"]
+assert not owners(), "importing the package started a thread"
+RaggedShard((0,), (1, 2))  # first use: RaggedShard support installs
+def fake_op():
+    with FakeTensorMode():
+        torch.empty(2, 3).sum(0)
+for _ in range(20):  # each thread enters a fake mode (as DTensor's sharding propagation does) and exits
+    t = threading.Thread(target=fake_op)
+    t.start()
+    t.join()
+print("owners", len(owners()))
+"""
+
+
+def test_fake_modes_on_threads_that_exit_do_not_crash_after_ragged_shard_support_installs():
+    """On torch 2.11 without a visible CUDA device, FakeTensorMode's CUDA guard belongs to the first
+    thread that enters a fake mode, and the next fake mode after that thread exits segfaulted
+    (DTensor's sharding propagation on threaded ranks, or any short-lived thread).
+    ``_compat.keep_fake_cuda_guard_alive`` runs when RaggedShard support installs: in a fresh
+    process, 20 short-lived threads each enter a fake mode and the process exits cleanly. The
+    guard's owner thread exists only where torch needs it; importing the package starts none."""
+    import subprocess
+    import sys
+
+    import torch
+
+    proc = subprocess.run([sys.executable, "-c", _FAKE_MODES_ON_SHORT_LIVED_THREADS],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    needs_owner = _compat.TORCH_VERSION < (2, 12) and not torch.cuda.is_available()
+    assert proc.stdout.split()[-1] == ("1" if needs_owner else "0"), proc.stdout

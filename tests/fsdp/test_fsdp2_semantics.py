@@ -106,14 +106,23 @@ def test_parameters_between_forward_and_backward_are_the_sharded_ones(one_torch_
             assert seen == expected, runtime
 
 
+def _two_mlps() -> nn.Sequential:
+    """Two MLPs with the same weights every call, drawn once in the importing thread."""
+    model = nn.Sequential(MLP(), MLP())
+    model.load_state_dict(_TWO_MLPS)
+    return model
+
+
+with torch.random.fork_rng():
+    torch.manual_seed(0)
+    _TWO_MLPS = nn.Sequential(MLP(), MLP()).state_dict()
+
+
 def _optimizer_after_forward(rank: int, ws: int, runtime: str, after: str) -> list[float]:
     """An AdamW built from ``model.parameters()`` ``after`` a forward with grad enabled whose
     output is dropped (a validation forward), or after ``unshard()``; then 5 steps on this
     rank's rows. Returns the global losses."""
-    torch.manual_seed(0)
-    model = nn.Sequential(MLP(), MLP())
-    for p in model.parameters():
-        dist.broadcast(p.detach(), src=0)
+    model = _two_mlps()  # rank threads share torch's global RNG: no draws from it here
     shard, mesh = SHARD[runtime], DeviceMesh("cpu", list(range(ws)))
     shard(model[0], mesh=mesh)
     shard(model, mesh=mesh)  # the root holds model[1]'s parameters
@@ -132,8 +141,7 @@ def test_an_optimizer_built_after_a_forward_trains_as_one_process(one_torch_thre
     """The validation forward: ``torch.optim.AdamW(model.parameters())`` built between a
     forward and its backward. Ours trains exactly as one process doing the same; FSDP2's
     optimizer holds the root's unsharded copies and never trains them (its losses drift)."""
-    torch.manual_seed(0)
-    ref = nn.Sequential(MLP(), MLP())
+    ref = _two_mlps()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(6, 4 * WORLD, 8, generator=g), torch.randn(6, 4 * WORLD, 8, generator=g)
     ref(x[5])

@@ -110,6 +110,39 @@ def test_a_threaded_world_ends_with_torchs_world_and_autograd_as_they_were():
     assert torch.autograd.is_multithreading_enabled()
 
 
+_PROFILE_AFTER_A_WORLD = """
+import cProfile, sys
+sys.path.insert(0, {tests!r})
+from dist_utils import run_threaded
+
+def depth(n):
+    return 0 if n == 0 else 1 + depth(n - 1)
+
+assert run_threaded(lambda rank, ws: rank, 2) == [0, 1]
+profile = cProfile.Profile()
+profile.enable()
+assert depth(50) == 50
+profile.disable()
+print("profiled")
+"""
+
+
+def test_a_profiled_call_after_a_threaded_world_returns():
+    """The rank threads cancel any teardown exception still pending for them by taking one, not
+    with ``PyThreadState_SetAsyncExc(tid, NULL)``: that leaves CPython's interpreter-wide
+    pending flag set, and CPython 3.11 then spins forever in the first Python call made under
+    ``cProfile`` (how ``test_fsdp_host_overhead`` hung CI after any threaded test on its
+    worker). A fresh interpreter, so that a regression fails here rather than hang this one;
+    the limit is a hang guard (the script takes ~5 s, mostly importing torch)."""
+    import subprocess
+
+    script = _PROFILE_AFTER_A_WORLD.format(tests=str(TESTS.parent))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "profiled", done.stderr[-2000:]
+
+
 class _Interrupted(Exception):
     pass
 
