@@ -1,5 +1,6 @@
-"""The package's import graph: no cycles (the FSDP runtime imports one way, as torch FSDP2's
-``_fully_shard/`` does), read from the source with ``ast`` (nothing is imported)."""
+"""The package's import graph: no cycles, ``TYPE_CHECKING`` imports included (the FSDP runtime
+imports one way, as torch FSDP2's ``_fully_shard/`` does), read from the source with ``ast``
+(nothing is imported)."""
 
 from __future__ import annotations
 
@@ -50,13 +51,15 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_imports(tree: ast.Module) -> list[str]:
-    """Every module an import statement names, at any depth (function-local imports too),
-    except those under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+def _imports(tree: ast.Module, *, type_checking: bool = True) -> list[str]:
+    """Every module an import statement names, at any depth (function-local imports too, and
+    those under ``if TYPE_CHECKING:`` unless ``type_checking`` is false: an annotation names
+    the module it imports as much as a call does, even if it never runs)."""
     names: list[str] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if (not type_checking and isinstance(node, ast.If)
+                and "TYPE_CHECKING" in ast.unparse(node.test)):
             for child in node.orelse:
                 visit(child)
             return
@@ -74,24 +77,28 @@ def _runtime_imports(tree: ast.Module) -> list[str]:
     return names
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (a package's own ``__init__`` excluded for
+def _graph_of(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Module -> the modules of ``trees`` it imports (a package's own ``__init__`` excluded for
     its submodules, which Python runs first anyway)."""
-    sources = _sources()
 
     def resolve(name: str) -> str | None:
-        while name and name not in sources:
+        while name and name not in trees:
             name = name.rpartition(".")[0]
         return name or None
 
     graph: dict[str, set[str]] = {}
-    for module, path in sources.items():
-        targets = {resolve(n) for n in _runtime_imports(ast.parse(path.read_text()))}
+    for module, tree in trees.items():
+        targets = {resolve(n) for n in _imports(tree)}
         graph[module] = {
             t for t in targets
             if t is not None and t != module and not module.startswith(t + ".")
         }
     return graph
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """The package's import graph (:func:`_graph_of` its sources)."""
+    return _graph_of({m: ast.parse(p.read_text()) for m, p in _sources().items()})
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -145,28 +152,41 @@ def test_no_import_cycle_at_import_time():
     for module, path in sources.items():
         top = [n for n in ast.parse(path.read_text()).body
                if isinstance(n, (ast.Import, ast.ImportFrom))]
-        names = _runtime_imports(ast.Module(body=top, type_ignores=[]))
+        names = _imports(ast.Module(body=top, type_ignores=[]), type_checking=False)
         graph[module] = {n for n in names if n in sources and n != module
                          and not module.startswith(n + ".")}
     assert _cycles(graph) == []
 
 
-def test_the_checker_sees_function_local_imports():
-    """An import inside a function body is an edge (it runs when the function does); one under
-    ``if TYPE_CHECKING:`` is not."""
+def test_the_checker_sees_function_local_and_type_checking_imports():
+    """An import inside a function body is an edge (it runs when the function does), and so is
+    one under ``if TYPE_CHECKING:`` (only the import-time graph leaves it out)."""
     tree = ast.parse(
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from ragged_placement import regions\n"
         "def f():\n    from ragged_placement import transforms\n"
     )
-    names = _runtime_imports(tree)
-    assert "ragged_placement.transforms" in names
-    assert "ragged_placement.regions" not in names
+    assert {"ragged_placement.transforms", "ragged_placement.regions"} <= set(_imports(tree))
+    assert "ragged_placement.regions" not in _imports(tree, type_checking=False)
+
+
+def test_the_cycle_test_fails_on_a_type_checking_cycle():
+    """Two modules that import each other, one only for its annotations, are a cycle of the
+    graph :func:`test_no_import_cycle` checks."""
+    trees = {
+        "pkg.buffer": ast.parse("from pkg.grads import Grads\n"),
+        "pkg.grads": ast.parse(
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from pkg.buffer import FlatBuffer\n"
+        ),
+    }
+    assert _cycles(_graph_of(trees)) == [["pkg.buffer", "pkg.grads"]]
 
 
 def test_no_import_cycle():
-    """No cycle in the package, function-local imports included: the DTensor core imports one
-    way, as torch's does (redistribute -> transforms -> regions -> placement)."""
+    """No cycle in the package, function-local and ``TYPE_CHECKING`` imports included: the
+    DTensor core imports one way, as torch's does (redistribute -> transforms -> regions ->
+    placement), and the FSDP runtime's collaborators never name the buffer that holds them."""
     assert _cycles(_import_graph()) == []
 
 

@@ -61,7 +61,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from ragged_placement.fsdp.collectives import Gather
 from ragged_placement.fsdp.common import CommStats, Registration, UnitOptions
 from ragged_placement.fsdp.gather import PlainGather, PlainGathers
-from ragged_placement.fsdp.grads import FlatGrads
+from ragged_placement.fsdp.grads import FlatGrads, GradLayout, GradPlace
 from ragged_placement.fsdp.mesh import BufferComm, PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.offload import DeviceStaging, OffloadStaging, staging
 from ragged_placement.fsdp.param import (
@@ -291,7 +291,8 @@ class FlatBuffer:
         self.layouts = _param_layouts(
             self.plan, slots, tp_specs, self.rank, self.world_size, self.tp_mesh, self.spmd_mesh
         )
-        self.grads = FlatGrads(self)
+        self.grads = FlatGrads(GradLayout(self.plan, slots, self.rank, self.world_size,
+                                          self.comm, self.staging, self.spmd))
         self.sharded_params = []
         self.unsharded_params = []
         self.registration = Registration.SHARDED
@@ -328,7 +329,8 @@ class FlatBuffer:
         self._allocate_unsharded(self.device, sent)
         self._ag_send = None
         self.post_forward_shard = None
-        self.grads.reset()
+        self.grads.reset(GradPlace(self.device, self.sharded_device, self.param_dtype,
+                                   self.reduce_dtype, dtype))
         self.comm.allocate(self.gather, sent)
 
     @property
@@ -410,6 +412,8 @@ class FlatBuffer:
             else:
                 rebind(self.sharded_params[i], sharded[i])
                 rebind(self.unsharded_params[i], unsharded[i])
+        self.grads.bind(self.sharded_params, self.unsharded_params, self.specs,
+                        self.unsharded_specs)
         if fresh:
             record_forward_tensors(self)
         self.register(Registration.SHARDED)

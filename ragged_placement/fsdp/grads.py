@@ -17,20 +17,53 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ragged_placement.fsdp.collectives import Reduction
 from ragged_placement.fsdp.mesh import BufferComm, ShardComm
 from ragged_placement.fsdp.param import ParamSlot
+from ragged_placement.planner.layout import FlatLayout
 
-if TYPE_CHECKING:
-    from ragged_placement.fsdp.buffer import FlatBuffer
+__all__ = ["FlatGrads", "GradLayout", "GradPlace"]
 
-__all__ = ["FlatGrads"]
+
+@dataclass(frozen=True)
+class GradLayout:
+    """What a flat buffer's gradients follow for the buffer's life: its ``plan`` over
+    ``world_size`` ranks (this one ``rank``), its parameters ``slots``, its communication
+    (``comm``, which builds the reduce-scatter), its ``staging`` (where the sharded gradient
+    lives: :mod:`ragged_placement.fsdp.offload`) and ``spmd`` (``fully_shard(dp_mesh_dims=...)``'s
+    full mesh, ``None`` without)."""
+
+    plan: FlatLayout
+    slots: Sequence[ParamSlot]
+    rank: int
+    world_size: int
+    comm: BufferComm
+    staging: Any  # DeviceStaging or OffloadStaging
+    spmd: Any  # SPMDMesh or None
+
+
+@dataclass(frozen=True)
+class GradPlace:
+    """Where and in which dtypes a flat buffer's gradients live since its last allocation:
+    the compute ``device`` (the unsharded gradients), ``sharded_device`` (the sharded gradient:
+    the host under CPU offload), ``param_dtype`` (the unsharded gradients), ``reduce_dtype``
+    (the reduce-scatter) and ``orig_dtype`` (the sharded gradient, the parameters')."""
+
+    device: torch.device
+    sharded_device: torch.device
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    orig_dtype: torch.dtype
 
 _FLAT_REFS: list[int] = []
 
@@ -56,11 +89,15 @@ _LANDS_OUTPUT = BufferComm.start_rest
 
 
 class FlatGrads:
-    """The gradient side of ``buffer``: its unsharded per-segment gradient buffers, its
+    """The gradient side of a flat buffer: its unsharded per-segment gradient buffers, its
     sharded gradient and the reduce-scatter output in flight (see the module docstring).
 
+    The buffer hands it what it needs and it never reads the buffer: the layout here, where the
+    gradients live at each allocation (:meth:`reset`), the parameters and their specs at each
+    binding (:meth:`bind`).
+
     Args:
-        buffer: the flat buffer whose parameters, plan, dtypes and device the gradients follow.
+        layout: what the gradients follow for the buffer's life.
     """
 
     unsharded: list[torch.Tensor | None]  # per plan segment
@@ -69,7 +106,13 @@ class FlatGrads:
     segment_of: list[int]  # slot index -> plan segment
     # slot index -> (shape, stride, offset) of its local view in this rank's chunk
     _local_views: list[tuple[torch.Size, tuple[int, ...], int]]
-    _buffer: FlatBuffer
+    _layout: GradLayout
+    _place: GradPlace | None  # since the last reset (None before the first)
+    # the buffer's parameters (the same objects for its life) and their specs (bind)
+    _sharded_params: Sequence[nn.Parameter]
+    _unsharded_params: Sequence[nn.Parameter]
+    _specs: Sequence[DTensorSpec]
+    _unsharded_specs: Sequence[DTensorSpec | None]
     _reduction: Reduction | None  # the reduce-scatter in flight, until it lands
     # per slot, the ``.grad`` DTensor that views ``sharded`` (None: none does), set at landing
     _landed: list[DTensor | None] | None
@@ -89,18 +132,21 @@ class FlatGrads:
     # shard ranks; None: the shard group (the all-gather's)
     reduce_group: dist.ProcessGroup | None
 
-    def __init__(self, buffer: FlatBuffer) -> None:
-        self._buffer = buffer
+    def __init__(self, layout: GradLayout) -> None:
+        self._layout = layout
+        self._place = None
+        self._sharded_params = self._unsharded_params = self._specs = []
+        self._unsharded_specs = []
         self.reduce_group = None
-        self.segment_of = [buffer.plan.segment_index(slot.fqn) for slot in buffer.slots]
-        self._keeps = type(buffer.comm) is ShardComm
-        views = buffer.plan.local_views(torch.empty(buffer.plan.chunk_numel, device="meta"),
-                                        buffer.rank)
+        plan = layout.plan
+        self.segment_of = [plan.segment_index(slot.fqn) for slot in layout.slots]
+        self._keeps = type(layout.comm) is ShardComm
+        views = plan.local_views(torch.empty(plan.chunk_numel, device="meta"), layout.rank)
         self._local_views = [
             (v.shape, v.stride(), v.storage_offset())
-            for v in (views[slot.fqn] for slot in buffer.slots)
+            for v in (views[slot.fqn] for slot in layout.slots)
         ]
-        self.reset()
+        self.reset(None)
 
     def local_views(self, chunk: torch.Tensor) -> list[torch.Tensor]:
         """Each slot's view of this rank's flat ``chunk`` (a sharded gradient), in slot order:
@@ -109,22 +155,33 @@ class FlatGrads:
         return [chunk.as_strided(shape, stride, base + offset)
                 for shape, stride, offset in self._local_views]
 
-    def reset(self) -> None:
-        """No gradients (new buffers: each segment's is allocated at its first gradient)."""
-        self.unsharded = [None] * len(self._buffer.plan.segments)
-        self.accumulated = [None] * len(self._buffer.plan.segments)
+    def reset(self, place: GradPlace | None) -> None:
+        """No gradients (new buffers: each segment's is allocated at its first gradient), to
+        live at ``place`` (the buffer's allocation)."""
+        self._place = place
+        layout = self._layout
+        self.unsharded = [None] * len(layout.plan.segments)
+        self.accumulated = [None] * len(layout.plan.segments)
         self.sharded = None
         self._reduction = None
         self._landed = self._spare = self._lending = None
-        self._kept = [None] * len(self._buffer.plan.segments)
+        self._kept = [None] * len(layout.plan.segments)
         self._reducing = []
+
+    def bind(self, sharded_params: Sequence[nn.Parameter],
+             unsharded_params: Sequence[nn.Parameter], specs: Sequence[DTensorSpec],
+             unsharded_specs: Sequence[DTensorSpec | None]) -> None:
+        """The buffer's parameters (the same objects at every call) and, since this binding,
+        their specs: the sharded gradients' and the unsharded ones' (``None``: a plain
+        tensor)."""
+        self._sharded_params, self._unsharded_params = sharded_params, unsharded_params
+        self._specs, self._unsharded_specs = specs, unsharded_specs
 
     def release_dropped(self) -> None:
         """Free the flat sharded gradient once ``zero_grad()`` has dropped every ``.grad`` viewing
         it, so that it does not sit through the next forward."""
-        b = self._buffer
         if self.sharded is not None and all(
-            p.grad is None or not p.requires_grad for p in b.sharded_params
+            p.grad is None or not p.requires_grad for p in self._sharded_params
         ):
             self._spare = self._spare_of()
             self._landed = None
@@ -137,7 +194,7 @@ class FlatGrads:
         elsewhere, so handing them out again after the next reduction wrote the storage is
         indistinguishable from new ones, and saves a view and a DTensor per parameter."""
         landed, flat = self._landed, self.sharded
-        if landed is None or self._buffer.offload_device is not None:
+        if landed is None or self._layout.staging.host is not None:  # none under offload
             return None
         views = 0
         for d in landed:  # references: the list's, ``d``, getrefcount's argument
@@ -168,10 +225,10 @@ class FlatGrads:
 
     def buffer_of(self, index: int) -> tuple[torch.Tensor | None, int]:
         """The gradient buffer of slot ``index``'s segment and the slot's offset in it."""
-        b = self._buffer
+        layout = self._layout
         k = self.segment_of[index]
-        seg = b.plan.segments[k]
-        return self.unsharded[k], b.plan.offsets[b.slots[index].fqn] - seg.buffer_offset
+        seg = layout.plan.segments[k]
+        return self.unsharded[k], layout.plan.offsets[layout.slots[index].fqn] - seg.buffer_offset
 
     def prepare(self, index: int) -> None:
         """Called before slot ``index``'s first gradient of a backward lands: allocate its
@@ -200,16 +257,18 @@ class FlatGrads:
         """Segment ``k``'s zeroed gradient buffer and, per parameter of the segment, the
         ``.grad`` its unsharded parameter gets: its view of the buffer (a DTensor on the
         tensor-parallel mesh for a tensor-parallel parameter)."""
-        b = self._buffer
-        seg = b.plan.segments[k]
-        buf = torch.zeros(seg.buffer_numel(b.world_size), dtype=b.param_dtype, device=b.device)
+        layout, place = self._layout, self._place
+        seg = layout.plan.segments[k]
+        buf = torch.zeros(seg.buffer_numel(layout.world_size), dtype=place.param_dtype,
+                          device=place.device)
         grads = []
-        for i, (slot, p, tp) in enumerate(zip(b.slots, b.unsharded_params, b.unsharded_specs)):
+        params = zip(layout.slots, self._unsharded_params, self._unsharded_specs)
+        for i, (slot, p, tp) in enumerate(params):
             if self.segment_of[i] == k:
-                o = b.plan.offsets[slot.fqn] - seg.buffer_offset
+                o = layout.plan.offsets[slot.fqn] - seg.buffer_offset
                 g = buf[o : o + slot.shape.numel()].view(slot.shape)
-                if tp is not None and b.spmd is not None:
-                    tp = b.spmd.grad_spec(tp)
+                if tp is not None and layout.spmd is not None:
+                    tp = layout.spmd.grad_spec(tp)
                 grads.append((slot, p, g if tp is None else DTensor(g, tp, requires_grad=False)))
         return buf, grads
 
@@ -230,14 +289,14 @@ class FlatGrads:
         ``param_dtype``: add each segment's gradients into its ``reduce_dtype`` accumulator and
         zero them for the next micro-batch (FSDP2's ``to_accumulated_grad_if_needed`` and
         ``accumulate_unsharded_grad_if_needed``, bitwise: the same casts and additions)."""
-        b = self._buffer
-        if b.reduce_dtype == b.param_dtype:
+        place = self._place
+        if place.reduce_dtype == place.param_dtype:
             return
         for k, g in enumerate(self.unsharded):
             if g is None:
                 continue
             if self.accumulated[k] is None:
-                self.accumulated[k] = g.to(b.reduce_dtype)
+                self.accumulated[k] = g.to(place.reduce_dtype)
             else:
                 self.accumulated[k].add_(g)
             g.zero_()
@@ -249,22 +308,22 @@ class FlatGrads:
         The buffer's communication builds it (:meth:`~ragged_placement.fsdp.mesh.BufferComm.
         reduction`: under a ``state_sharding`` the reduce-scatter over the ``params`` dims;
         none, and no output, for ``params=()``)."""
-        b = self._buffer
+        layout, place = self._layout, self._place
         assert self.pending and self._reduction is None
-        for p in b.unsharded_params:
+        for p in self._unsharded_params:
             p.grad = None
         grads = self.unsharded
         rs_in = [
             (acc.add_(g) if g is not None else acc) if acc is not None
             else g if g is not None else torch.zeros(
-                seg.buffer_numel(b.world_size), dtype=b.reduce_dtype, device=b.device
+                seg.buffer_numel(layout.world_size), dtype=place.reduce_dtype, device=place.device
             )
-            for g, acc, seg in zip(grads, self.accumulated, b.plan.segments)
+            for g, acc, seg in zip(grads, self.accumulated, layout.plan.segments)
         ]
         self.unsharded = [None] * len(rs_in)
         self.accumulated = [None] * len(rs_in)
-        rs_in = [g.to(b.reduce_dtype) for g in rs_in]  # the mixed-precision cast, if any
-        reduction = b.comm.reduction(rs_in, self.reduce_group)
+        rs_in = [g.to(place.reduce_dtype) for g in rs_in]  # the mixed-precision cast, if any
+        reduction = layout.comm.reduction(rs_in, self.reduce_group)
         for k, kept in enumerate(self._kept):
             if kept is not None and kept[0] is reduction.output:
                 self._kept[k] = None  # one rank: the gradient buffer lands as the .grad
@@ -273,7 +332,8 @@ class FlatGrads:
         spare, self._spare = self._spare, None
         out = reduction.output
         if (spare is not None and self.sharded is None and out is not None
-                and b.reduce_dtype == b.orig_dtype and type(b.comm).start_rest is _LANDS_OUTPUT
+                and place.reduce_dtype == place.orig_dtype
+                and type(layout.comm).start_rest is _LANDS_OUTPUT
                 and all(out is not x for x in rs_in)
                 and (out.shape, out.dtype, out.device) == (spare[0].shape, spare[0].dtype,
                                                            spare[0].device)):
@@ -298,22 +358,23 @@ class FlatGrads:
         """Average the summed reduction ``out`` (times ``scale``, over ``divisor``) and land it
         in the sharded gradients (through the host under CPU offload). ``shared``: code outside
         the runtime saw ``out`` (an all-reduce hook), so it is never landed in again."""
-        b = self._buffer
+        layout, place = self._layout, self._place
         if scale == 1.0 and divisor != 1:  # a division: bitwise what FSDP2's averaging gives
             out.div_(divisor)
         elif scale != 1.0 or divisor != 1:
             out.mul_(scale / divisor)
-        if out.dtype != b.orig_dtype:
-            out = out.to(b.orig_dtype)
+        if out.dtype != place.orig_dtype:
+            out = out.to(place.orig_dtype)
         self.release_dropped()
-        out = b.staging.to_host(out, landing=self.sharded is None)
+        out = layout.staging.to_host(out, landing=self.sharded is None)
         lending, self._lending = self._lending, None
         if self.sharded is None:
             self.sharded = out
             spare = lending[1] if lending is not None and lending[0] is out else None
             views = None
             landed: list[DTensor | None] = []
-            for i, (slot, spec, p) in enumerate(zip(b.slots, b.specs, b.sharded_params)):
+            params = zip(layout.slots, self._specs, self._sharded_params)
+            for i, (slot, spec, p) in enumerate(params):
                 d = None
                 if slot.requires_grad and p.grad is None:
                     d = spare[i] if spare is not None else None
@@ -330,9 +391,9 @@ class FlatGrads:
             self._accumulate(out)
 
     def _accumulate(self, new: torch.Tensor) -> None:
-        b = self._buffer
+        layout = self._layout
         self._landed = None  # the DTensors viewing ``sharded`` are not tracked here
-        for slot, spec, p, view, own in zip(b.slots, b.specs, b.sharded_params,
+        for slot, spec, p, view, own in zip(layout.slots, self._specs, self._sharded_params,
                                             self.local_views(new), self.local_views(self.sharded)):
             if not slot.requires_grad:
                 continue
@@ -344,15 +405,16 @@ class FlatGrads:
 
     def land_moved(self, grads: list[torch.Tensor | None]) -> None:
         """Copy gradients mapped by :meth:`apply_` into a new flat sharded gradient."""
-        b = self._buffer
         if all(g is None for g in grads):
             return
-        self.sharded = b.new_sharded(b.orig_dtype)
+        layout, place = self._layout, self._place
+        self.sharded = layout.staging.new_sharded(
+            layout.plan.chunk_numel, place.orig_dtype, place.sharded_device, zero=True)
         self._landed = None
-        for spec, p, g, view in zip(b.specs, b.sharded_params, grads,
+        for spec, p, g, view in zip(self._specs, self._sharded_params, grads,
                                     self.local_views(self.sharded)):
             if g is None:
                 continue
-            if "meta" not in (b.device.type, g._local_tensor.device.type):
-                view.copy_(g._local_tensor.to(b.orig_dtype))
+            if "meta" not in (place.device.type, g._local_tensor.device.type):
+                view.copy_(g._local_tensor.to(place.orig_dtype))
             p.grad = DTensor(view, spec, requires_grad=False)
