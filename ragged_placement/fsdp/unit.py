@@ -68,8 +68,7 @@ from ragged_placement.fsdp.collectives import (
 )
 from ragged_placement.fsdp.common import CommStats, Registration, UnitOptions, UnitState
 from ragged_placement.fsdp.grads import FlatGrads
-from ragged_placement.fsdp.gather import PlainGather
-from ragged_placement.fsdp.mesh import ParamRefresh, PostForwardMesh, ShardComm, UnitMesh
+from ragged_placement.fsdp.mesh import ParamRefresh, PostForwardMesh, UnitMesh
 from ragged_placement.fsdp.param import ParamLayout, ParamSlot
 from ragged_placement.planner.plan import Segment
 
@@ -294,27 +293,11 @@ class FSDPUnit:
                 self._ag_work = issue_all_gather(gathers, self.stats, self.custom_all_gather)
                 self.dp.count(self.stats, "all_gather", "params", _out_bytes(gathers))
                 if pf is None and self.custom_all_gather is None and not self._fixed_decided:
-                    self._fixed_gather = self._fix_gather(gathers)
+                    self._fixed_gather = self.dp.fixed_all_gather(self.buffers, gathers)
                     self._fixed_decided = True
             self.state = UnitState.UNSHARDING
         if not async_op:
             self.wait_unshard()
-
-    def _fix_gather(self, gathers: list[Gather]) -> FixedAllGather | None:
-        """The unit's :class:`~ragged_placement.fsdp.collectives.FixedAllGather` built from its
-        first ``gathers``, where every buffer takes the common path: on an FSDP or HSDP mesh
-        (whose refresh does nothing and which counts no dims) of more than one shard rank, a
-        plain gather (not an FP8 one) sending the chunk as it is or cast (no CPU offload); else
-        ``None``."""
-        if not all(type(b.comm) is ShardComm and type(b.gather) is PlainGather
-                   and b.offload_device is None for b in self.buffers):
-            return None
-        if type(self.refresh) is not ParamRefresh or type(self.dp).count is not UnitMesh.count:
-            return None
-        if not FixedAllGather.applies(gathers, gathers[0].group):
-            return None
-        return FixedAllGather(gathers, [b.sharded for b in self.buffers],
-                              [b.gather.allocate for b in self.buffers])
 
     def wait_unshard(self) -> None:
         """Wait for an issued all-gather; afterwards the unsharded parameters hold the full
