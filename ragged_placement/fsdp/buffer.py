@@ -62,7 +62,7 @@ from ragged_placement.fsdp.collectives import Gather
 from ragged_placement.fsdp.common import CommStats, Registration, UnitOptions
 from ragged_placement.fsdp.gather import PlainGather, PlainGathers
 from ragged_placement.fsdp.grads import FlatGrads, GradLayout, GradPlace
-from ragged_placement.fsdp.mesh import BufferComm, PostForwardMesh, UnitMesh
+from ragged_placement.fsdp.mesh import BufferComm, PostForwardMesh, ShardComm, UnitMesh
 from ragged_placement.fsdp.offload import DeviceStaging, OffloadStaging, staging
 from ragged_placement.fsdp.param import (
     ParamLayout,
@@ -253,9 +253,11 @@ class FlatBuffer:
     grads: FlatGrads
     post_forward_shard: torch.Tensor | None  # see the module docstring
     comm: BufferComm  # the all-gather's and the reductions' groups and buffers (dp's)
+    _sends_chunk: bool  # the all-gather sends `sharded` itself (cast at most)
     mp_dtypes: tuple[torch.dtype | None, torch.dtype | None]  # (param, reduce); None: own dtype
     _gathered_dtype: torch.dtype | None  # the param_dtype the gather was built for
     _ag_send: torch.Tensor | None  # the all-gather's input, alive until it is waited on
+    _owners: list[tuple[nn.Module, str, int]]  # (module, attribute, slot index) per owner
 
     def __init__(
         self,
@@ -266,6 +268,7 @@ class FlatBuffer:
         stats: CommStats,
     ) -> None:
         self.slots = slots
+        self._owners = [(m, attr, i) for i, slot in enumerate(slots) for m, attr in slot.owners]
         self.dp = dp
         self.rank = dp.shard_rank
         self.world_size = dp.shard_size
@@ -324,6 +327,7 @@ class FlatBuffer:
         # the chunk where the all-gather sends it itself, cast at most (no staging, no packing)
         sends = self.offload_device is None and self.gathers.sends_chunk(self.slots)
         sent = self.sharded if sends else None
+        self._sends_chunk = sends
         self._allocate_unsharded(self.device, sent)
         self._ag_send = None
         self.post_forward_shard = None
@@ -351,6 +355,13 @@ class FlatBuffer:
     def unsharded(self) -> torch.Tensor | None:
         """The all-gather output (``None`` on the meta device)."""
         return self.gather.gathered if self.gather is not None else None
+
+    @property
+    def gathers_own_chunk(self) -> bool:
+        """Whether the unit's all-gather may be built once over this buffer
+        (:meth:`~ragged_placement.fsdp.mesh.UnitMesh.fixed_all_gather`): a plain gather (not an
+        FP8 one) over the shard ranks sending the sharded chunk itself (no CPU offload)."""
+        return self._sends_chunk and type(self.gather) is PlainGather and type(self.comm) is ShardComm
 
     def _allocate_unsharded(self, device: torch.device, sent: torch.Tensor | None) -> None:
         """The gather (all-gather output and unsharded tensors) on ``device`` in
@@ -455,13 +466,16 @@ class FlatBuffer:
         params = self.unsharded_params if how is Registration.UNSHARDED else self.sharded_params
         show = how is Registration.SHARDED_UNSHARDED_ATTRIBUTES
         shown = self.registration is Registration.SHARDED_UNSHARDED_ATTRIBUTES
-        for slot, p, u in zip(self.slots, params, self.unsharded_params):
-            for module, attr in slot.owners:
-                module._parameters[attr] = p
+        if show or shown:
+            for module, attr, i in self._owners:
+                module._parameters[attr] = params[i]
                 if show:
-                    module.__dict__[attr] = u
-                elif shown:
+                    module.__dict__[attr] = self.unsharded_params[i]
+                else:
                     module.__dict__.pop(attr, None)
+        else:  # every pass boundary: one dict store per owner
+            for module, attr, i in self._owners:
+                module._parameters[attr] = params[i]
         if self.gather is not None:  # FP8Linear reads the gathered (q, s), not the parameter
             self.gather.register_weights(self.slots, sharded=how is Registration.SHARDED)
         self.registration = how

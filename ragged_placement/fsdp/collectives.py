@@ -32,7 +32,7 @@ from ragged_placement.fsdp.common import CommStats
 from ragged_placement.planner.plan import Segment
 
 __all__ = [
-    "Gather", "Reduction", "Works", "all_gather_parts", "coalesces_requests", "all_gather_segments", "issue_all_gather",
+    "FixedAllGather", "Gather", "Reduction", "Works", "all_gather_parts", "coalesces_requests", "all_gather_segments", "issue_all_gather",
     "issue_reduce_scatter", "reduce_scatter_parts", "reduce_scatter_segments",
 ]
 
@@ -398,16 +398,7 @@ def issue_all_gather(gathers: list[Gather], stats: CommStats, gather=None):
         stats.post_forward_all_gathers += 1
         stats.post_forward_all_gather_bytes += nbytes
     if gather is None and coalesces_requests(gathers, group, all_gathers=True):
-        outputs, inputs = [], []
-        as_bytes = len({g.input.dtype for g in gathers}) > 1
-        for g in gathers:
-            for s in g.segments:
-                out = g.output[s.buffer_offset:s.buffer_offset + world_size * s.chunk_numel]
-                inp = g.input[s.chunk_offset:s.chunk_offset + s.chunk_numel]
-                if as_bytes:
-                    out, inp = out.view(torch.uint8), inp.view(torch.uint8)
-                outputs.append(out)
-                inputs.append(inp)
+        outputs, inputs = _all_gather_views(gathers, [g.input for g in gathers])
         if len(outputs) == 1:
             return all_gather_single(outputs[0], inputs[0], group=group, async_op=True)
         return _compat.all_gather_coalesced(outputs, inputs, group, async_op=True)
@@ -415,6 +406,86 @@ def issue_all_gather(gathers: list[Gather], stats: CommStats, gather=None):
         [(g.output, g.input, g.segments) for g in gathers], world_size, group=group,
         async_op=True, gather=gather,
     )
+
+
+def _all_gather_views(gathers: list[Gather], inputs: list[torch.Tensor]):
+    """The c10d output and input tensors of ``gathers`` (one unit's equal segments) sending
+    ``inputs`` (one per gather): each segment's place in the output and its run of the input,
+    as bytes where the buffers' dtypes differ (one coalesced call takes one dtype per part)."""
+    outputs, parts = [], []
+    world_size = gathers[0].world_size
+    as_bytes = len({x.dtype for x in inputs}) > 1
+    for g, x in zip(gathers, inputs):
+        for s in g.segments:
+            out = g.output[s.buffer_offset:s.buffer_offset + world_size * s.chunk_numel]
+            inp = x[s.chunk_offset:s.chunk_offset + s.chunk_numel]
+            if as_bytes:
+                out, inp = out.view(torch.uint8), inp.view(torch.uint8)
+            outputs.append(out)
+            parts.append(inp)
+    return outputs, parts
+
+
+class FixedAllGather:
+    """One unit's all-gather on the common path, its c10d views built once.
+
+    The common path: every flat buffer sends its sharded chunk, as it is or cast to
+    ``param_dtype`` (no CPU-offload staging, no FP8 packing, no post-forward group, no custom
+    all-gather), over more than one rank, in equal segments the backend runs as one coalesced
+    collective (:func:`coalesces_requests`). The gathered buffers keep their tensor objects
+    while their storage is resized, so the output views (and, where no buffer casts, the input
+    views of the chunks) stay valid across unshards: an unshard is then each buffer's storage
+    allocation, the casts, and one c10d call, counted in ``stats`` as
+    :func:`issue_all_gather` counts it. Valid while the buffers keep their chunks and gathers:
+    the unit builds a new one after a move or cast.
+
+    Args:
+        gathers: the unit's first :class:`Gather` of each buffer, from which the views are
+            built (the output tensors, segments, group).
+        chunks: each buffer's sharded chunk; where a gather's input is not the chunk itself,
+            it is the chunk's cast to the input's dtype, made again at every unshard.
+        allocate: each buffer's storage allocation of its gathered buffer.
+    """
+
+    __slots__ = ("group", "nbytes", "_allocate", "_gathers", "_sends", "_outputs", "_inputs")
+
+    def __init__(self, gathers: list[Gather], chunks: list[torch.Tensor], allocate) -> None:
+        self.group = gathers[0].group
+        self.nbytes = sum(g.output.numel() * g.output.element_size() for g in gathers)
+        self._allocate = list(allocate)
+        self._gathers = gathers
+        # per gather: the dtype its chunk is cast to before sending (None: sent as it is)
+        self._sends = [(c, None if g.input is c else g.input.dtype)
+                       for g, c in zip(gathers, chunks)]
+        self._outputs, inputs = _all_gather_views(gathers, [g.input for g in gathers])
+        self._inputs = inputs if all(d is None for _, d in self._sends) else None
+
+    @staticmethod
+    def applies(gathers: list[Gather], group) -> bool:
+        """Whether ``gathers`` (one unit's, none over a post-forward group) take the common
+        path: more than one rank, equal segments the backend coalesces."""
+        return (gathers[0].world_size > 1 and not any(g.post_forward for g in gathers)
+                and coalesces_requests(gathers, group, all_gathers=True))
+
+    def issue(self, stats: CommStats):
+        """Allocate the gathered buffers and issue the all-gather (async); returns its work
+        and the cast send buffers to keep alive until it is waited on (``None``: the chunks
+        themselves)."""
+        for allocate in self._allocate:
+            allocate()
+        inputs, sends = self._inputs, None
+        if inputs is None:
+            sends = [c if d is None else c.to(d) for c, d in self._sends]
+            inputs = _all_gather_views(self._gathers, sends)[1]
+        stats.all_gathers += 1
+        stats.all_gather_bytes += self.nbytes
+        if len(inputs) == 1:
+            work = all_gather_single(self._outputs[0], inputs[0], group=self.group,
+                                     async_op=True)
+        else:
+            work = _compat.all_gather_coalesced(self._outputs, inputs, self.group,
+                                                async_op=True)
+        return work, sends
 
 
 def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats, scatter=None):

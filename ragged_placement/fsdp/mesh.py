@@ -41,7 +41,7 @@ from torch.distributed.tensor import Placement, Replicate
 
 from ragged_placement._compat import concatenate_meshes
 from ragged_placement._gloo import one_worker_gloo
-from ragged_placement.fsdp.collectives import Gather, Reduction
+from ragged_placement.fsdp.collectives import FixedAllGather, Gather, Reduction
 from ragged_placement.fsdp.common import CommStats
 from ragged_placement.placement import RaggedShard
 from ragged_placement.planner.plan import Segment
@@ -127,6 +127,20 @@ class UnitMesh(abc.ABC):
         parameter chunks, :class:`~ragged_placement.fsdp.nested.ChunkRefresh`)."""
         del unit
         return ParamRefresh()
+
+    def fixed_all_gather(self, buffers: Sequence,
+                         gathers: list[Gather]) -> FixedAllGather | None:
+        """A unit's all-gather built once from its first ``gathers`` and reissued at each
+        unshard, where every one of its ``buffers`` takes the common path (a plain gather
+        sending its sharded chunk as it is or cast: no FP8, no CPU offload); else ``None``.
+        FSDP's and HSDP's meshes gather the sharded chunks themselves; a ``state_sharding``'s
+        gathers parameter chunks of its own (``None``)."""
+        if not all(b.gathers_own_chunk for b in buffers):
+            return None
+        if not FixedAllGather.applies(gathers, gathers[0].group):
+            return None
+        return FixedAllGather(gathers, [b.sharded for b in buffers],
+                              [b.gather.allocate for b in buffers])
 
     @property
     def keeps_params_unsharded(self) -> bool:

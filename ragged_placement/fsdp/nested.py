@@ -297,6 +297,9 @@ class StateShardedMesh(UnitMesh):
             f"drop the call, or shard without state_sharding"
         )
 
+    def fixed_all_gather(self, buffers, gathers) -> None:
+        del buffers, gathers  # it gathers parameter chunks of its own, refreshed before each unshard
+
     def count(self, stats: CommStats, kind: str, level: str, nbytes: int) -> None:
         stats.count_dims(kind, getattr(self, level).dims, nbytes)
 

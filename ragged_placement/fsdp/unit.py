@@ -58,6 +58,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from ragged_placement.fsdp.buffer import FlatBuffer
 from ragged_placement.fsdp import collectives
 from ragged_placement.fsdp.collectives import (
+    FixedAllGather,
     Gather,
     Reduction,
     Works,
@@ -130,12 +131,18 @@ class FSDPUnit:
     _empty_device: torch.device  # the device of a unit without buffers
     _post_forward: PostForwardMesh | None  # set in SHARDED_POST_FORWARD
     _ag_work: object | None  # the all-gather in flight (UNSHARDING)
+    _ag_sends: list[torch.Tensor] | None  # its cast send buffers, alive until it is waited on
+    # the all-gather of the common path with its views built once (FixedAllGather), decided at
+    # the first unshard (None: the unit does not take it) and again after a move or cast
+    _fixed_gather: FixedAllGather | None
+    _fixed_decided: bool
     _rs_work: object | None  # the reduce-scatter in flight, until start_rest
     # per buffer index, what finishes its reduction once start_rest issued the rest of it
     _rest: list[tuple[int, Callable[[], torch.Tensor | None]]]
     refresh: ParamRefresh  # what runs before each unshard (the mesh's: UnitMesh.param_refresh)
     # the parameters in slot order (the buffers keep the same objects through moves and casts)
     _sharded_params: list[nn.Parameter]
+    _requires_grad: list[bool]  # the slots' requires_grad, as sync_requires_grad last took it
     _unsharded_params: list[nn.Parameter]
     # the ranks' agreement on unused gradients, carried by the reduce-scatter (see
     # reduce_grads): per slot, how many data-parallel ranks used it since the last agreement
@@ -161,7 +168,8 @@ class FSDPUnit:
         self.requires_all_reduce = True
         self._empty_device = torch.device(self.mesh.device_type)
         self._post_forward = None
-        self._ag_work = None
+        self._ag_work = self._ag_sends = None
+        self._fixed_gather, self._fixed_decided = None, False
         self._rs_work = None
         self._rest = []
         options.gathers.check_unit(slots, params)
@@ -181,6 +189,7 @@ class FSDPUnit:
         self._agreement = None
         self._sharded_params = self._in_slot_order("sharded_params")
         self._unsharded_params = self._in_slot_order("unsharded_params")
+        self._requires_grad = [slot.requires_grad for slot in slots]
 
     # -- what the hooks, the API and the checkpoint code read, in slot order ------------------
     def _in_slot_order(self, attr: str) -> list:
@@ -263,6 +272,7 @@ class FSDPUnit:
                     f"reduce_gradients() or run a backward with sync on first"
                 )
             b.apply_(fn)
+        self._fixed_gather, self._fixed_decided = None, False  # new chunks and gathers
         self.refresh.mark_stale()
 
     # -- all-gather ------------------------------------------------------------------------------
@@ -275,9 +285,16 @@ class FSDPUnit:
             self.state = UnitState.UNSHARDED  # the refresh filled the buffers
         elif self.buffers:
             pf = self._post_forward if self.state is UnitState.SHARDED_POST_FORWARD else None
-            gathers = [b.prepare_unshard(pf) for b in self.buffers]
-            self._ag_work = issue_all_gather(gathers, self.stats, self.custom_all_gather)
-            self.dp.count(self.stats, "all_gather", "params", _out_bytes(gathers))
+            fixed = self._fixed_gather if pf is None and self.custom_all_gather is None else None
+            if fixed is not None:
+                self._ag_work, self._ag_sends = fixed.issue(self.stats)
+            else:
+                gathers = [b.prepare_unshard(pf) for b in self.buffers]
+                self._ag_work = issue_all_gather(gathers, self.stats, self.custom_all_gather)
+                self.dp.count(self.stats, "all_gather", "params", _out_bytes(gathers))
+                if pf is None and self.custom_all_gather is None and not self._fixed_decided:
+                    self._fixed_gather = self.dp.fixed_all_gather(self.buffers, gathers)
+                    self._fixed_decided = True
             self.state = UnitState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -287,7 +304,7 @@ class FSDPUnit:
         values."""
         if self.state is UnitState.UNSHARDING:
             self._ag_work.wait()
-            self._ag_work = None
+            self._ag_work = self._ag_sends = None
             for b in self.buffers:
                 b.finish_unshard()
             self._post_forward = None
@@ -305,6 +322,8 @@ class FSDPUnit:
     def reshard(self) -> None:
         """Register the sharded parameters and free the unsharded buffers' storage (or the
         post-forward shards)."""
+        if self.state is UnitState.SHARDED and self.registration is Registration.SHARDED:
+            return  # nothing gathered since the last reshard, so no staging copy in flight
         self.wait_unshard()
         self.expose_sharded(Registration.SHARDED)
         if self.state is UnitState.UNSHARDED:
@@ -338,6 +357,10 @@ class FSDPUnit:
         parameter, as FSDP2 does at every unshard: a frozen parameter gets no gradient (and
         no ``.grad``, so the optimizer leaves it), an unfrozen one trains again. Called at
         every forward; returns the slots that became trainable."""
+        now = [p.requires_grad for p in self._sharded_params]
+        if now == self._requires_grad:
+            return []
+        self._requires_grad = now
         trainable = []
         for i, (slot, sharded, unsharded) in enumerate(
             zip(self.slots, self._sharded_params, self._unsharded_params)
