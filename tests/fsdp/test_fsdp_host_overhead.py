@@ -147,9 +147,9 @@ def test_hook_work_per_unit_is_flat_in_depth():
         per_block_plain = (_python_calls(Blocks(8), x) - _python_calls(plain, x)) / 4
     first, second = (calls[8] - calls[4]) / 4, (calls[16] - calls[8]) / 8
     assert first == second, calls
-    # 472 over the plain block's on torch 2.14 (the all-gather's views built once per unit,
-    # one dict store per parameter and registration)
-    assert first - per_block_plain < 500, (first, per_block_plain)
+    # over the plain block's: 472 on torch 2.14.1, 525 on 2.13.0 (the all-gather's views built
+    # once per unit, one dict store per parameter and registration); 555 before those
+    assert first - per_block_plain < 540, (first, per_block_plain)
 
 
 class Routed(nn.Module):

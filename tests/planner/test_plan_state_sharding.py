@@ -409,12 +409,11 @@ def test_profile_fits_positive_finite_bandwidths_on_gloo():
     assert len({(tuple(r[1].items()), tuple(r[2].items()), r[3]) for r in results}) == 1
 
 
-def _profile_with_times(rank, world_size, bad_attempts):
-    """``profile_mesh`` over 2 threaded ranks with the collective timer replaced: the first
-    ``bad_attempts`` measurements shrink with the bytes (a burst of load), later ones grow."""
+def _shrinking_then_growing(bad_attempts: int):
+    """A stand-in for ``profile._timed`` (installed once, for every rank thread): each thread's
+    first ``bad_attempts`` measurements shrink with the bytes (a burst of load), later ones
+    grow."""
     import threading
-
-    from torch.distributed.device_mesh import DeviceMesh
 
     from ragged_placement.planner import profile
 
@@ -428,32 +427,32 @@ def _profile_with_times(rank, world_size, bad_attempts):
         attempt, k = divmod(i, per_attempt)
         return 1.0 / (k + 1) if attempt < bad_attempts else 1e-4 * (k // 2 + 1)
 
+    return timed
+
+
+def _profile_rank_threads(rank, world_size):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ragged_placement.planner import profile
+
     mesh = DeviceMesh("cpu", list(range(world_size)), mesh_dim_names=("dp",))
-    profile._timed, saved = timed, profile._timed  # one module for both rank threads
     try:
-        try:
-            return profile.profile_mesh(mesh)
-        except RuntimeError as exc:
-            return str(exc)
-    finally:
-        dist_barrier()
-        profile._timed = saved
+        return profile.profile_mesh(mesh)
+    except RuntimeError as exc:
+        return str(exc)
 
 
-def dist_barrier():
-    import torch.distributed as dist
-
-    dist.barrier()
-
-
-def test_profile_measures_again_when_a_burst_of_load_inverts_the_times():
+def test_profile_measures_again_when_a_burst_of_load_inverts_the_times(monkeypatch):
     """A measurement whose times shrink with the bytes (seen on a loaded 2-core machine, where
     it failed torchtitan's auto-planned run) is taken again; every rank retries alike (the
     times are all-reduced first), and only :data:`PROFILE_ATTEMPTS` bad ones in a row raise."""
-    from ragged_placement.planner.profile import PROFILE_ATTEMPTS
+    from ragged_placement.planner import profile
 
-    for fits in run_threaded(_profile_with_times, 2, PROFILE_ATTEMPTS - 1):
+    monkeypatch.setattr(profile, "_timed", _shrinking_then_growing(profile.PROFILE_ATTEMPTS - 1))
+    for fits in run_threaded(_profile_rank_threads, 2):
+        assert not isinstance(fits, str), fits
         (bandwidth, latency), = fits.values()
         assert bandwidth > 0 and latency >= 0
-    for msg in run_threaded(_profile_with_times, 2, PROFILE_ATTEMPTS):
+    monkeypatch.setattr(profile, "_timed", _shrinking_then_growing(profile.PROFILE_ATTEMPTS))
+    for msg in run_threaded(_profile_rank_threads, 2):
         assert "do not grow with the bytes" in msg and "pass bandwidth explicitly" in msg, msg
