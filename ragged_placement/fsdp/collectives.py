@@ -398,14 +398,18 @@ def issue_all_gather(gathers: list[Gather], stats: CommStats, gather=None):
         stats.post_forward_all_gathers += 1
         stats.post_forward_all_gather_bytes += nbytes
     if gather is None and coalesces_requests(gathers, group, all_gathers=True):
-        outputs, inputs = _all_gather_views(gathers, [g.input for g in gathers])
-        if len(outputs) == 1:
-            return all_gather_single(outputs[0], inputs[0], group=group, async_op=True)
-        return _compat.all_gather_coalesced(outputs, inputs, group, async_op=True)
+        return _issue_views(*_all_gather_views(gathers, [g.input for g in gathers]), group)
     return all_gather_parts(
         [(g.output, g.input, g.segments) for g in gathers], world_size, group=group,
         async_op=True, gather=gather,
     )
+
+
+def _issue_views(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group):
+    """The async all-gather of :func:`_all_gather_views`' tensors: one c10d call."""
+    if len(outputs) == 1:
+        return all_gather_single(outputs[0], inputs[0], group=group, async_op=True)
+    return _compat.all_gather_coalesced(outputs, inputs, group, async_op=True)
 
 
 def _all_gather_views(gathers: list[Gather], inputs: list[torch.Tensor]):
@@ -479,13 +483,7 @@ class FixedAllGather:
             inputs = _all_gather_views(self._gathers, sends)[1]
         stats.all_gathers += 1
         stats.all_gather_bytes += self.nbytes
-        if len(inputs) == 1:
-            work = all_gather_single(self._outputs[0], inputs[0], group=self.group,
-                                     async_op=True)
-        else:
-            work = _compat.all_gather_coalesced(self._outputs, inputs, self.group,
-                                                async_op=True)
-        return work, sends
+        return _issue_views(self._outputs, inputs, self.group), sends
 
 
 def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats, scatter=None):

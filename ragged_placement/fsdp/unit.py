@@ -285,14 +285,14 @@ class FSDPUnit:
             self.state = UnitState.UNSHARDED  # the refresh filled the buffers
         elif self.buffers:
             pf = self._post_forward if self.state is UnitState.SHARDED_POST_FORWARD else None
-            fixed = self._fixed_gather if pf is None and self.custom_all_gather is None else None
-            if fixed is not None:
-                self._ag_work, self._ag_sends = fixed.issue(self.stats)
+            plain = pf is None and self.custom_all_gather is None
+            if plain and self._fixed_gather is not None:
+                self._ag_work, self._ag_sends = self._fixed_gather.issue(self.stats)
             else:
                 gathers = [b.prepare_unshard(pf) for b in self.buffers]
                 self._ag_work = issue_all_gather(gathers, self.stats, self.custom_all_gather)
                 self.dp.count(self.stats, "all_gather", "params", _out_bytes(gathers))
-                if pf is None and self.custom_all_gather is None and not self._fixed_decided:
+                if plain and not self._fixed_decided:
                     self._fixed_gather = self.dp.fixed_all_gather(self.buffers, gathers)
                     self._fixed_decided = True
             self.state = UnitState.UNSHARDING
