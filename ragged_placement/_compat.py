@@ -65,6 +65,15 @@ _pg_reduce_scatter_coalesced = (getattr(_PG, "reduce_scatter_single_coalesced", 
                                 or _PG.reduce_scatter_tensor_coalesced)
 
 
+def _wait_unless_async(work, async_op: bool):
+    """``work`` for an asynchronous call; otherwise wait for it and return ``None``, as
+    ``torch.distributed``'s collectives do."""
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def all_gather_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group,
                          async_op: bool = False):
     """Gather each ``inputs[i]`` (equal-sized on every rank) into ``outputs[i]`` as one
@@ -75,11 +84,7 @@ def all_gather_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor]
 
     opts = AllgatherOptions()
     opts.asyncOp = async_op
-    work = _pg_all_gather_coalesced(group, outputs, inputs, opts)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return _wait_unless_async(_pg_all_gather_coalesced(group, outputs, inputs, opts), async_op)
 
 
 def reduce_scatter_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], op, group,
@@ -93,11 +98,8 @@ def reduce_scatter_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Ten
     opts = ReduceScatterOptions()
     opts.reduceOp = op
     opts.asyncOp = async_op
-    work = _pg_reduce_scatter_coalesced(group, outputs, inputs, opts)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return _wait_unless_async(_pg_reduce_scatter_coalesced(group, outputs, inputs, opts),
+                              async_op)
 
 
 def new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:

@@ -17,6 +17,9 @@ data. The pieces of that check live here, once:
 * :func:`fully_shard_of`: ``"ours"`` or torch FSDP2's ``fully_shard``, so one test body runs
   both runtimes; :func:`shard_blocks`: torchtitan's recipe with either, each block then the root.
 * :func:`mse_loss`: the regression loss of the small MLP tests, as :func:`train_steps` takes it.
+* :class:`ResidualMLP`: a pre-norm residual MLP block, the unit most tests shard.
+* :class:`Routed` and :func:`routed`: a model with a parameter some ranks use in a step and
+  one no rank uses, with weights drawn once per width, the same in every rank thread.
 * :func:`trainer_reference`: the trainer's (``ragged_placement.train``) step in one process on
   the whole global batch: its loss, AdamW, clipping and schedule.
 
@@ -26,6 +29,8 @@ A test keeps its own model, data, optimizer and tolerances; what it compares sta
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -36,8 +41,67 @@ from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp import fully_shard
 
-__all__ = ["full", "full_params", "fully_shard_of", "global_loss", "mse_loss", "rows",
-           "shard_blocks", "train_steps", "trainer_reference"]
+__all__ = ["ResidualMLP", "Routed", "full", "full_params", "fully_shard_of", "global_loss", "mse_loss",
+           "routed", "rows", "shard_blocks", "train_steps", "trainer_reference"]
+
+
+class ResidualMLP(nn.Module):
+    """``x + fc2(act(fc1(norm(x))))`` with a ``width -> hidden -> width`` MLP."""
+
+    def __init__(self, width: int, hidden: int,
+                 act: Callable[[torch.Tensor], torch.Tensor] = torch.relu) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class Routed(nn.Module):
+    """An input layer and a block, an ``expert`` used only where ``route`` is true, a layer
+    ``unused`` that no forward reaches, and a ``dim -> 3`` head."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.block = nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
+        self.expert = nn.Linear(dim, dim)
+        self.unused = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor, route: bool) -> torch.Tensor:
+        h = self.block(self.inp(x))
+        if route:
+            h = h + self.expert(h)
+        return self.head(h)
+
+
+_ROUTED_LOCK = threading.Lock()
+
+
+@functools.cache
+def _draw_routed_weights(dim: int) -> dict[str, torch.Tensor]:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return Routed(dim).state_dict()
+
+
+def _routed_weights(dim: int) -> dict[str, torch.Tensor]:
+    # One thread draws at a time: rank threads drawing together would interleave their draws
+    # from the one global generator and get different weights.
+    with _ROUTED_LOCK:
+        return _draw_routed_weights(dim)
+
+
+def routed(dim: int) -> Routed:
+    """A :class:`Routed` of width ``dim`` holding weights drawn once (seed 0) for that width:
+    rank threads drawing their own would race on the global generator."""
+    m = Routed(dim)
+    m.load_state_dict(_routed_weights(dim))
+    return m
 
 
 def fully_shard_of(runtime: str) -> Callable[..., nn.Module]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from common_fsdp import train_steps
+from common_fsdp import ResidualMLP, train_steps
 from torch import nn
 
 STEPS = 5
@@ -18,22 +18,11 @@ LR = 1e-2
 TOL = 1e-5
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.fc1 = nn.Linear(D, 3 * D)
-        self.fc2 = nn.Linear(3 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
-
-
 class Net(nn.Module):
     def __init__(self, n_blocks: int = 3) -> None:
         super().__init__()
         self.inp = nn.Linear(8, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(ResidualMLP(D, 3 * D) for _ in range(n_blocks))
         self.head = nn.Linear(D, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

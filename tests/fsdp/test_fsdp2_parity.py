@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from common_fsdp import mse_loss, train_steps
+from common_fsdp import Routed, mse_loss, routed, train_steps
 from dist_utils import run_gloo, run_threaded
 from ragged_placement.planner import Granularity
 from torch import nn
@@ -84,33 +84,8 @@ def test_weight_tied_across_units_raises_as_in_fsdp2():
 # -- parameters no rank's forward uses, AdamW with weight decay ------------------------------
 
 
-class Routed(nn.Module):
-    """A block, an ``expert`` used where ``route`` is true and a parameter never used."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.block = nn.Sequential(nn.Linear(D, D), nn.Tanh())
-        self.expert = nn.Linear(D, D)
-        self.unused = nn.Linear(D, D)
-        self.head = nn.Linear(D, 3)
-
-    def forward(self, x: torch.Tensor, route: bool) -> torch.Tensor:
-        h = self.block(self.inp(x))
-        if route:
-            h = h + self.expert(h)
-        return self.head(h)
-
-
-with torch.random.fork_rng():
-    torch.manual_seed(0)
-    ROUTED = Routed().state_dict()
-
-
 def _routed() -> Routed:
-    m = Routed()
-    m.load_state_dict(ROUTED)
-    return m
+    return routed(D)
 
 
 def _adamw(params) -> torch.optim.Optimizer:
@@ -597,7 +572,7 @@ def test_reduce_scatter_unused_params_true_keeps_zero_gradients_as_fsdp2():
     fsdp2 = run_threaded(_unused_kept, WORLD, "fsdp2")
     for k, v in ours[0].items():
         torch.testing.assert_close(v, fsdp2[0][k], atol=TOL, rtol=0, msg=k)
-    assert not torch.equal(ours[0]["unused.weight"], ROUTED["unused.weight"])
+    assert not torch.equal(ours[0]["unused.weight"], _routed().unused.weight.detach())
 
 
 class Failing(Exception):

@@ -704,12 +704,12 @@ def _mixed_with_torch(rank: int, ws: int):
     mesh = DeviceMesh("cpu", list(range(ws)))
     m = surface_net()
     torch_fully_shard(m.blocks[1], mesh=mesh)
-    by_torch = r"submodule 'blocks\.1' \(FSDPBlock\) was sharded by torch"
+    by_torch = r"submodule 'blocks\.1' \(FSDPResidualMLP\) was sharded by torch"
     with pytest.raises(ValueError, match=by_torch):
         fully_shard(m, mesh=mesh)
     with pytest.raises(ValueError, match=r"fully_shard\(ModuleList\): its submodule '1' \(FSDP"):
         fully_shard([m.inp, m.blocks], mesh=mesh)
-    already = "torch.distributed.fsdp.fully_shard was already applied to this FSDPBlock"
+    already = "torch.distributed.fsdp.fully_shard was already applied to this FSDPResidualMLP"
     with pytest.raises(ValueError, match=already):
         fully_shard(m.blocks[1], mesh=mesh)
     # torch's fully_shard over modules ours sharded (each on a fresh model: torch leaves a failed
@@ -723,7 +723,7 @@ def _mixed_with_torch(rank: int, ws: int):
     # over a root: the first parameter it reaches is ours
     reached = (
         r"torch.distributed.fsdp.fully_shard reached parameter 'weight' of LayerNorm, which "
-        r"ragged_placement.fsdp.fully_shard sharded already \(as part of FSDPBlock\)"
+        r"ragged_placement.fsdp.fully_shard sharded already \(as part of FSDPResidualMLP\)"
     )
     ours = surface_net()
     fully_shard(ours.blocks[0], mesh=mesh)

@@ -24,6 +24,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from common_fsdp import ResidualMLP
 from dist_utils import run_gloo, run_threaded
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -165,21 +166,14 @@ def test_a_tensor_listed_twice_is_not_stepped_as_runs():
 
 
 # -- fully_shard models ---------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
+def _block(width: int) -> ResidualMLP:
+    return ResidualMLP(width, 2 * width, torch.tanh)
 
 
 class Net(nn.Module):
     def __init__(self, width: int = WIDTH, blocks: int = 3) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.blocks = nn.ModuleList(_block(width) for _ in range(blocks))
         self.head = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -422,7 +416,7 @@ class Freeze(Variant):
 
     def before_forward(self, m, opt, step):
         if step in (1, 3):
-            m.blocks[1].up.requires_grad_(step == 3)
+            m.blocks[1].fc1.requires_grad_(step == 3)
 
 
 class ReplacedGrad(Variant):
@@ -430,7 +424,7 @@ class ReplacedGrad(Variant):
 
     def before_step(self, m, opt, step):
         if step == 2:
-            p = m.blocks[0].up.weight
+            p = m.blocks[0].fc1.weight
             p.grad = p.grad.clone()
 
 
@@ -599,7 +593,7 @@ def _muon(m: nn.Module, nesterov: bool) -> Muon:
 
 
 def _blocks(matrices: bool, width: int) -> nn.Sequential:
-    return nn.Sequential(*(MatrixBlock(width) if matrices else Block(width) for _ in range(2)))
+    return nn.Sequential(*(MatrixBlock(width) if matrices else _block(width) for _ in range(2)))
 
 
 with torch.random.fork_rng():
