@@ -29,7 +29,6 @@ A test keeps its own model, data, optimizer and tolerances; what it compares sta
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
@@ -41,8 +40,8 @@ from torch.distributed.tensor import DTensor
 
 from ragged_placement.fsdp import fully_shard
 
-__all__ = ["ResidualMLP", "Routed", "full", "full_params", "fully_shard_of", "global_loss", "mse_loss",
-           "routed", "rows", "shard_blocks", "train_steps", "trainer_reference"]
+__all__ = ["ResidualMLP", "Routed", "full", "full_params", "fully_shard_of", "global_loss",
+           "mse_loss", "routed", "rows", "shard_blocks", "train_steps", "trainer_reference"]
 
 
 class ResidualMLP(nn.Module):
@@ -80,27 +79,20 @@ class Routed(nn.Module):
 
 
 _ROUTED_LOCK = threading.Lock()
-
-
-@functools.cache
-def _draw_routed_weights(dim: int) -> dict[str, torch.Tensor]:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return Routed(dim).state_dict()
-
-
-def _routed_weights(dim: int) -> dict[str, torch.Tensor]:
-    # One thread draws at a time: rank threads drawing together would interleave their draws
-    # from the one global generator and get different weights.
-    with _ROUTED_LOCK:
-        return _draw_routed_weights(dim)
+_ROUTED_WEIGHTS: dict[int, dict[str, torch.Tensor]] = {}
 
 
 def routed(dim: int) -> Routed:
-    """A :class:`Routed` of width ``dim`` holding weights drawn once (seed 0) for that width:
-    rank threads drawing their own would race on the global generator."""
-    m = Routed(dim)
-    m.load_state_dict(_routed_weights(dim))
+    """A :class:`Routed` of width ``dim`` holding weights drawn once (seed 0) for that width,
+    by one thread at a time: rank threads drawing together would interleave their draws from
+    the one global generator and get different weights."""
+    with _ROUTED_LOCK:
+        if dim not in _ROUTED_WEIGHTS:
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                _ROUTED_WEIGHTS[dim] = Routed(dim).state_dict()
+        m = Routed(dim)  # its init draws from the global generator too
+    m.load_state_dict(_ROUTED_WEIGHTS[dim])
     return m
 
 
