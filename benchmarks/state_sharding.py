@@ -465,8 +465,8 @@ def _shard_gpt(model, runtime: str, mesh, sharding, raf: bool, bf16: bool) -> No
 def _run_point(rank, ws, runtime, mesh, sharding, raf, dims_mesh, cfg, init, corpus, args) -> dict:
     """``args.warmup`` AdamW steps, then ``args.steps`` measured ones: the first under the
     collective counter; memory by state from the tensors, heap and unsharded peaks over all."""
-    from ragged_placement.testing.profiling import CollectiveMeter, HeapPeakMeter
     from ragged_placement.models import GPT
+    from ragged_placement.testing.profiling import CollectiveMeter, HeapPeakMeter
 
     per, out = args.batch, {}
     with HeapPeakMeter() as heap:
@@ -569,9 +569,20 @@ def _band_bytes(cfg) -> int:
     return sum(8 * p.numel() // p.shape[0] for p in model.parameters())
 
 
+def _meshes(text: str) -> tuple[tuple[int, int], ...]:
+    """``--meshes 2x2,2x4`` -> ((2, 2), (2, 4))."""
+    try:
+        shapes = tuple(tuple(int(n) for n in m.split("x")) for m in text.split(","))
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(m) != 2 or min(m) < 1 for m in shapes):
+        raise argparse.ArgumentTypeError(f"--meshes: expected e.g. 2x2,2x4, got {text!r}")
+    return shapes
+
+
 def runtime_table(args) -> None:
-    from ragged_placement.testing.launch import run_gloo
     from ragged_placement.models import GPTConfig
+    from ragged_placement.testing.launch import run_gloo
 
     cfg = GPTConfig(block_size=args.seq, **GPT_SHAPE)
     precision = "bf16 gathers, fp32 reduction" if args.bf16 else "fp32"
@@ -583,7 +594,7 @@ def runtime_table(args) -> None:
             "P unsh. MB", "grads MB", "optim MB", "heap MB", "max|Δ| vs FSDP2"]
     rows, model_rows, targets, checks = [], [], [], []
     band = _band_bytes(cfg)
-    for shape in RUNTIME_MESHES:
+    for shape in args.meshes:
         ws = math.prod(shape)
         per_rank = run_gloo(_runtime_rank, ws, shape, args, timeout=600)
         results = {r["label"]: r for r in per_rank[0]}
@@ -686,6 +697,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="--runtime: sequences per rank per step")
     ap.add_argument("--warmup", type=int, default=2, help="--runtime: unmeasured steps")
     ap.add_argument("--steps", type=int, default=2, help="--runtime: measured steps")
+    ap.add_argument("--meshes", type=_meshes, default=RUNTIME_MESHES,
+                    help="--runtime: inter x intra meshes, e.g. 2x2,2x4 (the default)")
     args = ap.parse_args()
     print("$ python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]))
     if not (args.runtime or args.planner or args.timing or args.profile):
