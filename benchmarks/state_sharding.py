@@ -576,7 +576,7 @@ def _meshes(text: str) -> tuple[tuple[int, int], ...]:
     except ValueError:
         shapes = ()
     if not shapes or any(len(m) != 2 or min(m) < 1 for m in shapes):
-        raise argparse.ArgumentTypeError(f"--meshes: expected e.g. 2x2,2x4, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected inter x intra sizes such as 2x2,2x4, got {text!r}")
     return shapes
 
 
