@@ -4,8 +4,10 @@ The examples, benchmarks and multi-process tests all launch ranks the same way:
 
     results = run_gloo(fn, world_size, *args)   # fn(rank, world_size, *args) on every rank
 
-Each rank is a fresh process with one intra-op thread, a gloo process group over a free
-loopback port, and the group destroyed at the end; ``fn``'s return values come back in rank
+Each rank is a fresh process with one intra-op thread, a gloo process group rendezvousing on
+a TCP store the caller's process hosts (:func:`host_store`: the operating system picks its
+loopback port as the server binds it, so two launches at once can never be handed the same
+port), and the group destroyed at the end; ``fn``'s return values come back in rank
 order. ``fn`` must be importable (a module-level function) and its results ``torch.save``-able.
 The ranks are forked by multiprocessing's fork server, which imports torch and DTensor once per
 parent process (:data:`PRELOAD`), so a rank starts in a fraction of a second instead of
@@ -25,7 +27,6 @@ import faulthandler
 import os
 import re
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -38,7 +39,7 @@ import torch.multiprocessing as mp
 
 from ragged_placement._gloo import exit_without_finalization, one_worker_gloo
 
-__all__ = ["exit_without_finalization", "free_port", "in_flight_call", "run_gloo"]
+__all__ = ["exit_without_finalization", "host_store", "in_flight_call", "run_gloo"]
 
 # What the fork server imports once for every rank it forks: torch alone, never this package
 # (a rank imports that with ``fn``'s module, so a function can run on stock torch).
@@ -49,11 +50,17 @@ _STACK_DUMP_WAIT = 5.0
 _stack_file = None
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def host_store():
+    """A ``TCPStore`` server on a loopback port the operating system picks as it binds it (no
+    window in which another process can take the port, as there is between asking for a free
+    port and a rank 0 binding it), hosted by this process for the ``with`` block; yields the port.
+    Ranks connect to it as clients (``TCPStore("127.0.0.1", port, is_master=False)``)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
 
 
 def in_flight_call(frames: list[tuple[str, int, str]]) -> str:
@@ -126,13 +133,14 @@ def _rank_main(
     _stack_file.write(f"{threading.main_thread().ident}\n")
     _stack_file.flush()
     faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_ADDR"] = "127.0.0.1"  # for code in ``fn`` that reads them
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)  # run_gloo's host_store
     # The rank's gloo groups (the default one and whatever ``fn`` creates) run one worker thread:
     # the runtime overlaps collectives on them (ragged_placement.one_worker_gloo).
     with one_worker_gloo() if one_worker else contextlib.nullcontext():
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
             torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
@@ -166,10 +174,10 @@ def run_gloo(
     thread); ``False`` gives torch's groups as a program that does not opt in has them."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    with tempfile.TemporaryDirectory() as out_dir:
+    with tempfile.TemporaryDirectory() as out_dir, host_store() as port:
         ctx = mp.start_processes(
             _rank_main,
-            args=(fn, world_size, free_port(), args, out_dir, threads_per_rank, one_worker),
+            args=(fn, world_size, port, args, out_dir, threads_per_rank, one_worker),
             nprocs=world_size,
             join=False,
             start_method=_start_method(),

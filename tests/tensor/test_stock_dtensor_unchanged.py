@@ -16,9 +16,9 @@ preloads torch alone.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
-import socket
 import tempfile
 import time
 import warnings
@@ -231,9 +231,9 @@ def _child(rank: int, run: str, port: int, out_dir: str) -> None:
         for info in pkgutil.walk_packages(ragged_placement.__path__, "ragged_placement."):
             importlib.import_module(info.name)
         assert not _install.installed() and not _install._applied_fsdp2
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False)  # the parent hosts it
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     try:
         if run == "used":
             _use_the_package(rank)
@@ -247,10 +247,15 @@ def _child(rank: int, run: str, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def _host_store():
+    """The ranks' TCP store, hosted here on a port the OS picks as it binds (as
+    ragged_placement.testing.launch.host_store does; not imported: see PRELOAD)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
 
 
 def _equal(a, b) -> bool:
@@ -272,11 +277,12 @@ def test_stock_dtensor_fsdp2_and_gloo_give_the_same_results_with_and_without_the
         runs = {}
         for run in RUNS:  # one after the other: 4 ranks at a time on a small machine
             os.makedirs(dirs[run])
-            runs[run] = mp.start_processes(_child, args=(run, _free_port(), dirs[run]), nprocs=WORLD,
-                                           join=False, start_method="forkserver")
-            deadline = time.monotonic() + 600
-            while not runs[run].join(timeout=1.0):
-                assert time.monotonic() < deadline, f"the stock script ({run}) did not finish"
+            with _host_store() as port:
+                runs[run] = mp.start_processes(_child, args=(run, port, dirs[run]), nprocs=WORLD,
+                                               join=False, start_method="forkserver")
+                deadline = time.monotonic() + 600
+                while not runs[run].join(timeout=1.0):
+                    assert time.monotonic() < deadline, f"the stock script ({run}) did not finish"
         for rank in range(WORLD):
             want = torch.load(os.path.join(dirs["without"], f"{rank}.pt"), weights_only=False)
             assert not want.pop("package loaded")

@@ -216,18 +216,19 @@ def test_gloo_hang_report_names_the_rank_the_collective_and_the_stack(tmp_path):
         sys.path.insert(0, str(TESTS))  # the ranks import this module
     ready = tmp_path / "ready"
     ready.mkdir()
-    args = (_gloo_rank_0_waits, 2, launch.free_port(), (str(ready),), str(tmp_path), 1, True)
-    ctx = mp.start_processes(launch._rank_main, args, nprocs=2, join=False, start_method="spawn")
-    try:
-        deadline = time.monotonic() + dist_utils.GLOO_TIMEOUT
-        while len(os.listdir(ready)) < 2 and time.monotonic() < deadline:
-            assert all(p.is_alive() for p in ctx.processes), "a rank exited"
-            time.sleep(0.1)
-        report = launch._hang_report(ctx, str(tmp_path), "_gloo_rank_0_waits", 1.0)
-    finally:
-        for p in ctx.processes:
-            p.kill()
-            p.join()
+    with launch.host_store() as port:
+        args = (_gloo_rank_0_waits, 2, port, (str(ready),), str(tmp_path), 1, True)
+        ctx = mp.start_processes(launch._rank_main, args, nprocs=2, join=False, start_method="spawn")
+        try:
+            deadline = time.monotonic() + dist_utils.GLOO_TIMEOUT
+            while len(os.listdir(ready)) < 2 and time.monotonic() < deadline:
+                assert all(p.is_alive() for p in ctx.processes), "a rank exited"
+                time.sleep(0.1)
+            report = launch._hang_report(ctx, str(tmp_path), "_gloo_rank_0_waits", 1.0)
+        finally:
+            for p in ctx.processes:
+                p.kill()
+                p.join()
     assert "rank 0: blocked in c10d all_reduce" in report, report
     rank_1 = report.split("rank 1: blocked in ")[1].splitlines()[0]
     assert rank_1.endswith("in _gloo_rank_0_waits") and "test_dist_utils.py" in rank_1, report
