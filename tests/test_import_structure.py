@@ -272,7 +272,8 @@ _FEATURES = {
     # feature: (its configuration's names, the modules that are the feature's own)
     "fp8": (re.compile(r"fp8|quant|FP8", re.I), {"fp8"}),
     "offload": (re.compile(r"offload|pin_memory", re.I), {"offload"}),
-    "state sharding": (re.compile(r"state_sharding|nested|StateSharded", re.I), {"nested"}),
+    "state sharding": (re.compile(r"state_sharding|nested|StateSharded", re.I),
+                       {"nested", "nested_refresh"}),
 }
 # At most this many branches on each feature outside its own modules (torch FSDP2's
 # ``_fully_shard/`` has six feature branches in all). Per-state sharding: the unit runs its

@@ -124,7 +124,7 @@ class UnitMesh(abc.ABC):
     def param_refresh(self, unit) -> ParamRefresh:
         """What ``unit``, the :class:`~ragged_placement.fsdp.unit.FSDPUnit` built on this
         mesh, runs before each unshard (FSDP's: nothing; a ``state_sharding``'s refreshes the
-        parameter chunks, :class:`~ragged_placement.fsdp.nested.ChunkRefresh`)."""
+        parameter chunks, :class:`~ragged_placement.fsdp.nested_refresh.ChunkRefresh`)."""
         del unit
         return ParamRefresh()
 
@@ -187,7 +187,7 @@ class ParamRefresh:
     the sharded chunks (:meth:`UnitMesh.param_refresh`). Here nothing: on FSDP's and HSDP's
     meshes the all-gather sends the sharded chunks themselves. A ``state_sharding`` gathers
     parameter chunks of their own, refreshed from the sharded ones
-    (:class:`~ragged_placement.fsdp.nested.ChunkRefresh`)."""
+    (:class:`~ragged_placement.fsdp.nested_refresh.ChunkRefresh`)."""
 
     def before_unshard(self) -> bool:
         """Bring the parameters up to date; whether that filled the unsharded buffers (then no

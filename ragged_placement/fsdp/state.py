@@ -89,7 +89,7 @@ from ragged_placement.fsdp._dynamo import dynamo_disable
 from ragged_placement.fsdp._validation import check_no_all_gather_extension, unmatched_patterns
 from ragged_placement.fsdp.common import Registration, TrainingState
 from ragged_placement.fsdp.mesh import PostForwardMesh, any_rank
-from ragged_placement.fsdp.nested import agree_on_refreshes
+from ragged_placement.fsdp.nested_refresh import agree_on_refreshes
 from ragged_placement.fsdp.unit import FSDPUnit
 
 __all__ = ["FSDPState", "RootContext", "drop_unused_grads"]

@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ragged_placement._compat import DataParallelMeshDims
 from ragged_placement.fsdp import StateSharding, fully_shard
-from ragged_placement.fsdp.nested import ChunkRefresh
+from ragged_placement.fsdp.nested_refresh import ChunkRefresh
 from ragged_placement.fsdp.unit import UnitState
 
 # drawn once (threaded ranks must not race on the global RNG that mlp_data seeds)
