@@ -201,7 +201,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--cols", type=int, default=512)
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--import-runs", type=int, default=5,
+                    help="fresh processes timing the package's import (median)")
     args = ap.parse_args()
+    if args.import_runs < 1:
+        ap.error(f"--import-runs must be >= 1, got {args.import_runs}")
     rows = run_gloo(_worker, 4, args.rows, args.cols, args.runs)[0]
     mib = 1 << 20
     print(f"4 gloo ranks, fp32 [{args.rows}, {args.cols}] ({args.rows * args.cols * 4 / mib:.0f} MiB), "
@@ -217,9 +221,10 @@ def main() -> None:
               f"{ratio_b:>9}{ms / pms:>8.2f}")
     print(f"mm: x [{args.rows}, {args.cols}] @ w [{args.cols}, {args.cols}] replicated; fwd+bwd reduces w.grad "
           f"(Partial) to Replicate")
-    ours, base = import_cost()
+    ours, base = import_cost(args.import_runs)
     print(f"import ragged_placement after torch.distributed.tensor: {ours * 1e3:.0f} ms "
-          f"(torch.distributed.tensor itself: {base * 1e3:.0f} ms; median of 5 fresh processes)")
+          f"(torch.distributed.tensor itself: {base * 1e3:.0f} ms; median of {args.import_runs} "
+          f"fresh processes)")
 
 
 if __name__ == "__main__":

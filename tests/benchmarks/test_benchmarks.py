@@ -43,7 +43,7 @@ SMALL: dict[str, list[str]] = {
     "optim.py": ["--world", "2", "--steps", "1", "--runs", "1"],
     "optim_hsdp.py": ["--layers", "1", "--steps", "1"],
     "planner.py": ["--models", "gpt2-124m", "--worlds", "8"],
-    "redistribute.py": ["--rows", "256", "--cols", "64", "--runs", "1"],
+    "redistribute.py": ["--rows", "256", "--cols", "64", "--runs", "1", "--import-runs", "1"],
     "shampoo.py": ["--world", "2", "--layers", "1", "--block", "64", "--steps", "1",
                    "--runs", "1"],
     # 9 torchtitan jobs of 2-4 ranks (a seed, then FSDP2 and ours per row): its own slow test
@@ -86,10 +86,24 @@ def test_benchmark_runs_in_its_default_mode_at_a_small_size(script):
 
 @pytest.mark.multiprocess
 @pytest.mark.two_nodes
-def test_two_nodes_benchmark_runs_at_a_small_size():
+@pytest.mark.parametrize("rows", [
+    ["auto", "fsdp2-full"],  # the partitioner's choice against FSDP2, the targets' first line
+    pytest.param([], marks=pytest.mark.slow, id="all"),  # the default: 5 torchrun jobs
+], ids=lambda rows: "-".join(rows))
+def test_two_nodes_benchmark_runs_at_a_small_size(rows):
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("needs root and iproute2 (ip, tc): network namespaces")
-    _check_runs("two_nodes.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    only = ["--only", *rows] if rows else []
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "two_nodes.py"), *SMALL["two_nodes.py"], *only],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, f"two_nodes.py exited with {proc.returncode}:\n{proc.stdout[-4000:]}"
+    assert "The partitioner chose" in proc.stdout
+    assert "- vs FSDP2 full shard: tokens/s" in proc.stdout
+    assert ("- vs FSDP2 HSDP: tokens/s" in proc.stdout) == (not rows)
 
 
 @pytest.mark.slow
