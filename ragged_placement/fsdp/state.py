@@ -85,9 +85,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ragged_placement._compat import outside_selective_checkpoint
 from ragged_placement._install import install_pipelining
-from ragged_placement.fsdp._dynamo import dynamo_disable
+from ragged_placement.fsdp._dynamo import dynamo_disable, dynamo_skip_frame
 from ragged_placement.fsdp._validation import check_no_all_gather_extension, unmatched_patterns
 from ragged_placement.fsdp.common import Registration, TrainingState
+from ragged_placement.fsdp.grads import FlatGrads
 from ragged_placement.fsdp.mesh import PostForwardMesh, any_rank
 from ragged_placement.fsdp.nested_refresh import agree_on_refreshes
 from ragged_placement.fsdp.unit import FSDPUnit
@@ -514,17 +515,25 @@ class FSDPState:
             self._unshard_and_register()
         ctx.prefetch_after(self, backward=True)
 
-    @dynamo_disable
+    @dynamo_skip_frame
     def _on_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         # Runs before AccumulateGrad of unsharded parameter ``index``. A segment's gradient
         # buffer is allocated at its first gradient, not at pre-backward, where it would sit on
-        # the activation peak; the segment's other parameters find it allocated.
+        # the activation peak; the segment's other parameters find it allocated. (A skipped
+        # frame: its Python calls go through methods under dynamo_disable.)
         self.got_grad.add(index)
         grads, j, segment = self._grad_slots[index]
         if grads.unsharded[segment] is None:
-            grads.prepare(j)
-        spmd = self._spmd  # fully_shard(dp_mesh_dims=...): every buffer's
-        return None if spmd is None else spmd.rank_grad(grad)
+            self._prepare_grads(grads, j)
+        return None if self._spmd is None else self._rank_grad(grad)
+
+    @dynamo_disable
+    def _prepare_grads(self, grads: FlatGrads, index: int) -> None:
+        grads.prepare(index)
+
+    @dynamo_disable
+    def _rank_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        return self._spmd.rank_grad(grad)  # fully_shard(dp_mesh_dims=...): every buffer's
 
     def _used(self) -> list[bool]:
         """Per slot, whether this rank's backwards since the last agreement reached it (what

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch.distributed as dist
-from common_fsdp import train_steps
+from common_fsdp import global_loss, rows, train_steps
 from dist_utils import run_threaded
 from torch._dynamo.backends.registry import lookup_backend
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -122,11 +122,50 @@ def _train(
     shard(m, mesh=mesh)
     model = torch.compile(m, backend=backend) if compile_mode == "model" else m
     batches = (CORPUS.batch(s, BATCH, SEQ) for s in range(steps))
-    losses = train_steps(model, _optimizer(m), batches, rank, ws)
+    if compile_mode == "step":
+        losses = _train_compiled_steps(m, batches, rank, ws, backend)
+    else:
+        losses = train_steps(model, _optimizer(m), batches, rank, ws)
     return _Run(
         losses,
         {n.replace(_CHECKPOINT_PREFIX, ""): p.full_tensor() for n, p in m.named_parameters()},
     )
+
+
+def _hooks_handed_to_dynamo() -> list[str]:
+    """The runtime's hooks (the methods of ``FSDPState``, which module hooks and autograd call:
+    the forward and backward hooks, the per-parameter gradient hooks, the root's final
+    callback) whose frames Dynamo was handed to compile since its last reset
+    (``convert_frame.input_codes``)."""
+    from torch._dynamo.convert_frame import input_codes
+
+    from ragged_placement.fsdp.state import FSDPState
+
+    found = []
+    for name, member in vars(FSDPState).items():
+        code = getattr(getattr(member, "_fn", member), "__code__", None)
+        if code is not None and code in input_codes:
+            found.append(name)
+    return found
+
+
+def _forward_backward(model: torch.nn.Module, *batch: torch.Tensor) -> torch.Tensor:
+    loss = model(*batch)
+    loss.backward()
+    return loss.detach()
+
+
+def _train_compiled_steps(m: torch.nn.Module, batches, rank: int, ws: int, backend) -> list[float]:
+    """Forward and backward in one compiled function: Dynamo breaks the graph at
+    ``.backward()`` and runs it with its frame callback still set, so every hook the backward
+    calls (the per-parameter gradient hooks included) must keep Dynamo out by itself."""
+    step, opt, losses = torch.compile(_forward_backward, backend=backend), _optimizer(m), []
+    for batch in batches:
+        loss = step(m, *(rows(t, rank, ws) for t in batch))
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_loss(loss, ws))
+    return losses
 
 
 @dataclass
@@ -230,3 +269,20 @@ def test_per_block_inductor_matches_eager_and_fsdp2(one_torch_thread):
     for run in ours.runs:
         _assert_close(run, ref, INDUCTOR_TOL)
         _assert_close(run, theirs.runs[0], INDUCTOR_TOL)
+
+
+def test_backward_inside_a_compiled_function_compiles_no_hook_and_matches_fsdp2(one_torch_thread):
+    """The hooks a backward runs under Dynamo's frame callback (its graph break at
+    ``.backward()``) stay eager: Dynamo is handed none of their frames, ours gives FSDP2's
+    graphs and compiled calls (the graph breaks are Dynamo's per-reason counts over both rank
+    threads, which vary between runs for FSDP2 as for us), and the one-process reference's
+    numbers."""
+    ours = _compiled("ours", "step", "aot_eager")
+    assert _hooks_handed_to_dynamo() == []
+    theirs = _compiled("fsdp2", "step", "aot_eager")
+    assert ours.graphs == theirs.graphs
+    assert ours.calls == theirs.calls
+    ref = _reference(STEPS)
+    for run in ours.runs:
+        _assert_close(run, ref, 1e-5)
+        _assert_close(run, theirs.runs[0], 1e-5)
