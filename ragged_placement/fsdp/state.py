@@ -292,6 +292,10 @@ class FSDPState:
         mp = mp_policy
         self._input_dtype = mp.param_dtype if mp.cast_forward_inputs else None
         self._pre_backward_hook = self._pre_backward
+        # bound once: _on_grad (a frame Dynamo skips) calls them with no descriptor frame of
+        # their own, which Dynamo would be handed where a compiled function runs the backward
+        self._prepare_grads_bound = self._prepare_grads
+        self._rank_grad_bound = self._rank_grad
         for m in self.modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         # per slot: its buffer's gradients, its index there and its plan segment (_on_grad)
@@ -524,8 +528,8 @@ class FSDPState:
         self.got_grad.add(index)
         grads, j, segment = self._grad_slots[index]
         if grads.unsharded[segment] is None:
-            self._prepare_grads(grads, j)
-        return None if self._spmd is None else self._rank_grad(grad)
+            self._prepare_grads_bound(grads, j)
+        return None if self._spmd is None else self._rank_grad_bound(grad)
 
     @dynamo_disable
     def _prepare_grads(self, grads: FlatGrads, index: int) -> None:
