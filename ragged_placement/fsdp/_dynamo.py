@@ -43,62 +43,59 @@ __all__ = ["dynamo_disable", "dynamo_skip_frame"]
 _REASON = "ragged_placement FSDP hooks run eagerly (collectives, storage resizes)"
 
 
-class dynamo_disable:
+class _LazyMethodDecorator:
+    """A method decorator whose function is built from the decorated one at the first attribute
+    access (``fully_shard`` registering the hooks), so that importing this package does not
+    import Dynamo; :meth:`_build` builds it."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._built: Callable[..., Any] | None = None
+
+    def _build(self) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def _get(self) -> Callable[..., Any]:
+        if self._built is None:  # a race builds two equivalent functions: harmless
+            self._built = self._build()
+        return self._built
+
+    def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., Any]:
+        fn = self._get()
+        return fn if obj is None else types.MethodType(fn, obj)
+
+
+class dynamo_disable(_LazyMethodDecorator):
     """Method decorator: the method runs with Dynamo disabled for it and everything it calls.
 
     Where a traced region calls it, Dynamo breaks the graph there and never traces it; where it
     is a hook that a skipped frame (``nn.Module._call_impl``) calls, no frame of ours is
     compiled: the bound method's function is ``torch._dynamo.disable``'s own wrapper, which
     Dynamo skips (a plain Python wrapper of ours would itself be compiled as a new frame).
-    The disabled function is built at the first attribute access (``fully_shard`` registering
-    the hooks), so importing this package does not import Dynamo. A disabled call costs a few
-    microseconds (Dynamo's frame callback is swapped out and back).
+    A disabled call costs a few microseconds (Dynamo's frame callback is swapped out and back).
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        functools.update_wrapper(self, fn)
-        self._fn = fn
-        self._disabled: Callable[..., Any] | None = None
+    def _build(self) -> Callable[..., Any]:
+        import torch._dynamo
 
-    def _get_disabled(self) -> Callable[..., Any]:
-        if self._disabled is None:  # a race builds two equivalent wrappers: harmless
-            import torch._dynamo
-
-            self._disabled = torch._dynamo.disable(self._fn, recursive=True, reason=_REASON)
-        return self._disabled
-
-    def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., Any]:
-        fn = self._get_disabled()
-        return fn if obj is None else types.MethodType(fn, obj)
+        return torch._dynamo.disable(self._fn, recursive=True, reason=_REASON)
 
 
-class dynamo_skip_frame:
+class dynamo_skip_frame(_LazyMethodDecorator):
     """Method decorator for a hot hook that Dynamo must never compile, at no cost per call.
 
     The function's own frame is marked skipped (``skip_code``: Dynamo runs it as it is, even
     while a compiled region's frame callback is active), and no wrapper frame is added. Unlike
     :class:`dynamo_disable`, the frames it calls are not skipped: the function may call C
     functions, and Python only through methods under ``dynamo_disable``. On a torch without
-    ``skip_code`` it is :class:`dynamo_disable`'s wrapper. Marked at the first attribute
-    access, as :class:`dynamo_disable` builds its wrapper."""
+    ``skip_code`` it is :class:`dynamo_disable`'s wrapper."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        functools.update_wrapper(self, fn)
-        self._fn = fn
-        self._skipped: Callable[..., Any] | None = None
+    def _build(self) -> Callable[..., Any]:
+        from torch._dynamo import eval_frame
 
-    def _get_skipped(self) -> Callable[..., Any]:
-        if self._skipped is None:
-            from torch._dynamo import eval_frame
-
-            skip_code = getattr(eval_frame, "skip_code", None)
-            if skip_code is None:
-                self._skipped = dynamo_disable(self._fn)._get_disabled()
-            else:
-                skip_code(self._fn.__code__)
-                self._skipped = self._fn
-        return self._skipped
-
-    def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., Any]:
-        fn = self._get_skipped()
-        return fn if obj is None else types.MethodType(fn, obj)
+        skip_code = getattr(eval_frame, "skip_code", None)
+        if skip_code is None:
+            return dynamo_disable(self._fn)._get()
+        skip_code(self._fn.__code__)
+        return self._fn
