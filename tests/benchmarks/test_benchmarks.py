@@ -65,10 +65,11 @@ def test_every_benchmark_has_a_small_run():
     assert set(SMALL) == scripts
 
 
-def _run(script: str) -> subprocess.CompletedProcess:
+def _run(script: str, *extra: str) -> subprocess.CompletedProcess:
+    """``script``'s small run, with ``extra`` flags after its size flags."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *SMALL[script]], cwd=ROOT, env=env,
+        [sys.executable, str(BENCHMARKS / script), *SMALL[script], *extra], cwd=ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT,
     )
 
@@ -93,13 +94,7 @@ def test_benchmark_runs_in_its_default_mode_at_a_small_size(script):
 def test_two_nodes_benchmark_runs_at_a_small_size(rows):
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("needs root and iproute2 (ip, tc): network namespaces")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    only = ["--only", *rows] if rows else []
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "two_nodes.py"), *SMALL["two_nodes.py"], *only],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=TIMEOUT,
-    )
+    proc = _run("two_nodes.py", *(["--only", *rows] if rows else []))
     assert proc.returncode == 0, f"two_nodes.py exited with {proc.returncode}:\n{proc.stdout[-4000:]}"
     assert "The partitioner chose" in proc.stdout
     assert "- vs FSDP2 full shard: tokens/s" in proc.stdout
@@ -121,12 +116,7 @@ def test_titan_benchmark_on_two_nodes_runs_at_a_small_size():
     pytest.importorskip("torchtitan", reason="make test installs the titan extra")
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("needs root and iproute2 (ip, tc): network namespaces")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "titan.py"), "--two-nodes", *SMALL["titan.py"]],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=TIMEOUT,
-    )
+    proc = _run("titan.py", "--two-nodes")
     assert proc.returncode == 0, f"titan.py --two-nodes exited with {proc.returncode}:\n" \
                                  f"{proc.stdout[-4000:]}"
     assert "the partitioner chose" in proc.stdout
