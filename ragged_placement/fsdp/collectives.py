@@ -32,7 +32,7 @@ from ragged_placement.fsdp.common import CommStats
 from ragged_placement.planner.plan import Segment
 
 __all__ = [
-    "FixedAllGather", "Gather", "Reduction", "Works", "all_gather_parts", "coalesces_requests", "all_gather_segments", "issue_all_gather",
+    "FixedAllGather", "FixedReduceScatter", "Gather", "Reduction", "Works", "all_gather_parts", "coalesces_requests", "all_gather_segments", "issue_all_gather",
     "issue_reduce_scatter", "reduce_scatter_parts", "reduce_scatter_segments",
 ]
 
@@ -484,6 +484,60 @@ class FixedAllGather:
         stats.all_gathers += 1
         stats.all_gather_bytes += self.nbytes
         return _issue_views(self._outputs, inputs, self.group), sends
+
+
+class FixedReduceScatter:
+    """One unit's reduce-scatter on the steady state, its c10d views built once.
+
+    Built from the first issue of ``reductions`` on the coalescing path of
+    :func:`issue_reduce_scatter` (more than one rank, equal segments, c10d's own reduce-scatter),
+    and reissued while the unit hands over the same :class:`Reduction` objects: each flat
+    buffer's steady reduction (:meth:`~ragged_placement.fsdp.grads.FlatGrads.prepare_reduce`:
+    its kept gradient buffers into its spare flat gradient, tensors whose storage is resized
+    but which stay the same objects) and the agreement's part where every parameter was used.
+    An issue is then one c10d call, counted in ``stats`` as :func:`issue_reduce_scatter`
+    counts it.
+
+    Args:
+        reductions: the unit's reductions, issued once through :func:`issue_reduce_scatter`.
+    """
+
+    __slots__ = ("_inputs", "_outputs", "_reductions", "group", "nbytes")
+
+    def __init__(self, reductions: list[Reduction]) -> None:
+        self.group = reductions[0].group
+        self._reductions = tuple(reductions)
+        self.nbytes = sum(g.numel() * g.element_size() for r in reductions for g in r.inputs)
+        # per part: its reduction and the run of the output it writes. The output views are
+        # made at each issue, not kept: a kept view would reference the spare flat gradient,
+        # which FlatGrads hands out again only where nothing else references it
+        self._outputs = [(r, s.chunk_offset, s.chunk_offset + s.chunk_numel)
+                         for r in reductions for s in r.segments]
+        self._inputs = [x for r in reductions for x in r.inputs]
+
+    @staticmethod
+    def of(reductions: list[Reduction]) -> FixedReduceScatter | None:
+        """The fixed reduce-scatter of ``reductions``, where :func:`issue_reduce_scatter` issues
+        them as one coalesced c10d call of more than one part (else ``None``)."""
+        group, world_size = _one_group(reductions)
+        if world_size == 1 or sum(len(r.inputs) for r in reductions) < 2:
+            return None
+        if not coalesces_requests(reductions, group, all_gathers=False):
+            return None
+        return FixedReduceScatter(reductions)
+
+    def matches(self, reductions: list[Reduction]) -> bool:
+        """Whether ``reductions`` are the objects this was built from."""
+        built = self._reductions
+        return len(reductions) == len(built) and all(a is b for a, b in zip(reductions, built))
+
+    def issue(self, stats: CommStats):
+        """Issue the reduce-scatter (a sum, async); returns its work."""
+        stats.reduce_scatters += 1
+        stats.reduce_scatter_bytes += self.nbytes
+        outputs = [r.output[lo:hi] for r, lo, hi in self._outputs]
+        return _compat.reduce_scatter_coalesced(outputs, self._inputs, dist.ReduceOp.SUM,
+                                                self.group, async_op=True)
 
 
 def issue_reduce_scatter(reductions: list[Reduction], stats: CommStats, scatter=None):

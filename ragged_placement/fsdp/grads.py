@@ -72,15 +72,25 @@ def _flat_refs() -> int:
     """``sys.getrefcount`` of a tensor that one attribute and one local name hold while views
     of it exist (each view's autograd metadata keeps the base, which may keep its Python object
     alive once more): what :meth:`FlatGrads._spare_of` sees when nothing else holds the flat
-    gradient. Measured once, on this torch."""
+    gradient. Measured once, on this torch, outside inference mode (where the flat gradients are
+    made: an inference tensor's view does not keep its base, and a count taken under
+    ``torch.inference_mode()``, the first pre-forward's, would never match again)."""
     if not _FLAT_REFS:
-        holder = type("Holder", (), {})()
-        holder.sharded = torch.empty(1)
-        view = holder.sharded.as_strided((1,), (1,), 0)
-        flat = holder.sharded
-        _FLAT_REFS.append(sys.getrefcount(flat))
-        del view, flat
+        with torch.inference_mode(False):
+            _FLAT_REFS.append(_refs_with_a_view())
     return _FLAT_REFS[0]
+
+
+def _refs_with_a_view() -> int:
+    """:func:`_flat_refs`' count, taken in the current mode: the same names hold the tensor as
+    in ``_spare_of`` (one attribute, one local) beside one view."""
+    holder = type("Holder", (), {})()
+    holder.sharded = torch.empty(1)
+    view = holder.sharded.as_strided((1,), (1,), 0)
+    flat = holder.sharded
+    refs = sys.getrefcount(flat)
+    del view
+    return refs
 
 
 # BufferComm.start_rest as the base class defines it: the reduction's output is the summed
@@ -128,6 +138,10 @@ class FlatGrads:
     _kept: list[tuple[torch.Tensor, list[tuple[ParamSlot, torch.Tensor, torch.Tensor]]] | None]
     _keeps: bool
     _reducing: list[torch.Tensor]  # the kept buffers the reduce-scatter in flight reads
+    # the steady state's reduction (see _steady_reduction): the kept buffers into the spare
+    # flat gradient, built once per spare and reduce_group, with the reduce_group it was
+    # built for (None: not yet)
+    _steady: tuple[Reduction, dist.ProcessGroup | None] | None
     # FSDPModule.set_separate_reduce_scatter_group: the reduce-scatter's own group over the
     # shard ranks; None: the shard group (the all-gather's)
     reduce_group: dist.ProcessGroup | None
@@ -167,6 +181,7 @@ class FlatGrads:
         self._landed = self._spare = self._lending = None
         self._kept = [None] * len(layout.plan.segments)
         self._reducing = []
+        self._steady = None
 
     def bind(self, sharded_params: Sequence[nn.Parameter],
              unsharded_params: Sequence[nn.Parameter], specs: Sequence[DTensorSpec],
@@ -206,7 +221,9 @@ class FlatGrads:
         # ``flat``: as many references as a tensor with views held by one attribute (_FLAT_REFS);
         # its storage: ``flat``, each view, the temporary storage object
         storage = flat.untyped_storage()
-        if (sys.getrefcount(flat) != _flat_refs()
+        steady = self._steady  # the steady reduction's output is one more reference
+        held = 1 if steady is not None and steady[0].output is flat else 0
+        if (sys.getrefcount(flat) != _flat_refs() + held
                 or torch._C._storage_Use_Count(storage._cdata) != 2 + views):
             return None
         storage.resize_(0)
@@ -308,8 +325,11 @@ class FlatGrads:
         The buffer's communication builds it (:meth:`~ragged_placement.fsdp.mesh.BufferComm.
         reduction`: under a ``state_sharding`` the reduce-scatter over the ``params`` dims;
         none, and no output, for ``params=()``)."""
-        layout, place = self._layout, self._place
         assert self.pending and self._reduction is None
+        steady = self._steady_reduction()
+        if steady is not None:
+            return steady
+        layout, place = self._layout, self._place
         for p in self._unsharded_params:
             p.grad = None
         grads = self.unsharded
@@ -345,6 +365,62 @@ class FlatGrads:
             self._lending = spare
         self._reduction = reduction
         return reduction
+
+    def _is_steady(self) -> bool:
+        """Whether this backward's reduction is the steady state's (see
+        :meth:`_steady_reduction`)."""
+        if self._spare is None or not self._keeps or self.sharded is not None:
+            return False
+        kept, accumulated = self._kept, self.accumulated
+        for k, g in enumerate(self.unsharded):
+            if g is None or kept[k] is None or kept[k][0] is not g or accumulated[k] is not None:
+                return False
+        place = self._place
+        return place.reduce_dtype == place.param_dtype == place.orig_dtype
+
+    @property
+    def steady(self) -> Reduction | None:
+        """The steady state's reduction last built (see :meth:`_steady_reduction`)."""
+        return self._steady[0] if self._steady is not None else None
+
+    def _steady_reduction(self) -> Reduction | None:
+        """:meth:`prepare_reduce` on the steady state of a training loop, where it gives what
+        the general path gives without remaking it; ``None`` elsewhere. The steady state: the
+        buffer's communication keeps its segment buffers (a :class:`ShardComm` over more than
+        one rank), every segment's gradients are in its kept buffer, none were accumulated
+        without sync, no dtype changes on the way (``reduce_dtype``, ``param_dtype`` and the
+        parameters' are one), and ``zero_grad()`` left the flat gradient as a spare to land in.
+        The reduce-scatter then reads the kept buffers themselves and writes the spare, so its
+        :class:`Reduction` is the same object at every step: built once per spare and reduce
+        group, and the unit reuses its c10d views (:class:`~ragged_placement.fsdp.collectives.
+        FixedReduceScatter`)."""
+        if not self._is_steady():
+            # what it was built over (a flat gradient the caller may be holding) is not kept
+            # alive beyond its steady state
+            self._steady = None
+            return None
+        spare, kept = self._spare, self._kept
+        flat, built = spare[0], self._steady
+        if built is not None and built[0].output is flat and built[1] is self.reduce_group:
+            steady = built[0]
+        else:
+            inputs = list(self.unsharded)
+            general = self._layout.comm.reduction(inputs, self.reduce_group)
+            if (general.world_size == 1 or general.output is None
+                    or (general.output.shape, general.output.dtype, general.output.device)
+                    != (flat.shape, flat.dtype, flat.device)):
+                self._steady = None
+                return None
+            steady = Reduction(flat, inputs, general.segments, general.world_size, general.group)
+            self._steady = (steady, self.reduce_group)
+        for p in self._unsharded_params:
+            p.grad = None
+        self._reducing = steady.inputs
+        self.unsharded = [None] * len(kept)
+        self._spare, self._lending = None, spare
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        self._reduction = steady
+        return steady
 
     def take_reduced(self) -> Reduction | None:
         """The reduce-scatter (its ``output`` holds the result) once the unit waited on it

@@ -59,6 +59,7 @@ from ragged_placement.fsdp.buffer import FlatBuffer
 from ragged_placement.fsdp import collectives
 from ragged_placement.fsdp.collectives import (
     FixedAllGather,
+    FixedReduceScatter,
     Gather,
     Reduction,
     Works,
@@ -136,6 +137,9 @@ class FSDPUnit:
     # the first unshard (None: the unit does not take it) and again after a move or cast
     _fixed_gather: FixedAllGather | None
     _fixed_decided: bool
+    # the reduce-scatter of the steady state with its views built once (FixedReduceScatter),
+    # from the last reduction issued through c10d's (None: none yet, or not coalesced)
+    _fixed_reduce: FixedReduceScatter | None
     _rs_work: object | None  # the reduce-scatter in flight, until start_rest
     # per buffer index, what finishes its reduction once start_rest issued the rest of it
     _rest: list[tuple[int, Callable[[], torch.Tensor | None]]]
@@ -170,6 +174,7 @@ class FSDPUnit:
         self._post_forward = None
         self._ag_work = self._ag_sends = None
         self._fixed_gather, self._fixed_decided = None, False
+        self._fixed_reduce = None
         self._rs_work = None
         self._rest = []
         options.gathers.check_unit(slots, params)
@@ -273,6 +278,7 @@ class FSDPUnit:
                 )
             b.apply_(fn)
         self._fixed_gather, self._fixed_decided = None, False  # new chunks and gathers
+        self._fixed_reduce = None  # new gradient buffers
         self.refresh.mark_stale()
 
     # -- all-gather ------------------------------------------------------------------------------
@@ -401,11 +407,30 @@ class FSDPUnit:
             self.used_counts = self._counts_pending = None
             if used is not None and self.carries_agreement(issued):
                 issued.append(self._agreement_part(issued[0], used))
-            self._rs_work = issue_reduce_scatter(issued, self.stats, self.custom_reduce_scatter)
-            nbytes = sum(g.numel() * g.element_size() for r in issued for g in r.inputs)
+            fixed = self._fixed_reduce
+            if fixed is not None and self.custom_reduce_scatter is None and fixed.matches(issued):
+                self._rs_work = fixed.issue(self.stats)
+            else:
+                self._rs_work = issue_reduce_scatter(issued, self.stats,
+                                                     self.custom_reduce_scatter)
+                fixed = self._fixed_reduce = (FixedReduceScatter.of(issued)
+                                              if self._reissued(issued) else None)
+            nbytes = fixed.nbytes if fixed is not None else sum(
+                g.numel() * g.element_size() for r in issued for g in r.inputs)
             self.dp.count(self.stats, "reduce_scatter", "params", nbytes)
         elif ready:
             self._rs_work = Works([])
+
+    def _reissued(self, issued: list[Reduction]) -> bool:
+        """Whether the next backward hands over the same ``issued`` objects again (so that a
+        :class:`FixedReduceScatter` of them pays): c10d's reduce-scatter, and each reduction
+        either a buffer's steady one or the agreement's part where every slot was used."""
+        if self.custom_reduce_scatter is not None:
+            return False
+        again = [b.grads.steady for b in self.buffers]
+        if self._agreement is not None:
+            again.append(self._agreement[1])
+        return all(any(r is x for x in again) for r in issued)
 
     def carries_agreement(self, issued: list[Reduction]) -> bool:
         """Whether this unit's reduce-scatter of ``issued`` carries the agreement on unused

@@ -258,3 +258,92 @@ def test_reshard_after_forward_and_recompute_keep_fsdp2s_all_gathers(raf):
     by_runtime = {(rt, ck): c for rt, ck, c in counts}
     for ckpt in (False, True):
         assert by_runtime[("ours", ckpt)] == by_runtime[("fsdp2", ckpt)], counts
+
+
+def _schedule(rank: int, ws: int):
+    """Seven steps through the cases a training loop moves between: plain steps (the steady
+    state), a step whose ``.grad`` the caller holds across ``zero_grad()``, two micro-batches
+    without gradient sync, a step with a frozen parameter, and ``zero_grad(set_to_none=False)``.
+    Returns the gradients and parameters after each step."""
+    model = _sharded(3, "ours", DeviceMesh("cpu", list(range(ws))))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    frozen = model.layers[1].fc1.weight
+    out, held = [], []
+    for s in range(7):
+        if s == 3:  # the first micro-batch of two, without sync
+            model.set_requires_gradient_sync(False)
+            model(torch.randn(2, 4, D, generator=g)).backward()
+            model.set_requires_gradient_sync(True)
+        frozen.requires_grad_(s != 5)
+        model(torch.randn(2, 4, D, generator=g)).backward()
+        if s == 1:
+            held = [p.grad for p in model.parameters()]
+        out.append([None if p.grad is None else p.grad.full_tensor()
+                    for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=s != 6)
+        out[-1] += [p.full_tensor() for p in model.parameters()]
+        dist.barrier()  # as in _held_grads: the other rank may still read this one's
+    del held
+    return out
+
+
+def test_steady_state_reduce_scatter_lands_the_general_paths_gradients():
+    """The steady state's reduction (each buffer's kept gradient buffers into its spare flat
+    gradient, issued through the unit's FixedReduceScatter) gives the general path's
+    gradients and parameters bitwise, through a schedule that leaves the steady state and
+    returns to it (a held ``.grad``, micro-batches without sync, a frozen parameter,
+    ``zero_grad(set_to_none=False)``); in a fake world of 8 it is what a plain training loop
+    issues from its third backward on (the first makes the spares, the second the steady
+    reductions)."""
+    from ragged_placement.fsdp.collectives import FixedReduceScatter
+    from ragged_placement.fsdp.grads import FlatGrads
+
+    issued = []
+    issue = FixedReduceScatter.issue
+    with pytest.MonkeyPatch.context() as mp:  # patched here, not in the rank threads
+        mp.setattr(FixedReduceScatter, "issue",
+                   lambda self, stats: issued.append(self) or issue(self, stats))
+        steady = run_threaded(_schedule, 2)
+        mp.setattr(FlatGrads, "_steady_reduction", lambda self: None)
+        n = len(issued)
+        assert n >= 2 * 2 * 4  # two steps or more of every unit on both ranks
+        general = run_threaded(_schedule, 2)
+        assert len(issued) == n  # every reduction took the general path
+    for rank in range(2):
+        for s, (got, want) in enumerate(zip(steady[rank], general[rank])):
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert (a is None) == (b is None), (s, i)
+                if a is not None:
+                    torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"step {s} tensor {i}")
+    issued.clear()
+    from ragged_placement.fsdp import grads
+
+    with _fake_world(8) as mesh, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FixedReduceScatter, "issue",
+                   lambda self, stats: issued.append(self) or issue(self, stats))
+        # the spares' reference count is measured afresh, at the first release of a landed
+        # gradient: here in the pre-forward of an evaluation under inference mode
+        mp.setattr(grads, "_FLAT_REFS", [])
+        model = _sharded(3, "ours", mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(2, 4, D)
+        for step in range(4):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+            assert len(issued) == max(0, step - 1) * 4, (step, len(issued))
+            if step == 0:
+                with torch.inference_mode():
+                    model(x)
+        # a caller holding a step's .grad: the next backward lands in a new flat gradient,
+        # and neither the buffers nor the units keep the held one alive for a later step
+        model(x).backward()
+        held = [p.grad for p in model.parameters()]
+        opt.zero_grad()
+        model(x).backward()
+        units = [m._fsdp_state.unit for m in (*model.layers, model)]
+        assert all(b.grads.steady is None for u in units for b in u.buffers)
+        assert all(u._fixed_reduce is None for u in units)
+        del held
