@@ -120,3 +120,30 @@ def test_titan_benchmark_on_two_nodes_runs_at_a_small_size():
     assert proc.returncode == 0, f"titan.py --two-nodes exited with {proc.returncode}:\n" \
                                  f"{proc.stdout[-4000:]}"
     assert "the partitioner chose" in proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_host_instructions_counted_process_runs():
+    """``scripts/host_instructions.py``'s counted process (what it runs under callgrind) runs
+    ours at a small size (the other runtimes' models and steps are host_overhead.py's, which
+    its own small run covers)."""
+    script = str(ROOT / "scripts" / "host_instructions.py")
+    proc = subprocess.run([sys.executable, script, "--inner", "ours", "--depth", "2",
+                           "--steps", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_host_instructions_table_under_callgrind():
+    """The driver's table, two runtimes under callgrind (minutes: torch's import runs on
+    valgrind's CPU): opt-in with ``make test-slow``, where valgrind is installed."""
+    if shutil.which("valgrind") is None:
+        pytest.skip("needs valgrind")
+    script = str(ROOT / "scripts" / "host_instructions.py")
+    proc = subprocess.run([sys.executable, script, "--depth", "1", "--steps", "1",
+                           "--runtimes", "plain", "ours"], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "| ours |" in proc.stdout and "x |" in proc.stdout
