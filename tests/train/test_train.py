@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -555,12 +556,17 @@ def test_resume_on_another_world_size_and_sharding_matches_one_process(runs, tmp
 def test_bad_option_under_torchrun_is_reported_once_before_the_process_group(tmp_path):
     """--heads 3 --width 64 under torchrun: before, every rank built its process group, then
     printed a traceback (139 lines for 2 ranks). Now local rank 0 prints one line and exits 2,
-    the other ranks exit 0 without a word: torchrun's report names one failure."""
+    the other ranks exit 0 without a word: torchrun's report names one failure. (On a busy
+    machine another rank may still be starting when rank 0 exits; torchrun then stops it with
+    SIGTERM and lists that too, with no error of its own.)"""
     rc, out, _ = torchrun([*SMALL, "--heads", "3", "--width", "64", "--checkpoint-dir",
                            str(tmp_path / "ckpt")], nproc=2)
     assert rc != 0
     assert out.count("error: --heads 3 must divide --width 64") == 1, out
-    assert "exitcode  : 2" in out and "<NO_OTHER_FAILURES>" in out, out
+    root = out.split("Root Cause", 1)[-1]
+    assert "exitcode  : 2" in root, out
+    others = re.findall(r"exitcode  : (-?\d+)", out.split("Root Cause", 1)[0])
+    assert "<NO_OTHER_FAILURES>" in out or set(others) == {"-15"}, out
     assert "[rank" not in out and "layers x" not in out, out  # no traceback, no header
 
 
